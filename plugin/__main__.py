@@ -1,0 +1,3 @@
+from moeplug.cli import main
+
+raise SystemExit(main())

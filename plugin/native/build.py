@@ -1,0 +1,259 @@
+"""Build llama.cpp (stock or patched, CPU or CUDA) offline and install it under a build id.
+
+    builds/<build-id>/bin/llama-server ...   programs and their shared libraries
+    builds/<build-id>/build.json             what was built, from what, and what it supports
+
+The id hashes the lock, the patches, the overlay and the options, so building the same id again
+is a no-op and any change gives a new id.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moeplug.errors import BuildError, MoeplugError
+from moeplug.fsutil import atomic_dir, write_text_atomic
+from moeplug.native.cpu_probe import native_cpu_flags
+from moeplug.native.features import detect_features
+from moeplug.native.lock import NativeSpec, load_spec
+from moeplug.native.source import prepare_tree, source_origin
+from moeplug.output import note
+from moeplug.paths import builds_dir, cache_dir, logs_dir
+
+# The programs moeplug runs. Later issues add the profiler and the native tests.
+TARGETS = ("llama-server", "llama-cli", "llama-bench")
+
+OFFLINE_CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_APP=OFF",
+    # programs find their shared libraries beside them, so the bin/ folder can be moved
+    "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON",
+)
+
+MANIFEST = "build.json"
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    backend: str  # "cpu" or "cuda"
+    stock: bool = False
+    cuda_arch: str | None = None
+    jobs: int = 0  # 0: one per core
+    targets: tuple[str, ...] = TARGETS
+    cpu_flags: tuple[str, ...] = field(default_factory=tuple)
+
+    def identity(self) -> dict[str, Any]:
+        """What changes the produced binaries (jobs does not)."""
+        return {"backend": self.backend, "stock": self.stock, "cuda_arch": self.cuda_arch,
+                "targets": list(self.targets), "cpu_flags": list(self.cpu_flags)}
+
+
+@dataclass
+class BuildResult:
+    build_id: str
+    path: Path
+    manifest: dict[str, Any]
+    built: bool  # False when it was already installed
+
+    @property
+    def bin_dir(self) -> Path:
+        return self.path / "bin"
+
+    def binary(self, name: str) -> Path:
+        return self.bin_dir / name
+
+
+def build_id(spec: NativeSpec, opts: BuildOptions) -> str:
+    h = hashlib.sha256()
+    h.update(spec.digest(opts.stock).encode())
+    h.update(json.dumps(opts.identity(), sort_keys=True).encode())
+    h.update(source_origin().encode())
+    kind = "stock" if opts.stock else "moeplug"
+    return f"{spec.lock.tag}-{opts.backend}-{kind}-{h.hexdigest()[:12]}"
+
+
+def detect_gpu_arch() -> str | None:
+    """The first NVIDIA GPU's compute capability as a CMake architecture ("90"), or None."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(pynvml.nvmlDeviceGetHandleByIndex(0))
+            return f"{major}{minor}"
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no library, no driver, no device: no GPU
+        return None
+
+
+def find_nvcc() -> str | None:
+    return shutil.which("nvcc") or next(
+        (str(p) for p in (Path("/usr/local/cuda/bin/nvcc"),) if p.exists()), None
+    )
+
+
+def resolve_options(backend: str | None, stock: bool, jobs: int, cuda_arch: str | None) -> BuildOptions:
+    """Pick the backend: CUDA when nvcc and a GPU are present (or forced), else CPU."""
+    gpu_arch = detect_gpu_arch()
+    if backend is None:
+        backend = "cuda" if find_nvcc() and gpu_arch else "cpu"
+    if backend == "cuda":
+        if not find_nvcc():
+            raise MoeplugError("--cuda: nvcc not found (install the CUDA toolkit or put nvcc on PATH)")
+        cuda_arch = cuda_arch or gpu_arch
+        if not cuda_arch:
+            raise MoeplugError("--cuda: no GPU to read the compute capability from; pass --cuda-arch (e.g. 90)")
+    else:
+        cuda_arch = None
+    return BuildOptions(backend=backend, stock=stock, cuda_arch=cuda_arch, jobs=jobs, cpu_flags=native_cpu_flags())
+
+
+def cmake_args(opts: BuildOptions, tree: Path, build_dir: Path) -> list[str]:
+    args = ["cmake", "-S", str(tree), "-B", str(build_dir), *OFFLINE_CMAKE_FLAGS]
+    if shutil.which("ninja"):
+        args += ["-G", "Ninja"]
+    if opts.cpu_flags:
+        flags = " ".join(opts.cpu_flags)
+        args += [f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}"]
+    if opts.backend == "cuda":
+        args += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={opts.cuda_arch}"]
+        nvcc = find_nvcc()
+        if nvcc:
+            args.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
+    return args
+
+
+_STEP_RE = re.compile(r"^\[(\d+)/(\d+)\]|^\[\s*(\d+)%\]")
+
+
+def _run_logged(cmd: list[str], log: Path, what: str) -> None:
+    """Run a command, its output to the log; show build progress ([n/N] or [p%]) on stderr."""
+    with open(log, "a") as f:
+        f.write(f"\n$ {' '.join(cmd)}\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        assert proc.stdout is not None
+        last_shown, tty = -10, sys.stderr.isatty()
+        for line in proc.stdout:
+            f.write(line)
+            m = _STEP_RE.match(line)
+            if not m:
+                continue
+            pct = int(m[1]) * 100 // int(m[2]) if m[1] else int(m[3])
+            if tty:
+                print(f"\r  {what}: {pct:3d}%", end="", file=sys.stderr, flush=True)
+            elif pct >= last_shown + 10:
+                note(f"  {what}: {pct}%")
+                last_shown = pct
+        rc = proc.wait()
+        if tty:
+            print(file=sys.stderr)
+    if rc != 0:
+        raise BuildError(f"{what} failed (exit {rc}); see {log}")
+
+
+def _install(build_dir: Path, dest: Path, opts: BuildOptions) -> None:
+    """Copy the targets and every shared library they use into dest/bin."""
+    src_bin = build_dir / "bin"
+    (dest / "bin").mkdir(parents=True)
+    for entry in sorted(src_bin.iterdir()):
+        if entry.name in opts.targets or ".so" in entry.name:
+            shutil.copy2(entry, dest / "bin" / entry.name, follow_symlinks=False)
+    missing = [t for t in opts.targets if not (dest / "bin" / t).exists()]
+    if missing:
+        raise BuildError(f"the build produced no {', '.join(missing)}")
+
+
+def read_manifest(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@contextmanager
+def _build_lock(bid: str) -> Iterator[None]:
+    lock_dir = cache_dir() / "locks"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    with open(lock_dir / f"{bid}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def build(opts: BuildOptions, spec: NativeSpec | None = None) -> BuildResult:
+    """Build and install `opts`, or return the installed build with the same id."""
+    spec = spec or load_spec()
+    bid = build_id(spec, opts)
+    dest = builds_dir() / bid
+    with _build_lock(bid):
+        manifest = read_manifest(dest)
+        if manifest is not None:
+            return BuildResult(bid, dest, manifest, built=False)
+        logs_dir().mkdir(parents=True, exist_ok=True)
+        log = logs_dir() / f"native-build-{bid}.log"
+        log.write_text(f"moeplug native build {bid}\n{json.dumps(opts.identity())}\n")
+        started = time.time()
+        kind = "stock" if opts.stock else f"patched ({len(spec.patches)} patches)"
+        note(f"native build {bid}: llama.cpp {spec.lock.tag}, {opts.backend}, {kind}; log: {log}")
+        tree = prepare_tree(spec, opts.stock, f"{spec.lock.tag}-{spec.digest(opts.stock)[:16]}", log)
+        build_dir = cache_dir() / "build" / bid
+        _run_logged(cmake_args(opts, tree, build_dir), log, "configure")
+        jobs = opts.jobs or os.cpu_count() or 2
+        _run_logged(["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *opts.targets], log, "build")
+        with atomic_dir(dest) as tmp:
+            _install(build_dir, tmp, opts)
+            manifest = {
+                "build_id": bid,
+                "llama_cpp_tag": spec.lock.tag,
+                "backend": opts.backend,
+                "stock": opts.stock,
+                "cuda_arch": opts.cuda_arch,
+                "cpu_flags": list(opts.cpu_flags),
+                "targets": list(opts.targets),
+                "patches": [] if opts.stock else [p.name for p in spec.patches],
+                "source": source_origin(),
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "build_seconds": round(time.time() - started, 1),
+                "features": detect_features(tmp / "bin" / "llama-server"),
+            }
+            write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+        note(f"installed {dest} in {manifest['build_seconds']:.0f} s")
+        return BuildResult(bid, dest, manifest, built=True)
+
+
+def installed_builds() -> list[BuildResult]:
+    root = builds_dir()
+    if not root.is_dir():
+        return []
+    out = []
+    for path in sorted(root.iterdir()):
+        manifest = read_manifest(path)
+        if manifest is not None and not path.name.startswith("."):
+            out.append(BuildResult(path.name, path, manifest, built=False))
+    return out
+
+
+def options_dict(opts: BuildOptions) -> dict[str, Any]:
+    return asdict(opts)

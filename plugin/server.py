@@ -1,0 +1,120 @@
+"""Start, query and stop a llama-server process.
+
+The server is started from an argument list (never a shell string) on 127.0.0.1, its log goes
+to a file, and it counts as up only once `/health` answers ok.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from moeplug.errors import MoeplugError
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        return s.connect_ex((HOST, port)) == 0
+
+
+def log_tail(path: Path, lines: int = 5) -> str:
+    try:
+        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+    args: list[str]
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def health(self) -> dict[str, Any] | None:
+        try:
+            r = requests.get(f"{self.url}/health", timeout=2)
+        except requests.RequestException:
+            return None
+        try:
+            return {"http_status": r.status_code, **r.json()}
+        except ValueError:
+            return {"http_status": r.status_code}
+
+    def wait_healthy(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            rc = self.proc.poll()
+            if rc is not None:
+                raise MoeplugError(f"llama-server exited with code {rc} while loading: {log_tail(self.log_path)} "
+                                   f"(log: {self.log_path})")
+            h = self.health()
+            if h and h.get("http_status") == 200 and h.get("status") == "ok":
+                return
+            time.sleep(0.2)
+        self.stop()
+        raise MoeplugError(f"llama-server did not become healthy in {timeout:.0f} s (log: {self.log_path})")
+
+    def complete(self, prompt: str, n_predict: int = 16, seed: int = 42, **params: Any) -> dict[str, Any]:
+        """A greedy /completion; the reply includes the generated token ids."""
+        body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "seed": seed,
+                "cache_prompt": False, "return_tokens": True, **params}
+        r = requests.post(f"{self.url}/completion", json=body, timeout=300)
+        if r.status_code != 200:
+            raise MoeplugError(f"llama-server /completion answered {r.status_code}: {r.text[:200]}")
+        return dict(r.json())
+
+    def stop(self, timeout: float = 10) -> None:
+        if self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_server(binary: Path, model: Path, log_path: Path, extra_args: list[str] | None = None,
+                 port: int | None = None, ctx: int = 2048, threads: int | None = None) -> Server:
+    """Start llama-server on 127.0.0.1; call wait_healthy() before using it."""
+    if not binary.exists():
+        raise MoeplugError(f"{binary}: no llama-server there (run 'moeplug native build')")
+    port = port or free_port()
+    if port_in_use(port):
+        raise MoeplugError(f"port {port} on {HOST} is already in use")
+    args = [str(binary), "-m", str(model), "--host", HOST, "--port", str(port), "-c", str(ctx), "--no-webui"]
+    if threads:
+        args += ["-t", str(threads)]
+    args += extra_args or []
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "wb")
+    try:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    finally:
+        log.close()
+    return Server(proc=proc, port=port, log_path=log_path, args=args)

@@ -1,0 +1,48 @@
+"""Shared fixtures: synthetic models of every family, and real llama.cpp builds.
+
+The native builds go to the user's moeplug cache and data dirs (XDG), exactly where
+`moeplug native build` puts them, so a second test run reuses them.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moeplug.synth import ARCHS, ModelSpec, make_model
+
+# Small but real: 256-wide rows so every dtype, Q4_K included, applies to the expert tensors.
+FIXTURE_SHAPE = dict(layers=3, experts=8, used=2, embd=256, expert_ff=256, heads=4, heads_kv=2, head_dim=64)
+
+
+def fixture_spec(arch: str, dtype: str = "q8_0", seed: int = 7) -> ModelSpec:
+    return ModelSpec(arch=arch, dtype=dtype, seed=seed, **FIXTURE_SHAPE)
+
+
+@pytest.fixture(scope="session")
+def fixture_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One Q8_0 model per architecture family."""
+    root = tmp_path_factory.mktemp("models")
+    return {arch: make_model(fixture_spec(arch), root / f"{arch}.gguf")[0] for arch in ARCHS}
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """The real `moeplug` command in a child process."""
+    return subprocess.run([sys.executable, "-m", "moeplug", *args], capture_output=True, text=True)
+
+
+@pytest.fixture(scope="session")
+def patched_build():
+    from moeplug.native import build, resolve_options
+
+    return build(resolve_options("cpu", stock=False, jobs=0, cuda_arch=None))
+
+
+@pytest.fixture(scope="session")
+def stock_build():
+    from moeplug.native import build, resolve_options
+
+    return build(resolve_options("cpu", stock=True, jobs=0, cuda_arch=None))
