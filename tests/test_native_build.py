@@ -1,0 +1,207 @@
+"""The native build: real llama.cpp builds (CPU), served on loopback with real models.
+
+The first run builds the patched and the stock flavour (about 5 min each on 2 cores); later
+runs find them installed under the same build ids and build nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from moeplug.errors import BuildError
+from moeplug.native.build import build, build_id
+from moeplug.native.lock import NativeSpec, load_spec
+from moeplug.native.source import prepare_tree, sdist_path
+from moeplug.server import start_server
+
+pytestmark = pytest.mark.native
+
+PROMPT = "Once upon a time, in a land of many experts,"
+
+
+@pytest.mark.parametrize("flavour", ["patched", "stock"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "hy_v3", "gpt-oss"])
+def test_server_loads_serves_and_is_deterministic(request, tmp_path: Path, fixture_models, arch: str,
+                                                  flavour: str) -> None:
+    result = request.getfixturevalue(f"{flavour}_build")
+    with start_server(result.binary("llama-server"), fixture_models[arch], tmp_path / "server.log",
+                      threads=2) as server:
+        server.wait_healthy(timeout=120)
+        assert server.health() == {"http_status": 200, "status": "ok"}
+        first = server.complete(PROMPT, n_predict=24)
+        second = server.complete(PROMPT, n_predict=24)
+    assert len(first["tokens"]) == 24
+    assert first["tokens"] == second["tokens"]
+    assert first["content"] == second["content"]
+    log = (tmp_path / "server.log").read_text()
+    assert "listening on http://127.0.0.1:" in log
+
+
+def test_patched_and_stock_agree(tmp_path: Path, fixture_models, patched_build, stock_build) -> None:
+    """Greedy tokens of the patched build equal stock's (the exactness promise, at its simplest)."""
+    outputs = []
+    for result in (patched_build, stock_build):
+        with start_server(result.binary("llama-server"), fixture_models["qwen3moe"], tmp_path / "s.log",
+                          threads=2) as server:
+            server.wait_healthy()
+            outputs.append(server.complete(PROMPT, n_predict=32)["tokens"])
+    assert outputs[0] == outputs[1]
+
+
+def test_second_build_is_a_no_op(patched_build) -> None:
+    from moeplug.native import resolve_options
+
+    started = time.monotonic()
+    again = build(resolve_options("cpu", stock=False, jobs=0, cuda_arch=None))
+    assert again.built is False
+    assert again.build_id == patched_build.build_id
+    assert time.monotonic() - started < 10
+
+
+def test_build_ids_separate_stock_and_patched(patched_build, stock_build) -> None:
+    assert patched_build.build_id != stock_build.build_id
+    assert "-stock-" in stock_build.build_id and "-moeplug-" in patched_build.build_id
+    assert stock_build.manifest["stock"] is True and stock_build.manifest["patches"] == []
+    assert patched_build.manifest["llama_cpp_tag"] == "b11434"
+
+
+def test_status_lists_builds_with_features(patched_build, stock_build) -> None:
+    r = run_cli("native", "status", "--json")
+    assert r.returncode == 0, r.stderr
+    builds = {b["build_id"]: b for b in json.loads(r.stdout)["builds"]}
+    for result in (patched_build, stock_build):
+        doc = builds[result.build_id]
+        assert doc["usable"] is True and doc["backend"] == "cpu"
+        assert doc["features"]["cpu_moe"] is True and doc["features"]["n_cpu_moe"] is True
+    r = run_cli("native", "status", "--binary", str(stock_build.binary("llama-server")), "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["features"]["fit"] is True
+    r = run_cli("native", "status", "--binary", "/bin/true")
+    assert r.returncode == 1 and "not a llama.cpp server" in r.stderr
+
+
+@pytest.fixture
+def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, patched_build) -> Path:
+    """A fresh XDG cache holding a copy of the real (already downloaded) sdist."""
+    spec = load_spec()
+    real = sdist_path(spec.lock)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    copy = sdist_path(spec.lock)
+    copy.parent.mkdir(parents=True)
+    shutil.copy2(real, copy)
+    return tmp_path / "cache"
+
+
+def test_sdist_hash_mismatch_fails_and_extracts_nothing(private_cache: Path, tmp_path: Path) -> None:
+    spec = load_spec()
+    copy = sdist_path(spec.lock)
+    with open(copy, "ab") as f:
+        f.write(b"tampered")
+    with pytest.raises(BuildError, match="sha256 mismatch.*nothing was extracted"):
+        prepare_tree(spec, stock=True, tree_id="t", log=tmp_path / "log")
+    assert not copy.exists()  # the bad file is gone, so the next build downloads again
+    assert not (private_cache / "moeplug" / "src" / "t").exists()
+    assert not any((private_cache / "moeplug" / "src").glob("*")) if (private_cache / "moeplug" / "src").exists() else True
+
+
+def test_lock_with_other_hash_fails(private_cache: Path, tmp_path: Path) -> None:
+    spec = load_spec()
+    bad = NativeSpec(lock=replace(spec.lock, sha256="0" * 64), patches=(), overlay_dir=spec.overlay_dir)
+    with pytest.raises(BuildError, match="expected 0000"):
+        prepare_tree(bad, stock=True, tree_id="t", log=tmp_path / "log")
+
+
+BAD_PATCH = """\
+From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001
+From: moeplug <moeplug@localhost>
+Subject: [PATCH] touch a line that is not there
+
+---
+ CMakeLists.txt | 2 +-
+ 1 file changed, 1 insertion(+), 1 deletion(-)
+
+diff --git a/CMakeLists.txt b/CMakeLists.txt
+--- a/CMakeLists.txt
++++ b/CMakeLists.txt
+@@ -1,3 +1,3 @@
+-this line is not in llama.cpp
++neither is this one
+ nor this context
+ nor this
+"""
+
+GOOD_PATCH = """\
+From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001
+From: moeplug <moeplug@localhost>
+Subject: [PATCH] add a marker file
+
+---
+ MOEPLUG-MARKER | 1 +
+ 1 file changed, 1 insertion(+)
+ create mode 100644 MOEPLUG-MARKER
+
+diff --git a/MOEPLUG-MARKER b/MOEPLUG-MARKER
+new file mode 100644
+--- /dev/null
++++ b/MOEPLUG-MARKER
+@@ -0,0 +1 @@
++patched by moeplug
+"""
+
+
+def test_patch_series_applies_in_order_or_fails_by_name(private_cache: Path, tmp_path: Path) -> None:
+    spec = load_spec()
+    patches = tmp_path / "patches"
+    patches.mkdir()
+    (patches / "0001-add-marker.patch").write_text(GOOD_PATCH)
+    overlay = tmp_path / "overlay"
+    (overlay / "tools" / "moeplug-hello").mkdir(parents=True)
+    (overlay / "tools" / "moeplug-hello" / "README.md").write_text("ours\n")
+    good = NativeSpec(lock=spec.lock, patches=(patches / "0001-add-marker.patch",), overlay_dir=overlay)
+    tree = prepare_tree(good, stock=False, tree_id="good", log=tmp_path / "log")
+    assert (tree / "MOEPLUG-MARKER").read_text() == "patched by moeplug\n"
+    assert (tree / "tools" / "moeplug-hello" / "README.md").read_text() == "ours\n"
+
+    (patches / "0002-broken.patch").write_text(BAD_PATCH)
+    broken = NativeSpec(lock=spec.lock, patches=tuple(sorted(patches.glob("*.patch"))), overlay_dir=overlay)
+    with pytest.raises(BuildError, match=r"patch 0002-broken.patch does not apply: .*CMakeLists.txt"):
+        prepare_tree(broken, stock=False, tree_id="broken", log=tmp_path / "log")
+    assert not (private_cache / "moeplug" / "src" / "broken").exists()
+    assert "while searching for" in (tmp_path / "log").read_text()  # the failing hunk is logged
+    # a different series is a different build
+    assert build_id(good, _cpu()) != build_id(broken, _cpu()) != build_id(spec, _cpu())
+
+
+def _cpu():
+    from moeplug.native.build import BuildOptions
+
+    return BuildOptions(backend="cpu")
+
+
+def test_worktree_roundtrip(private_cache: Path, tmp_path: Path) -> None:
+    """worktree -> commit a change -> export gives a patch series that builds the same tree."""
+    import subprocess
+
+    from moeplug.native.devloop import export_patches, make_worktree
+
+    root = tmp_path / "native"
+    shutil.copytree(load_spec().overlay_dir.parent, root, ignore=shutil.ignore_patterns("bench"))
+    spec = load_spec(root)
+    tree = make_worktree(tmp_path / "wt", spec)
+    (tree / "README.md").write_text((tree / "README.md").read_text() + "\nmoeplug was here\n")
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
+           "PATH": "/usr/bin:/bin"}
+    subprocess.run(["git", "commit", "-qam", "README: say hello"], cwd=tree, env=env, check=True)
+    patches = export_patches(tree, spec, root)
+    assert [p.name for p in patches] == [f"{len(spec.patches) + 1:04d}-README-say-hello.patch"] or \
+        patches[-1].name.endswith("README-say-hello.patch")
+    rebuilt = prepare_tree(load_spec(root), stock=False, tree_id="rt", log=tmp_path / "log")
+    assert (rebuilt / "README.md").read_text().endswith("moeplug was here\n")
