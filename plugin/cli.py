@@ -173,9 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_make_model(dev)
 
-    from moeplug.native.cli import add_native_commands
     from moeplug.demo import add_demo_command
+    from moeplug.native.cli import add_native_commands
+    from moeplug.profile.cli import add_profile_command
 
+    add_profile_command(sub)
     add_native_commands(sub)
     add_demo_command(sub)
     return parser

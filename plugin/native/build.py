@@ -33,15 +33,18 @@ from moeplug.native.source import prepare_tree, source_origin
 from moeplug.output import note
 from moeplug.paths import builds_dir, cache_dir, logs_dir
 
-# The programs moeplug runs. Later issues add the profiler and the native tests.
+# The programs moeplug runs. The patched build adds our router profiler; the stock build adds
+# llama-eval-callback, the independent route the profiler's recorded ids are checked against.
 TARGETS = ("llama-server", "llama-cli", "llama-bench")
+PATCHED_TARGETS = (*TARGETS, "llama-moe-profile")
+STOCK_TARGETS = (*TARGETS, "llama-eval-callback")
 
 OFFLINE_CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DLLAMA_BUILD_UI=OFF",
     "-DLLAMA_USE_PREBUILT_UI=OFF",
     "-DLLAMA_OPENSSL=OFF",
-    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=ON",  # configured, not built: only the targets below are (eval-callback)
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_APP=OFF",
     # programs find their shared libraries beside them, so the bin/ folder can be moved
@@ -57,8 +60,12 @@ class BuildOptions:
     stock: bool = False
     cuda_arch: str | None = None
     jobs: int = 0  # 0: one per core
-    targets: tuple[str, ...] = TARGETS
+    targets: tuple[str, ...] = ()  # default: PATCHED_TARGETS or STOCK_TARGETS
     cpu_flags: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if not self.targets:
+            object.__setattr__(self, "targets", STOCK_TARGETS if self.stock else PATCHED_TARGETS)
 
     def identity(self) -> dict[str, Any]:
         """What changes the produced binaries (jobs does not)."""

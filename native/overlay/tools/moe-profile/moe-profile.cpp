@@ -1,0 +1,578 @@
+// llama-moe-profile: record which experts the router of a MoE model selects.
+//
+// For each prompt: prefill, then generate -n tokens (greedy, or seeded sampling with --temp > 0),
+// recording for every MoE layer the expert ids used by its expert down-projection, separately
+// for prefill and generation. The result is a GGUF "moe profile" (format: native/PROFILE-FORMAT.md
+// in the moeplug repository), read by moeplug and by the expert slot cache.
+//
+// The ids are read from the MUL_MAT_ID of the expert down weight (ffn_down_exps / ffn_down_chexps),
+// not from the router's top-k node: asking for the top-k node would split the graph inside the
+// fused router kernels. Keying by weight name also covers copies made by the scheduler and the
+// layers of an MTP head.
+
+#include "arg.h"
+#include "common.h"
+#include "gguf.h"
+#include "log.h"
+#include "llama.h"
+#include "sampling.h"
+
+#include <algorithm>
+#include <clocale>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <string>
+#include <sys/stat.h>
+#include <vector>
+
+static const uint32_t MOE_PROFILE_VERSION = 1;
+
+enum moe_phase {
+    MOE_PHASE_PREFILL = 0,
+    MOE_PHASE_DECODE  = 1,
+};
+
+struct moe_tensor_record {
+    int64_t              n_expert = 0;
+    int64_t              n_used   = 0;
+    std::vector<int32_t> counts[2];  // [phase][expert]
+    std::vector<int16_t> seq;        // n_used ids per recorded token, in token order
+};
+
+struct moe_profiler {
+    moe_phase phase = MOE_PHASE_PREFILL;
+    bool      failed = false;
+    std::string error;
+
+    std::map<std::string, moe_tensor_record> tensors;  // key: expert down weight name
+    std::vector<std::string>                 order;    // first-seen order of the keys
+
+    std::vector<uint8_t> buf;
+};
+
+// weight names may be decorated by the scheduler as "<backend>#<name>#<copy>"
+static std::string moe_weight_name(const char * name) {
+    const char * p = strchr(name, '#');
+    if (p == nullptr) {
+        return name;
+    }
+    p++;
+    const char * q = strchr(p, '#');
+    return q ? std::string(p, q - p) : std::string(p);
+}
+
+static bool ends_with(const std::string & s, const std::string & suffix) {
+    return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+static bool moe_is_expert_down(const std::string & wname) {
+    return ends_with(wname, "ffn_down_exps.weight") || ends_with(wname, "ffn_down_chexps.weight");
+}
+
+static bool moe_profile_cb_eval(struct ggml_tensor * t, bool ask, void * user_data) {
+    auto * prof = (moe_profiler *) user_data;
+
+    if (t->op != GGML_OP_MUL_MAT_ID || !moe_is_expert_down(moe_weight_name(t->src[0]->name))) {
+        return !ask;  // not ours: do not split the graph here, and keep computing
+    }
+    if (ask) {
+        return true;
+    }
+
+    const std::string     wname = moe_weight_name(t->src[0]->name);
+    const ggml_tensor   * ids   = t->src[2];
+    const int64_t n_expert = t->src[0]->ne[2];
+    const int64_t n_used   = ids->ne[0];
+    const int64_t n_tokens = ids->ne[1];
+
+    auto it = prof->tensors.find(wname);
+    if (it == prof->tensors.end()) {
+        moe_tensor_record rec;
+        rec.n_expert = n_expert;
+        rec.n_used   = n_used;
+        rec.counts[MOE_PHASE_PREFILL].assign(n_expert, 0);
+        rec.counts[MOE_PHASE_DECODE ].assign(n_expert, 0);
+        it = prof->tensors.emplace(wname, std::move(rec)).first;
+        prof->order.push_back(wname);
+    }
+    moe_tensor_record & rec = it->second;
+    if (rec.n_used != n_used || rec.n_expert != n_expert) {
+        prof->failed = true;
+        prof->error  = "inconsistent ids shape for " + wname;
+        return true;
+    }
+
+    // ids is a (possibly strided) view: copy its whole span, then index with its strides
+    prof->buf.resize(ggml_nbytes(ids));
+    ggml_backend_tensor_get(ids, prof->buf.data(), 0, ggml_nbytes(ids));
+
+    for (int64_t i1 = 0; i1 < n_tokens; ++i1) {
+        for (int64_t i0 = 0; i0 < n_used; ++i0) {
+            const int32_t id = *(const int32_t *) (prof->buf.data() + i1*ids->nb[1] + i0*ids->nb[0]);
+            if (id < 0 || id >= n_expert) {
+                prof->failed = true;
+                prof->error  = "expert id out of range in " + wname;
+                return true;
+            }
+            rec.counts[prof->phase][id]++;
+            rec.seq.push_back((int16_t) id);
+        }
+    }
+    return true;
+}
+
+// prompts are separated by lines holding only "---"
+static std::vector<std::string> moe_read_prompts(const std::string & path) {
+    std::ifstream f(path);
+    if (!f) {
+        throw std::runtime_error("cannot open prompts file " + path);
+    }
+    std::vector<std::string> prompts;
+    std::string cur;
+    std::string line;
+    auto flush = [&]() {
+        const size_t b = cur.find_first_not_of(" \t\r\n");
+        if (b != std::string::npos) {
+            const size_t e = cur.find_last_not_of(" \t\r\n");
+            prompts.push_back(cur.substr(b, e - b + 1));
+        }
+        cur.clear();
+    };
+    while (std::getline(f, line)) {
+        if (line == "---" || line == "---\r") {
+            flush();
+        } else {
+            cur += line + "\n";
+        }
+    }
+    flush();
+    return prompts;
+}
+
+// FNV-1a 64 of the bytes before the tensor data of the model's first file: the header, every
+// metadata key and the tensor table. moeplug computes the same to match profiles to models.
+static std::string moe_meta_hash(const std::string & path, size_t n_bytes) {
+    std::ifstream f(path, std::ios::binary);
+    std::vector<char> data(n_bytes);
+    if (!f.read(data.data(), (std::streamsize) n_bytes)) {
+        throw std::runtime_error("cannot read " + path);
+    }
+    uint64_t h = 0xcbf29ce484222325ULL;
+    for (char c : data) {
+        h ^= (uint8_t) c;
+        h *= 0x100000001b3ULL;
+    }
+    char hex[17];
+    snprintf(hex, sizeof(hex), "%016llx", (unsigned long long) h);
+    return hex;
+}
+
+struct moe_model_fingerprint {
+    std::string              arch;
+    uint32_t                 n_layer       = 0;
+    uint32_t                 n_expert      = 0;
+    uint32_t                 n_expert_used = 0;
+    uint64_t                 size          = 0;  // bytes of every file of the model
+    std::string              meta_hash;
+    std::vector<std::string> expert_tensors;     // every routed-expert tensor, in file order
+    std::vector<int64_t>     expert_shapes;      // 4 ne per tensor
+    std::vector<int32_t>     expert_types;       // ggml_type per tensor
+};
+
+static uint32_t moe_get_u32(const gguf_context * g, const std::string & key) {
+    const int64_t id = gguf_find_key(g, key.c_str());
+    if (id < 0) {
+        return 0;
+    }
+    switch (gguf_get_kv_type(g, id)) {
+        case GGUF_TYPE_UINT32: return gguf_get_val_u32(g, id);
+        case GGUF_TYPE_INT32:  return (uint32_t) gguf_get_val_i32(g, id);
+        case GGUF_TYPE_UINT16: return gguf_get_val_u16(g, id);
+        case GGUF_TYPE_ARRAY: {
+            // per-layer values: the largest
+            uint32_t best = 0;
+            if (gguf_get_arr_type(g, id) == GGUF_TYPE_UINT32 || gguf_get_arr_type(g, id) == GGUF_TYPE_INT32) {
+                const auto * v = (const uint32_t *) gguf_get_arr_data(g, id);
+                for (size_t i = 0; i < gguf_get_arr_n(g, id); ++i) {
+                    best = std::max(best, v[i]);
+                }
+            }
+            return best;
+        }
+        default: return 0;
+    }
+}
+
+static bool moe_is_expert_tensor(const std::string & name) {
+    return name.rfind("blk.", 0) == 0 &&
+           (name.find("_exps.") != std::string::npos || name.find("_chexps.") != std::string::npos);
+}
+
+static moe_model_fingerprint moe_fingerprint(const std::string & path) {
+    moe_model_fingerprint fp;
+
+    ggml_context * meta = nullptr;
+    gguf_init_params ip = { /*.no_alloc =*/ true, /*.ctx =*/ &meta };
+    gguf_context * g = gguf_init_from_file(path.c_str(), ip);
+    if (g == nullptr) {
+        throw std::runtime_error("cannot read GGUF header of " + path);
+    }
+    fp.arch          = gguf_get_val_str(g, gguf_find_key(g, "general.architecture"));
+    fp.n_layer       = moe_get_u32(g, fp.arch + ".block_count");
+    fp.n_expert      = moe_get_u32(g, fp.arch + ".expert_count");
+    fp.n_expert_used = moe_get_u32(g, fp.arch + ".expert_used_count");
+    fp.meta_hash     = moe_meta_hash(path, gguf_get_data_offset(g));
+
+    const uint32_t n_split = moe_get_u32(g, "split.count");
+    std::vector<std::string> paths = { path };
+    if (n_split > 1) {
+        char prefix[4096];
+        if (llama_split_prefix(prefix, sizeof(prefix), path.c_str(), 0, n_split) == 0) {
+            throw std::runtime_error("split model: name the first shard, not " + path);
+        }
+        for (uint32_t i = 1; i < n_split; ++i) {
+            char split[4096];
+            llama_split_path(split, sizeof(split), prefix, i, n_split);
+            paths.push_back(split);
+        }
+    }
+    gguf_free(g);
+    ggml_free(meta);
+
+    for (const auto & p : paths) {
+        struct stat st;
+        if (stat(p.c_str(), &st) == 0) {
+            fp.size += (uint64_t) st.st_size;
+        }
+        ggml_context * ctx = nullptr;
+        gguf_init_params sp = { /*.no_alloc =*/ true, /*.ctx =*/ &ctx };
+        gguf_context * gs = gguf_init_from_file(p.c_str(), sp);
+        if (gs == nullptr) {
+            throw std::runtime_error("cannot read GGUF header of " + p);
+        }
+        for (int64_t i = 0; i < gguf_get_n_tensors(gs); ++i) {
+            const std::string name = gguf_get_tensor_name(gs, i);
+            if (!moe_is_expert_tensor(name)) {
+                continue;
+            }
+            const ggml_tensor * t = ggml_get_tensor(ctx, name.c_str());
+            fp.expert_tensors.push_back(name);
+            for (int d = 0; d < 4; ++d) {
+                fp.expert_shapes.push_back(t->ne[d]);
+            }
+            fp.expert_types.push_back((int32_t) gguf_get_tensor_type(gs, i));
+        }
+        gguf_free(gs);
+        ggml_free(ctx);
+    }
+    return fp;
+}
+
+struct moe_token_meta {
+    int32_t prompt;
+    int32_t pos;
+    int32_t phase;
+};
+
+static void moe_set_arr_str(gguf_context * g, const char * key, const std::vector<std::string> & v) {
+    std::vector<const char *> ptrs;
+    for (const auto & s : v) {
+        ptrs.push_back(s.c_str());
+    }
+    gguf_set_arr_str(g, key, ptrs.data(), ptrs.size());
+}
+
+static bool moe_write_profile(const std::string & out, const moe_model_fingerprint & fp, const moe_profiler & prof,
+        const std::vector<moe_token_meta> & tokens, const std::vector<std::string> & prompt_labels,
+        const std::string & source, const common_params & params) {
+    const int64_t n_tensors = (int64_t) prof.order.size();
+    const int64_t n_expert  = prof.tensors.at(prof.order[0]).n_expert;
+    const int64_t n_used    = prof.tensors.at(prof.order[0]).n_used;
+    const int64_t n_steps   = (int64_t) tokens.size();
+
+    int64_t n_prefill = 0;
+    for (const auto & t : tokens) {
+        n_prefill += t.phase == MOE_PHASE_PREFILL;
+    }
+
+    const size_t data_size = 2*n_expert*n_tensors*sizeof(int32_t) + n_used*n_tensors*n_steps*sizeof(int16_t) +
+                             3*n_steps*sizeof(int32_t) + 8*ggml_tensor_overhead();
+    ggml_init_params cp = { /*.mem_size =*/ data_size, /*.mem_buffer =*/ nullptr, /*.no_alloc =*/ false };
+    ggml_context * ctx = ggml_init(cp);
+
+    gguf_context * g = gguf_init_empty();
+    gguf_set_val_str(g, "general.type", "moe-profile");
+    gguf_set_val_u32(g, "moe_profile.version", MOE_PROFILE_VERSION);
+    gguf_set_val_str(g, "moe_profile.model.arch", fp.arch.c_str());
+    gguf_set_val_u32(g, "moe_profile.model.n_layer", fp.n_layer);
+    gguf_set_val_u32(g, "moe_profile.model.n_expert", fp.n_expert);
+    gguf_set_val_u32(g, "moe_profile.model.n_expert_used", fp.n_expert_used);
+    gguf_set_val_u64(g, "moe_profile.model.size", fp.size);
+    gguf_set_val_str(g, "moe_profile.model.meta_hash", fp.meta_hash.c_str());
+    moe_set_arr_str(g, "moe_profile.model.expert_tensors", fp.expert_tensors);
+    gguf_set_arr_data(g, "moe_profile.model.expert_shapes", GGUF_TYPE_INT64, fp.expert_shapes.data(), fp.expert_shapes.size());
+    gguf_set_arr_data(g, "moe_profile.model.expert_types", GGUF_TYPE_INT32, fp.expert_types.data(), fp.expert_types.size());
+    moe_set_arr_str(g, "moe_profile.tensors", prof.order);
+    gguf_set_val_u64(g, "moe_profile.tokens.prefill", (uint64_t) n_prefill);
+    gguf_set_val_u64(g, "moe_profile.tokens.decode", (uint64_t) (n_steps - n_prefill));
+    moe_set_arr_str(g, "moe_profile.sources", { source });
+    moe_set_arr_str(g, "moe_profile.source.0.prompt_labels", prompt_labels);
+    gguf_set_val_u32(g, "moe_profile.source.0.n_predict", (uint32_t) params.n_predict);
+    gguf_set_val_u32(g, "moe_profile.source.0.seed", params.sampling.seed);
+    gguf_set_val_f32(g, "moe_profile.source.0.temp", params.sampling.temp);
+
+    ggml_tensor * cnt[2];
+    cnt[MOE_PHASE_PREFILL] = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_expert, n_tensors);
+    cnt[MOE_PHASE_DECODE ] = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_expert, n_tensors);
+    ggml_set_name(cnt[MOE_PHASE_PREFILL], "counts.prefill");
+    ggml_set_name(cnt[MOE_PHASE_DECODE ], "counts.decode");
+    ggml_tensor * seq  = ggml_new_tensor_3d(ctx, GGML_TYPE_I16, n_used, n_tensors, n_steps);
+    ggml_tensor * meta = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 3, n_steps);
+    ggml_set_name(seq,  "seq.0");
+    ggml_set_name(meta, "seq_meta.0");
+
+    for (int64_t it = 0; it < n_tensors; ++it) {
+        const moe_tensor_record & rec = prof.tensors.at(prof.order[it]);
+        for (int ph = 0; ph < 2; ++ph) {
+            memcpy((int32_t *) cnt[ph]->data + it*n_expert, rec.counts[ph].data(), n_expert*sizeof(int32_t));
+        }
+        for (int64_t s = 0; s < n_steps; ++s) {
+            memcpy((int16_t *) seq->data + (s*n_tensors + it)*n_used, rec.seq.data() + s*n_used, n_used*sizeof(int16_t));
+        }
+    }
+    for (int64_t s = 0; s < n_steps; ++s) {
+        int32_t * m = (int32_t *) meta->data + 3*s;
+        m[0] = tokens[s].prompt;
+        m[1] = tokens[s].pos;
+        m[2] = tokens[s].phase;
+    }
+    gguf_add_tensor(g, cnt[MOE_PHASE_PREFILL]);
+    gguf_add_tensor(g, cnt[MOE_PHASE_DECODE]);
+    if (n_steps > 0) {
+        gguf_add_tensor(g, seq);
+        gguf_add_tensor(g, meta);
+    }
+
+    // write beside the destination, then rename: a reader never sees half a profile
+    const std::string tmp = out + ".tmp";
+    const bool ok = gguf_write_to_file(g, tmp.c_str(), false) && std::rename(tmp.c_str(), out.c_str()) == 0;
+    if (!ok) {
+        std::remove(tmp.c_str());
+    }
+    gguf_free(g);
+    ggml_free(ctx);
+    return ok;
+}
+
+static void moe_batch_add(llama_batch & batch, llama_token id, llama_pos pos, bool output) {
+    const int i = batch.n_tokens++;
+    batch.token[i]     = id;
+    batch.pos[i]       = pos;
+    batch.n_seq_id[i]  = 1;
+    batch.seq_id[i][0] = 0;
+    batch.logits[i]    = output;
+}
+
+struct moe_args {
+    std::string prompts_file;
+    std::string out  = "moe-profile.gguf";
+    std::string label;
+    bool        chat = false;
+};
+
+static void moe_usage(int /*argc*/, char ** argv) {
+    const char * prog = argv[0];
+    LOG("\nusage: %s -m MODEL --prompts FILE [--out FILE] [--label NAME] [--chat] [-n N] [llama.cpp options]\n\n"
+        "  --prompts FILE   prompts separated by lines holding only '---'\n"
+        "  --out FILE       profile to write (default: moe-profile.gguf)\n"
+        "  --label NAME     label of this run, e.g. codeish (default: the prompts file's name)\n"
+        "  --chat           wrap each prompt in the model's chat template as a user turn\n"
+        "  -n N             tokens generated per prompt (default: 512); --temp 0 is greedy, else seeded by -s\n\n",
+        prog);
+}
+
+// take our own options out of argv; the rest goes to llama.cpp's common parser
+static bool moe_parse_own_args(int & argc, char ** argv, moe_args & a) {
+    int out = 1;
+    for (int i = 1; i < argc; ++i) {
+        const std::string arg = argv[i];
+        auto value = [&](std::string & dst) {
+            if (i + 1 >= argc) {
+                throw std::invalid_argument("missing value for " + arg);
+            }
+            dst = argv[++i];
+        };
+        if (arg == "--prompts") {
+            value(a.prompts_file);
+        } else if (arg == "--out") {
+            value(a.out);
+        } else if (arg == "--label") {
+            value(a.label);
+        } else if (arg == "--chat") {
+            a.chat = true;
+        } else {
+            argv[out++] = argv[i];
+        }
+    }
+    argc = out;
+    return !a.prompts_file.empty();
+}
+
+static std::string moe_apply_chat(const llama_model * model, const std::string & prompt) {
+    const char * tmpl = llama_model_chat_template(model, nullptr);
+    if (tmpl == nullptr) {
+        return prompt;
+    }
+    llama_chat_message msg = { "user", prompt.c_str() };
+    std::vector<char> buf(prompt.size()*2 + 1024);
+    int32_t n = llama_chat_apply_template(tmpl, &msg, 1, true, buf.data(), (int32_t) buf.size());
+    if (n > (int32_t) buf.size()) {
+        buf.resize(n);
+        n = llama_chat_apply_template(tmpl, &msg, 1, true, buf.data(), (int32_t) buf.size());
+    }
+    return n < 0 ? prompt : std::string(buf.data(), n);
+}
+
+int main(int argc, char ** argv) {
+    std::setlocale(LC_NUMERIC, "C");
+
+    moe_args a;
+    try {
+        if (!moe_parse_own_args(argc, argv, a)) {
+            moe_usage(argc, argv);
+            return 1;
+        }
+    } catch (const std::exception & e) {
+        LOG_ERR("%s: %s\n", __func__, e.what());
+        return 1;
+    }
+
+    common_params params;
+    params.n_predict = 512;
+    params.sampling.temp = 0.0f;
+    common_init();
+    if (!common_params_parse(argc, argv, params, LLAMA_EXAMPLE_COMMON, moe_usage)) {
+        return 1;
+    }
+
+    std::vector<std::string> prompts;
+    moe_model_fingerprint fp;
+    try {
+        prompts = moe_read_prompts(a.prompts_file);
+        fp      = moe_fingerprint(params.model.path);
+    } catch (const std::exception & e) {
+        LOG_ERR("%s: %s\n", __func__, e.what());
+        return 1;
+    }
+    if (prompts.empty()) {
+        LOG_ERR("%s: no prompts in %s\n", __func__, a.prompts_file.c_str());
+        return 1;
+    }
+    if (a.label.empty()) {
+        a.label = a.prompts_file.substr(a.prompts_file.find_last_of('/') + 1);
+    }
+
+    llama_backend_init();
+    llama_numa_init(params.numa);
+
+    moe_profiler prof;
+    params.cb_eval           = moe_profile_cb_eval;
+    params.cb_eval_user_data = &prof;
+    params.warmup            = false;  // a warm-up run would be recorded too
+
+    auto init = common_init_from_params(params);
+    llama_model   * model = init->model();
+    llama_context * ctx   = init->context();
+    if (model == nullptr || ctx == nullptr) {
+        LOG_ERR("%s: failed to load the model\n", __func__);
+        return 1;
+    }
+    const llama_vocab * vocab = llama_model_get_vocab(model);
+    const int n_ctx   = (int) llama_n_ctx(ctx);
+    const int n_batch = (int) llama_n_batch(ctx);
+
+    std::vector<moe_token_meta> tokens;
+    std::vector<std::string>    labels;
+    common_sampler * smpl = common_sampler_init(model, params.sampling);
+    llama_batch batch = llama_batch_init(std::max(n_batch, 1), 0, 1);
+
+    for (size_t ip = 0; ip < prompts.size() && !prof.failed; ++ip) {
+        const std::string text = a.chat ? moe_apply_chat(model, prompts[ip]) : prompts[ip];
+        std::vector<llama_token> toks = common_tokenize(ctx, text, llama_vocab_get_add_bos(vocab), true);
+        if (toks.empty()) {
+            continue;
+        }
+        if ((int) toks.size() + params.n_predict > n_ctx) {
+            LOG_WRN("%s: prompt %zu: %zu tokens + %d to generate exceed the context (%d); truncating the prompt\n",
+                    __func__, ip, toks.size(), params.n_predict, n_ctx);
+            toks.resize(std::max(1, n_ctx - params.n_predict));
+        }
+        llama_memory_clear(llama_get_memory(ctx), true);
+        common_sampler_reset(smpl);
+        labels.push_back(a.label);
+
+        // prefill: every token is an output, so every layer routes every token
+        prof.phase = MOE_PHASE_PREFILL;
+        int pos = 0;
+        for (size_t i0 = 0; i0 < toks.size(); i0 += n_batch) {
+            batch.n_tokens = 0;
+            const size_t n = std::min(toks.size() - i0, (size_t) n_batch);
+            for (size_t i = 0; i < n; ++i) {
+                moe_batch_add(batch, toks[i0 + i], pos, true);
+                tokens.push_back({ (int32_t) ip, pos, MOE_PHASE_PREFILL });
+                pos++;
+            }
+            if (llama_decode(ctx, batch) != 0) {
+                LOG_ERR("%s: prefill of prompt %zu failed\n", __func__, ip);
+                return 1;
+            }
+        }
+
+        prof.phase = MOE_PHASE_DECODE;
+        for (int i = 0; i < params.n_predict && !prof.failed; ++i) {
+            const llama_token tok = common_sampler_sample(smpl, ctx, batch.n_tokens - 1);
+            common_sampler_accept(smpl, tok, true);
+            if (llama_vocab_is_eog(vocab, tok)) {
+                break;
+            }
+            batch.n_tokens = 0;
+            moe_batch_add(batch, tok, pos, true);
+            tokens.push_back({ (int32_t) ip, pos, MOE_PHASE_DECODE });
+            pos++;
+            if (llama_decode(ctx, batch) != 0) {
+                LOG_ERR("%s: decode of prompt %zu failed\n", __func__, ip);
+                return 1;
+            }
+        }
+        LOG_INF("%s: prompt %zu/%zu: %d tokens recorded\n", __func__, ip + 1, prompts.size(), pos);
+    }
+    llama_batch_free(batch);
+    common_sampler_free(smpl);
+
+    if (prof.failed) {
+        LOG_ERR("%s: %s\n", __func__, prof.error.c_str());
+        return 1;
+    }
+    if (prof.order.empty()) {
+        LOG_ERR("%s: no expert down-projection ran: not a MoE model?\n", __func__);
+        return 1;
+    }
+    for (const auto & name : prof.order) {
+        const auto & rec = prof.tensors.at(name);
+        if ((int64_t) rec.seq.size() != rec.n_used * (int64_t) tokens.size()) {
+            LOG_ERR("%s: %s routed %zu token slots, expected %zu\n", __func__, name.c_str(), rec.seq.size(),
+                    rec.n_used * tokens.size());
+            return 1;
+        }
+    }
+    if (!moe_write_profile(a.out, fp, prof, tokens, labels, a.label, params)) {
+        LOG_ERR("%s: cannot write %s\n", __func__, a.out.c_str());
+        return 1;
+    }
+    LOG_INF("%s: wrote %s: %zu expert tensors, %zu tokens\n", __func__, a.out.c_str(), prof.order.size(), tokens.size());
+
+    llama_backend_free();
+    return 0;
+}

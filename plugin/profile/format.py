@@ -1,0 +1,298 @@
+"""The moe profile file (native/PROFILE-FORMAT.md): read, validate, merge, write.
+
+A profile records which experts a model's router selected; it applies to one model, identified
+by a fingerprint that both llama-moe-profile and this module compute from the model's GGUF.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moeplug.errors import MoeplugError
+from moeplug.fsutil import atomic_path
+
+PROFILE_VERSION = 1
+EXPERT_TENSOR_RE = re.compile(r"^blk\.\d+\..*_(?:exps|chexps)\.")
+PHASE_PREFILL, PHASE_DECODE = 0, 1
+
+
+class ProfileError(MoeplugError):
+    """A profile that cannot be read, or that belongs to another model."""
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    arch: str
+    n_layer: int
+    n_expert: int
+    n_expert_used: int
+    size: int
+    meta_hash: str
+    expert_tensors: tuple[str, ...]
+    expert_shapes: tuple[tuple[int, int, int, int], ...]
+    expert_types: tuple[int, ...]
+
+    @property
+    def key(self) -> str:
+        """A file-name-safe id: where this model's profile is stored."""
+        return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', self.arch)}-{self.meta_hash}"
+
+    def differences(self, other: ModelFingerprint) -> list[str]:
+        out = []
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if a != b:
+                out.append(f.name if isinstance(a, tuple) else f"{f.name} {a} vs {b}")
+        return out
+
+    def bytes_per_expert(self, down_tensor: str) -> int:
+        """Bytes of one expert of the layer whose down weight is `down_tensor`."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        prefix = down_tensor.split(".ffn_")[0] + "."
+        total = 0
+        for name, shape, qtype in zip(self.expert_tensors, self.expert_shapes, self.expert_types):
+            if not name.startswith(prefix):
+                continue
+            dims = list(shape)
+            while len(dims) > 1 and dims[-1] == 1:
+                dims.pop()
+            n_per_expert = int(np.prod(dims)) // dims[-1]  # the outermost dimension is the expert axis
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+            total += n_per_expert // block * type_size
+        return total
+
+
+def fnv1a64_hex(data: bytes) -> str:
+    h = 0xCBF29CE484222325
+    prime, mask = 0x100000001B3, 0xFFFFFFFFFFFFFFFF
+    for byte in data:
+        h = ((h ^ byte) * prime) & mask
+    return f"{h:016x}"
+
+
+def model_fingerprint(model_path: str | Path) -> ModelFingerprint:
+    """The fingerprint llama-moe-profile writes, computed from the model's GGUF header(s)."""
+    import gguf
+
+    from moeplug.model_inspect import shard_paths
+
+    shards = shard_paths(Path(model_path))
+    first = gguf.GGUFReader(shards[0])
+
+    def u32(key: str) -> int:
+        f = first.get_field(key)
+        if f is None:
+            return 0
+        v = f.contents()
+        return int(max(v)) if isinstance(v, list) else int(v)
+
+    arch = str(first.get_field("general.architecture").contents())
+    with open(shards[0], "rb") as fh:
+        meta_hash = fnv1a64_hex(fh.read(first.data_offset))
+    names, shapes, types = [], [], []
+    for path in shards:
+        reader = first if path == shards[0] else gguf.GGUFReader(path)
+        for t in reader.tensors:
+            if EXPERT_TENSOR_RE.match(t.name):
+                ne = [int(x) for x in t.shape] + [1] * (4 - len(t.shape))
+                names.append(t.name)
+                shapes.append(tuple(ne[:4]))
+                types.append(int(t.tensor_type))
+    return ModelFingerprint(
+        arch=arch, n_layer=u32(f"{arch}.block_count"), n_expert=u32(f"{arch}.expert_count"),
+        n_expert_used=u32(f"{arch}.expert_used_count"), size=sum(p.stat().st_size for p in shards),
+        meta_hash=meta_hash, expert_tensors=tuple(names), expert_shapes=tuple(shapes), expert_types=tuple(types),
+    )
+
+
+@dataclass
+class ProfileSource:
+    """One run of the profiler: its prompts' routing, token by token."""
+
+    label: str
+    prompt_labels: list[str]
+    seq: np.ndarray  # int16 [n_steps, n_tensors, n_expert_used]
+    meta: np.ndarray  # int32 [n_steps, 3]: prompt, pos, phase
+    n_predict: int = 0
+    seed: int = 0
+    temp: float = 0.0
+
+    def phase_steps(self, phase: int) -> np.ndarray:
+        """The selected ids of the steps in one phase: [n_steps_phase, n_tensors, k]."""
+        return self.seq[self.meta[:, 2] == phase]
+
+
+@dataclass
+class Profile:
+    fingerprint: ModelFingerprint
+    tensors: list[str]  # expert down weights, one per MoE layer
+    counts_prefill: np.ndarray  # int64 [n_tensors, n_expert]
+    counts_decode: np.ndarray
+    sources: list[ProfileSource] = field(default_factory=list)
+    version: int = PROFILE_VERSION
+
+    @property
+    def n_expert(self) -> int:
+        return int(self.counts_decode.shape[1])
+
+    @property
+    def n_expert_used(self) -> int:
+        return self.fingerprint.n_expert_used
+
+    def tokens(self, phase: int) -> int:
+        return int(sum(int((s.meta[:, 2] == phase).sum()) for s in self.sources))
+
+    def check_model(self, fp: ModelFingerprint) -> None:
+        diffs = self.fingerprint.differences(fp)
+        if diffs:
+            raise ProfileError(f"profile is of another model: {', '.join(diffs)} differ "
+                               f"(profile: {self.fingerprint.arch}, hash {self.fingerprint.meta_hash}; "
+                               f"model: {fp.arch}, hash {fp.meta_hash})")
+
+
+def _field(reader: Any, key: str, required: bool = True) -> Any:
+    f = reader.get_field(key)
+    if f is None:
+        if required:
+            raise ProfileError(f"missing key {key}")
+        return None
+    return f.contents()
+
+
+def read_profile(path: str | Path) -> Profile:
+    """Read and check a profile file; every problem is one ProfileError naming it."""
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise ProfileError(f"{path}: no such profile file")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as exc:
+        raise ProfileError(f"{path}: not a readable profile (damaged or truncated GGUF: {exc})") from exc
+    try:
+        size = path.stat().st_size
+        for t in reader.tensors:
+            if int(t.data_offset) + int(t.n_bytes) > size:
+                raise ProfileError(f"truncated: tensor {t.name} ends past the end of the file")
+        if _field(reader, "general.type", required=False) != "moe-profile":
+            raise ProfileError("not a moe profile (general.type is not 'moe-profile')")
+        version = int(_field(reader, "moe_profile.version"))
+        if version != PROFILE_VERSION:
+            raise ProfileError(f"unsupported profile version {version} (this moeplug reads version {PROFILE_VERSION})")
+        return _parse(reader)
+    except ProfileError as exc:
+        raise ProfileError(f"{path}: {exc}") from None
+    except (KeyError, ValueError, IndexError, TypeError) as exc:
+        raise ProfileError(f"{path}: malformed profile ({type(exc).__name__}: {exc})") from exc
+
+
+def _parse(reader: Any) -> Profile:
+    shapes = [int(x) for x in _field(reader, "moe_profile.model.expert_shapes")]
+    fp = ModelFingerprint(
+        arch=str(_field(reader, "moe_profile.model.arch")),
+        n_layer=int(_field(reader, "moe_profile.model.n_layer")),
+        n_expert=int(_field(reader, "moe_profile.model.n_expert")),
+        n_expert_used=int(_field(reader, "moe_profile.model.n_expert_used")),
+        size=int(_field(reader, "moe_profile.model.size")),
+        meta_hash=str(_field(reader, "moe_profile.model.meta_hash")),
+        expert_tensors=tuple(_field(reader, "moe_profile.model.expert_tensors")),
+        expert_shapes=tuple(tuple(shapes[i:i + 4]) for i in range(0, len(shapes), 4)),  # type: ignore[misc]
+        expert_types=tuple(int(x) for x in _field(reader, "moe_profile.model.expert_types")),
+    )
+    tensors = {t.name: t for t in reader.tensors}
+    names = list(_field(reader, "moe_profile.tensors"))
+    counts = {ph: np.array(tensors[f"counts.{ph}"].data, dtype=np.int64).reshape(len(names), -1)
+              for ph in ("prefill", "decode")}
+    sources = []
+    for i, label in enumerate(_field(reader, "moe_profile.sources")):
+        k = fp.n_expert_used
+        if f"seq.{i}" in tensors:
+            seq = np.array(tensors[f"seq.{i}"].data, dtype=np.int16).reshape(-1, len(names), k)
+            meta = np.array(tensors[f"seq_meta.{i}"].data, dtype=np.int32).reshape(-1, 3)
+        else:
+            seq, meta = np.zeros((0, len(names), k), np.int16), np.zeros((0, 3), np.int32)
+        if len(seq) != len(meta):
+            raise ProfileError(f"seq.{i} and seq_meta.{i} disagree on the number of tokens")
+        p = f"moe_profile.source.{i}."
+        sources.append(ProfileSource(
+            label=str(label), prompt_labels=list(_field(reader, p + "prompt_labels", required=False) or []),
+            seq=seq, meta=meta, n_predict=int(_field(reader, p + "n_predict", required=False) or 0),
+            seed=int(_field(reader, p + "seed", required=False) or 0),
+            temp=float(_field(reader, p + "temp", required=False) or 0.0),
+        ))
+    profile = Profile(fingerprint=fp, tensors=names, counts_prefill=counts["prefill"],
+                      counts_decode=counts["decode"], sources=sources)
+    for phase, key in ((PHASE_PREFILL, "prefill"), (PHASE_DECODE, "decode")):
+        stored = int(_field(reader, f"moe_profile.tokens.{key}"))
+        if sources and any(len(s.seq) for s in sources) and stored != profile.tokens(phase):
+            raise ProfileError(f"moe_profile.tokens.{key} is {stored} but the sequences hold {profile.tokens(phase)}")
+    return profile
+
+
+def merge_profiles(profiles: list[Profile]) -> Profile:
+    """Counts add up; each source keeps its own sequences. Refuses profiles of different models."""
+    if not profiles:
+        raise ProfileError("nothing to merge")
+    first = profiles[0]
+    for other in profiles[1:]:
+        other.check_model(first.fingerprint)
+        if other.tensors != first.tensors:
+            raise ProfileError("profiles recorded different expert tensors (one of them ran an MTP head?)")
+    return Profile(
+        fingerprint=first.fingerprint,
+        tensors=list(first.tensors),
+        counts_prefill=sum((p.counts_prefill for p in profiles), np.zeros_like(first.counts_prefill)),
+        counts_decode=sum((p.counts_decode for p in profiles), np.zeros_like(first.counts_decode)),
+        sources=[s for p in profiles for s in p.sources],
+    )
+
+
+def write_profile(profile: Profile, path: str | Path) -> Path:
+    """Write atomically (a reader never sees half a profile)."""
+    import gguf
+
+    path = Path(path)
+    fp = profile.fingerprint
+    with atomic_path(path) as tmp:
+        w = gguf.GGUFWriter(tmp, "moe-profile")
+        w.add_string("general.type", "moe-profile")
+        w.add_uint32("moe_profile.version", PROFILE_VERSION)
+        w.add_string("moe_profile.model.arch", fp.arch)
+        w.add_uint32("moe_profile.model.n_layer", fp.n_layer)
+        w.add_uint32("moe_profile.model.n_expert", fp.n_expert)
+        w.add_uint32("moe_profile.model.n_expert_used", fp.n_expert_used)
+        w.add_uint64("moe_profile.model.size", fp.size)
+        w.add_string("moe_profile.model.meta_hash", fp.meta_hash)
+        w.add_array("moe_profile.model.expert_tensors", list(fp.expert_tensors))
+        w.add_key_value("moe_profile.model.expert_shapes", [int(x) for s in fp.expert_shapes for x in s],
+                        gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT64)
+        w.add_key_value("moe_profile.model.expert_types", list(fp.expert_types),
+                        gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
+        w.add_array("moe_profile.tensors", list(profile.tensors))
+        w.add_uint64("moe_profile.tokens.prefill", profile.tokens(PHASE_PREFILL))
+        w.add_uint64("moe_profile.tokens.decode", profile.tokens(PHASE_DECODE))
+        w.add_array("moe_profile.sources", [s.label for s in profile.sources])
+        w.add_tensor("counts.prefill", profile.counts_prefill.astype(np.int32))
+        w.add_tensor("counts.decode", profile.counts_decode.astype(np.int32))
+        for i, s in enumerate(profile.sources):
+            p = f"moe_profile.source.{i}."
+            if s.prompt_labels:
+                w.add_array(p + "prompt_labels", s.prompt_labels)
+            w.add_uint32(p + "n_predict", s.n_predict)
+            w.add_uint32(p + "seed", s.seed)
+            w.add_float32(p + "temp", s.temp)
+            if len(s.seq):
+                w.add_tensor(f"seq.{i}", np.ascontiguousarray(s.seq, dtype=np.int16))
+                w.add_tensor(f"seq_meta.{i}", np.ascontiguousarray(s.meta, dtype=np.int32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return path

@@ -1,0 +1,141 @@
+"""`moeplug profile MODEL`: run llama-moe-profile over prompt sets, merge, store.
+
+Each prompt set (bundled in profiles/, or a file of the user's) is one run of the tool and one
+source of the merged profile. The result is stored under the user data dir, keyed by the model's
+fingerprint, so every later step finds the profile of the model it is given.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from moeplug.errors import MoeplugError
+from moeplug.output import note
+from moeplug.paths import data_dir, logs_dir
+from moeplug.profile.format import Profile, merge_profiles, model_fingerprint, read_profile, write_profile
+
+DEFAULT_PROMPT_SETS = ("codeish", "chatty")
+_PROGRESS_RE = re.compile(r"prompt (\d+)/(\d+)")
+
+
+def bundled_prompts_dir() -> Path:
+    import moeplug
+
+    checkout = Path(moeplug.__file__).resolve().parent.parent / "profiles"
+    if (checkout / "codeish.txt").exists():
+        return checkout
+    from importlib.resources import files
+
+    return Path(str(files("moeplug._prompts")))
+
+
+def resolve_prompt_set(name: str) -> tuple[str, Path]:
+    """(label, file) for a bundled set name or a path to a prompts file."""
+    path = Path(name)
+    if path.suffix == ".txt" and path.exists():
+        return path.stem, path
+    bundled = bundled_prompts_dir() / f"{name}.txt"
+    if bundled.exists():
+        return name, bundled
+    known = sorted(p.stem for p in bundled_prompts_dir().glob("*.txt"))
+    raise MoeplugError(f"unknown prompt set '{name}' (bundled: {', '.join(known)}; or a path to a .txt file)")
+
+
+def count_prompts(path: Path) -> int:
+    text = path.read_text(encoding="utf-8")
+    return sum(1 for chunk in re.split(r"^---$", text, flags=re.M) if chunk.strip())
+
+
+def profile_path_for(model: Path) -> Path:
+    return data_dir() / "profiles" / f"{model_fingerprint(model).key}.gguf"
+
+
+@dataclass
+class ProfileRun:
+    tool: Path
+    model: Path
+    n_predict: int = 512
+    ctx: int = 4096
+    threads: int | None = None
+    seed: int = 42
+    temp: float = 0.0
+    extra_args: tuple[str, ...] = ()
+
+    def command(self, prompts: Path, label: str, out: Path) -> list[str]:
+        cmd = [str(self.tool), "-m", str(self.model), "--prompts", str(prompts), "--label", label,
+               "--out", str(out), "-n", str(self.n_predict), "-c", str(self.ctx), "-s", str(self.seed),
+               "--temp", str(self.temp)]
+        if self.threads:
+            cmd += ["-t", str(self.threads)]
+        return cmd + list(self.extra_args)
+
+    def run_set(self, label: str, prompts: Path, out: Path, on_prompt: Callable[[int], None] | None = None) -> Profile:
+        logs_dir().mkdir(parents=True, exist_ok=True)
+        log = logs_dir() / f"profile-{label}.log"
+        with open(log, "w") as f:
+            proc = subprocess.Popen(self.command(prompts, label, out), stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                f.write(line)
+                m = _PROGRESS_RE.search(line)
+                if m and on_prompt:
+                    on_prompt(int(m[1]))
+            rc = proc.wait()
+        if rc != 0:
+            tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-3:])
+            raise MoeplugError(f"llama-moe-profile failed on '{label}' (exit {rc}): {tail} (log: {log})")
+        return read_profile(out)
+
+
+def run_profile(run: ProfileRun, prompt_sets: list[str], out: Path | None = None) -> tuple[Path, Profile]:
+    """Profile the model with each prompt set, merge, check it is this model's, write atomically."""
+    sets = [resolve_prompt_set(s) for s in prompt_sets]
+    fingerprint = model_fingerprint(run.model)
+    total = sum(count_prompts(p) for _, p in sets)
+    done_before = 0
+    profiles = []
+    with tempfile.TemporaryDirectory(prefix="moeplug-profile-") as tmp:
+        for label, prompts in sets:
+            n = count_prompts(prompts)
+            note(f"profiling '{label}': {n} prompts x {run.n_predict} tokens")
+            bar = _Progress(total)
+
+            def on_prompt(i: int, base: int = done_before) -> None:
+                bar.show(base + i)
+
+            profiles.append(run.run_set(label, prompts, Path(tmp) / f"{label}.gguf", on_prompt))
+            done_before += n
+            bar.close()
+    merged = merge_profiles(profiles)
+    merged.check_model(fingerprint)
+    dest = out or data_dir() / "profiles" / f"{fingerprint.key}.gguf"
+    write_profile(merged, dest)
+    return dest, merged
+
+
+class _Progress:
+    """prompts done / total on stderr: a bar on a terminal, a line per prompt otherwise."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.tty = sys.stderr.isatty()
+
+    def show(self, done: int) -> None:
+        if self.tty:
+            width = 30
+            filled = width * done // max(self.total, 1)
+            print(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} prompts", end="",
+                  file=sys.stderr, flush=True)
+        else:
+            note(f"  {done}/{self.total} prompts")
+
+    def close(self) -> None:
+        if self.tty:
+            print(file=sys.stderr)
