@@ -17,7 +17,7 @@ from moeplug.errors import (
     EXIT_USAGE,
     MoeplugError,
 )
-from moeplug.output import human_bytes, note, print_json, progress_bar, table
+from moeplug.output import human_bytes, print_json, progress_bar, table
 
 EPILOG = f"""exit codes:
   {EXIT_OK}    success
@@ -76,12 +76,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
     from moeplug.synth import ModelSpec, benchmark_spec, make_model, plan_for
 
     if args.benchmark_shape:
-        spec = replace(benchmark_spec(args.seed if args.seed is not None else 1234))
+        spec = benchmark_spec(args.seed if args.seed is not None else 1234)
     else:
         spec = ModelSpec(
             arch=args.arch, layers=args.layers, experts=args.experts, used=args.used, embd=args.embd,
@@ -140,7 +138,8 @@ def _add_make_model(dev: Any) -> None:
     p.add_argument("--dtype", choices=list(DTYPES), default="f32",
                    help="type of the weight matrices (norms, router and biases stay F32)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default 1234)")
-    p.add_argument("--leading-dense", type=int, default=None, help="hy_v3: dense blocks before the MoE ones (default 1)")
+    p.add_argument("--leading-dense", type=int, default=None,
+                   help="hy_v3: dense blocks before the MoE ones (default 1)")
     p.add_argument("--expert-scales", action="store_true", help="qwen3moe: add per-expert scale tensors")
     p.add_argument("--tied", action="store_true", help="no output.weight: the output shares token_embd")
     p.add_argument("--shards", type=int, default=1, help="write a split GGUF of this many shards")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 from pathlib import Path
 
 import gguf
@@ -210,6 +209,7 @@ def test_benchmark_shape_plan() -> None:
     plan, vocab = plan_for(benchmark_spec())
     assert len(vocab) == 151936
     total = sum(t.n_bytes for t in plan.tensors)
-    per_expert = sum(t.n_bytes // t.ne[-1] for t in plan.tensors if t.name.startswith("blk.0.ffn_") and "_exps" in t.name)
+    layer0 = [t for t in plan.tensors if t.name.startswith("blk.0.ffn_") and "_exps" in t.name]
+    per_expert = sum(t.n_bytes // t.ne[-1] for t in layer0)
     assert per_expert == 2_654_208
     assert 15.5 * 2**30 < total < 16.5 * 2**30

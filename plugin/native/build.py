@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -260,7 +260,3 @@ def installed_builds() -> list[BuildResult]:
         if manifest is not None and not path.name.startswith("."):
             out.append(BuildResult(path.name, path, manifest, built=False))
     return out
-
-
-def options_dict(opts: BuildOptions) -> dict[str, Any]:
-    return asdict(opts)

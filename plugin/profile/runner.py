@@ -65,6 +65,7 @@ class ProfileRun:
     threads: int | None = None
     seed: int = 42
     temp: float = 0.0
+    ignore_eos: bool = False
     extra_args: tuple[str, ...] = ()
 
     def command(self, prompts: Path, label: str, out: Path) -> list[str]:
@@ -73,6 +74,8 @@ class ProfileRun:
                "--temp", str(self.temp)]
         if self.threads:
             cmd += ["-t", str(self.threads)]
+        if self.ignore_eos:
+            cmd.append("--ignore-eos")
         return cmd + list(self.extra_args)
 
     def run_set(self, label: str, prompts: Path, out: Path, on_prompt: Callable[[int], None] | None = None) -> Profile:

@@ -382,15 +382,17 @@ struct moe_args {
     bool        chat = false;
 };
 
+// printed with fprintf: it can run before common_init() has set up llama.cpp's logging
 static void moe_usage(int /*argc*/, char ** argv) {
-    const char * prog = argv[0];
-    LOG("\nusage: %s -m MODEL --prompts FILE [--out FILE] [--label NAME] [--chat] [-n N] [llama.cpp options]\n\n"
+    fprintf(stderr,
+        "\nusage: %s -m MODEL --prompts FILE [--out FILE] [--label NAME] [--chat] [-n N] [llama.cpp options]\n\n"
         "  --prompts FILE   prompts separated by lines holding only '---'\n"
         "  --out FILE       profile to write (default: moe-profile.gguf)\n"
         "  --label NAME     label of this run, e.g. codeish (default: the prompts file's name)\n"
         "  --chat           wrap each prompt in the model's chat template as a user turn\n"
-        "  -n N             tokens generated per prompt (default: 512); --temp 0 is greedy, else seeded by -s\n\n",
-        prog);
+        "  -n N             tokens generated per prompt (default: 512); --temp 0 is greedy, else seeded by -s;\n"
+        "                   generation stops at an end-of-generation token unless --ignore-eos\n\n",
+        argv[0]);
 }
 
 // take our own options out of argv; the rest goes to llama.cpp's common parser
@@ -435,7 +437,7 @@ static std::string moe_apply_chat(const llama_model * model, const std::string &
     return n < 0 ? prompt : std::string(buf.data(), n);
 }
 
-int main(int argc, char ** argv) {
+static int moe_profile_main(int argc, char ** argv) {
     std::setlocale(LC_NUMERIC, "C");
 
     moe_args a;
@@ -445,7 +447,7 @@ int main(int argc, char ** argv) {
             return 1;
         }
     } catch (const std::exception & e) {
-        LOG_ERR("%s: %s\n", __func__, e.what());
+        fprintf(stderr, "%s: %s\n", __func__, e.what());
         return 1;
     }
 
@@ -534,7 +536,7 @@ int main(int argc, char ** argv) {
         for (int i = 0; i < params.n_predict && !prof.failed; ++i) {
             const llama_token tok = common_sampler_sample(smpl, ctx, batch.n_tokens - 1);
             common_sampler_accept(smpl, tok, true);
-            if (llama_vocab_is_eog(vocab, tok)) {
+            if (llama_vocab_is_eog(vocab, tok) && !params.sampling.ignore_eos) {
                 break;
             }
             batch.n_tokens = 0;
@@ -575,4 +577,12 @@ int main(int argc, char ** argv) {
 
     llama_backend_free();
     return 0;
+}
+
+int main(int argc, char ** argv) {
+    const int rc = moe_profile_main(argc, argv);
+    // the log is written by a worker thread: drain it, so that an error printed just before
+    // returning is not lost
+    common_log_pause(common_log_main());
+    return rc;
 }
