@@ -86,6 +86,7 @@ def cmd_make_model(args: argparse.Namespace) -> int:
             expert_ff=args.expert_ff, heads=args.heads, heads_kv=args.heads_kv, head_dim=args.head_dim,
             dtype=args.dtype, seed=args.seed if args.seed is not None else 1234, ctx=args.ctx,
             leading_dense=args.leading_dense, expert_scales=args.expert_scales, tied=args.tied,
+            mtp_layers=args.mtp_layers,
             vocab_size=args.vocab_size,
         )
     try:
@@ -141,6 +142,7 @@ def _add_make_model(dev: Any) -> None:
     p.add_argument("--leading-dense", type=int, default=None,
                    help="hy_v3: dense blocks before the MoE ones (default 1)")
     p.add_argument("--expert-scales", action="store_true", help="qwen3moe: add per-expert scale tensors")
+    p.add_argument("--mtp-layers", type=int, default=0, help="hy_v3: MTP (NextN) blocks after the trunk")
     p.add_argument("--tied", action="store_true", help="no output.weight: the output shares token_embd")
     p.add_argument("--shards", type=int, default=1, help="write a split GGUF of this many shards")
     p.add_argument("--vocab", help="copy the tokenizer of this vocab GGUF instead of the built-in byte-level BPE")
@@ -199,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("moeplug: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # output piped into `head` and the like: not an error
+        sys.stderr.close()
+        return EXIT_OK
     except Exception as exc:  # anything unexpected: still one line, the traceback behind --debug
         if args.debug:
             raise

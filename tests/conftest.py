@@ -24,9 +24,13 @@ def fixture_spec(arch: str, dtype: str = "q8_0", seed: int = 7) -> ModelSpec:
 
 @pytest.fixture(scope="session")
 def fixture_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """One Q8_0 model per architecture family."""
+    """One Q8_0 model per architecture family, and hy_v3 with an MTP (NextN) block."""
+    from dataclasses import replace
+
     root = tmp_path_factory.mktemp("models")
-    return {arch: make_model(fixture_spec(arch), root / f"{arch}.gguf")[0] for arch in ARCHS}
+    models = {arch: make_model(fixture_spec(arch), root / f"{arch}.gguf")[0] for arch in ARCHS}
+    models["hy_v3-mtp"] = make_model(replace(fixture_spec("hy_v3"), mtp_layers=1), root / "hy_v3-mtp.gguf")[0]
+    return models
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -65,6 +65,9 @@ def test_family_specific_layout(fixture_models: dict[str, Path]) -> None:
     assert hy.n_expert_shared == 1
     oss = inspect_model(fixture_models["gpt-oss"])
     assert {"ffn_gate_exps.bias", "ffn_up_exps.bias", "ffn_down_exps.bias"} <= set(oss.layers[0].tensors)
+    mtp = inspect_model(fixture_models["hy_v3-mtp"])
+    assert mtp.n_layer == 4 and mtp.moe_layers == [1, 2, 3]  # the MTP block has experts of its own
+    assert mtp.layers[-1].bytes_per_expert == hy.layers[0].bytes_per_expert
     qwen = inspect_model(fixture_models["qwen3moe"])
     assert set(qwen.layers[0].tensors) == {"ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"}
 

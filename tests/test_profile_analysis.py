@@ -59,13 +59,21 @@ def trace(kind: str, steps: int, seed: int) -> np.ndarray:
     return out
 
 
-def make_profile(kind: str, steps: int = 400, seed: int = 1, n_prefill: int = 20, label: str = "s") -> Profile:
+def make_profile(kind: str, steps: int = 400, seed: int = 1, n_prefill: int = 20, label: str = "s",
+                 gaps: bool = False) -> Profile:
+    """gaps: the last layer does not route every 7th token (id -1), as an MTP head skips some."""
     prefill = trace("uniform", n_prefill, seed + 100)
     decode = trace(kind, steps, seed)
+    if gaps:
+        prefill[0, -1, :] = -1
+        decode[::7, -1, :] = -1
     seq = np.concatenate([prefill, decode])
     meta = np.array([[0, i, 0] for i in range(n_prefill)] + [[0, n_prefill + i, 1] for i in range(steps)],
                     dtype=np.int32)
-    counts = {ph: np.stack([np.bincount(seq[meta[:, 2] == ph][:, layer].ravel(), minlength=E)
+    def routed(ids: np.ndarray) -> np.ndarray:
+        return ids[ids >= 0]
+
+    counts = {ph: np.stack([np.bincount(routed(seq[meta[:, 2] == ph][:, layer].ravel()), minlength=E)
                             for layer in range(LAYERS)]).astype(np.int64) for ph in (0, 1)}
     return Profile(fingerprint=fingerprint(), tensors=[f"blk.{b}.ffn_down_exps.weight" for b in range(LAYERS)],
                    counts_prefill=counts[0], counts_decode=counts[1],
@@ -85,7 +93,8 @@ def brute_static(decode: np.ndarray, layer: int, n: int, hindsight: bool) -> int
     counts = [0] * E
     for step in pick_from:
         for e in step[layer]:
-            counts[e] += 1
+            if e >= 0:
+                counts[e] += 1
     resident = top_n(counts, n)
     return sum(1 for step in decode[half:] for e in step[layer] if e in resident)
 
@@ -93,6 +102,8 @@ def brute_static(decode: np.ndarray, layer: int, n: int, hindsight: bool) -> int
 def brute_lru(decode: np.ndarray, layer: int, n: int) -> tuple[int, int]:
     half, cache, hits, uploads = len(decode) // 2, OrderedDict(), 0, 0
     for t, step in enumerate(decode):
+        if step[layer][0] < 0:  # not routed: no hit, no upload, no update
+            continue
         before = set(cache)
         for e in step[layer]:
             if t >= half:
@@ -115,25 +126,27 @@ def brute_repick(decode: np.ndarray, layer: int, n: int, every: int) -> tuple[in
             counts = [0] * E
             for past in decode[t - every:t]:
                 for e in past[layer]:
-                    counts[e] += 1
+                    if e >= 0:
+                        counts[e] += 1
             new = top_n(counts, n)
             if t >= half:
                 uploads += len(new - resident)
             resident = new
         if t >= half:
-            hits += sum(1 for e in step[layer] if e in resident)
+            hits += sum(1 for e in step[layer] if e >= 0 and e in resident)
     return hits, uploads
 
 
+@pytest.mark.parametrize("gaps", [False, True])
 @pytest.mark.parametrize("kind", ["uniform", "skewed", "local"])
-def test_analysis_equals_brute_force(tmp_path: Path, kind: str) -> None:
-    profile = read_profile(write_profile(make_profile(kind), tmp_path / "p.gguf"))
+def test_analysis_equals_brute_force(tmp_path: Path, kind: str, gaps: bool) -> None:
+    profile = read_profile(write_profile(make_profile(kind, gaps=gaps), tmp_path / "p.gguf"))
     every = 32
     a = analyze(profile, repick_every=every)
     decode = profile.sources[0].phase_steps(1)
-    half_tokens = len(decode) - len(decode) // 2
+    half = len(decode) // 2
     for layer_index, layer in enumerate(a.layers):
-        assert layer.selections == half_tokens * K
+        assert layer.selections == sum(1 for step in decode[half:] for e in step[layer_index] if e >= 0)
         for n in a.slots:
             assert layer.hits["static"][n] == brute_static(decode, layer_index, n, hindsight=False)
             assert layer.hits["oracle"][n] == brute_static(decode, layer_index, n, hindsight=True)

@@ -11,7 +11,8 @@ scored, so the numbers compare:
 - `repick@K`: every K tokens, the top-N of the last K tokens (re-picking the set periodically)
 
 A selection is a hit when its expert is resident before the token is processed; a token's
-selections then update the dynamic policies. Top-N ties go to the lower expert id. Dynamic
+selections then update the dynamic policies. Top-N ties go to the lower expert id. Ids of -1
+(a token a layer did not route, e.g. an MTP head and a prompt's first token) are skipped. Dynamic
 policies also report uploads: experts copied into slots per test token (an LRU miss, or an
 expert entering the set at a re-pick), and those uploads in bytes.
 """
@@ -120,7 +121,8 @@ def _lru_distances(steps: np.ndarray, n_expert: int) -> np.ndarray:
     """Stack distance of every selection, for every layer at once.
 
     steps: [S, L, k] ids. Returns [S, L, k]: how many distinct experts were used since this
-    expert's last use (n_expert + 1 if never). An N-slot LRU holds the selection iff distance < N.
+    expert's last use (n_expert + 1 if never; -1 where the id is -1, not routed). An N-slot LRU
+    holds the selection iff 0 <= distance < N.
     """
     n_steps, n_layers, k = steps.shape
     last = np.full((n_layers, n_expert), -1, dtype=np.int64)
@@ -128,15 +130,22 @@ def _lru_distances(steps: np.ndarray, n_expert: int) -> np.ndarray:
     rows = np.arange(n_layers)[:, None]
     for t in range(n_steps):
         ids = steps[t].astype(np.int64)  # [L, k]
-        mine = last[rows, ids]  # [L, k]
+        valid = ids >= 0
+        safe = np.where(valid, ids, 0)
+        mine = last[rows, safe]  # [L, k]
         dist = (last[:, None, :] > mine[:, :, None]).sum(axis=2)
-        out[t] = np.where(mine < 0, n_expert + 1, dist)
-        last[rows, ids] = t * k + np.arange(k)
+        out[t] = np.where(~valid, -1, np.where(mine < 0, n_expert + 1, dist))
+        last[rows, safe] = np.where(valid, t * k + np.arange(k), mine)
     return out
 
 
 def _count_ranked_hits(ranks: np.ndarray, slots: list[int]) -> dict[int, int]:
     return {n: int((ranks < n).sum()) for n in slots}
+
+
+def _bincount(ids: np.ndarray, n_expert: int) -> np.ndarray:
+    ids = ids.ravel()
+    return np.bincount(ids[ids >= 0], minlength=n_expert)
 
 
 def analyze(profile: Profile, slots: list[int] | None = None, repick_every: int = 64) -> Analysis:
@@ -149,13 +158,12 @@ def analyze(profile: Profile, slots: list[int] | None = None, repick_every: int 
     decode = [s.phase_steps(PHASE_DECODE) for s in profile.sources]  # each [S, L, k]
     history = [d[: len(d) // 2] for d in decode]
     tests = [d[len(d) // 2:] for d in decode]
-    n_test = sum(len(t) for t in tests)
 
     def counts_of(chunks: list[np.ndarray]) -> np.ndarray:
         c = np.zeros((n_layers, n_expert), dtype=np.int64)
         for chunk in chunks:
             for layer in range(n_layers):
-                c[layer] += np.bincount(chunk[:, layer, :].ravel(), minlength=n_expert)
+                c[layer] += _bincount(chunk[:, layer, :], n_expert)
         return c
 
     hist_counts, test_counts = counts_of(history), counts_of(tests)
@@ -163,7 +171,8 @@ def analyze(profile: Profile, slots: list[int] | None = None, repick_every: int 
         LayerAnalysis(
             tensor=name, counts_decode=[int(x) for x in profile.counts_decode[i]],
             counts_prefill=[int(x) for x in profile.counts_prefill[i]],
-            bytes_per_expert=profile.fingerprint.bytes_per_expert(name), selections=n_test * k, test_tokens=n_test,
+            bytes_per_expert=profile.fingerprint.bytes_per_expert(name), selections=int(test_counts[i].sum()),
+            test_tokens=int(test_counts[i].sum()) // k,
             hits={p: {n: 0 for n in slots} for p in policies}, uploads={p: {n: 0 for n in slots} for p in policies},
         )
         for i, name in enumerate(profile.tensors)
@@ -181,10 +190,11 @@ def analyze(profile: Profile, slots: list[int] | None = None, repick_every: int 
             continue
         dist = _lru_distances(d, n_expert)[len(h):]  # [T, L, k] for the test half
         for i, layer in enumerate(layers):
+            routed = dist[:, i, :] >= 0
             for n in slots:
-                hits = int((dist[:, i, :] < n).sum())
+                hits = int((routed & (dist[:, i, :] < n)).sum())
                 layer.hits["lru"][n] += hits
-                layer.uploads["lru"][n] += dist[:, i, :].size - hits
+                layer.uploads["lru"][n] += int(routed.sum()) - hits
         _score_repick(d, len(h), repick_every, n_expert, slots, layers, repick)
 
     return Analysis(n_expert=n_expert, n_expert_used=k, tokens_prefill=profile.tokens(0),
@@ -201,14 +211,14 @@ def _score_repick(d: np.ndarray, test_start: int, every: int, n_expert: int, slo
         rank = never
         for start in range(0, len(d), every):
             if start > 0:
-                window = d[start - every:start, i, :].ravel()
-                new_rank = rank_by_count(np.bincount(window, minlength=n_expert))
+                new_rank = rank_by_count(_bincount(d[start - every:start, i, :], n_expert))
                 if start >= test_start:
                     for n in slots:
                         layers[i].uploads[policy][n] += int(((new_rank < n) & (rank >= n)).sum())
                 rank = new_rank
             lo = max(start, test_start)
             block = d[lo:start + every, i, :]
+            block = block[block >= 0]
             if len(block):
                 for n, hits in _count_ranked_hits(rank[block], slots).items():
                     layers[i].hits[policy][n] += hits

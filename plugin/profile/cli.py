@@ -113,6 +113,8 @@ def _run(args: argparse.Namespace, model: Path) -> int:
     if not tool.exists():
         raise MoeplugError(f"build {result.build_id} has no llama-moe-profile; rebuild with 'moeplug native build'")
     extra = ["-ngl", str(args.ngl)] if args.ngl is not None else []
+    if args.no_mtp:
+        extra.append("--no-mtp")
     run = ProfileRun(tool=tool, model=model, n_predict=args.n_predict, ctx=args.ctx, threads=args.threads,
                      seed=args.seed, temp=args.temp, ignore_eos=args.ignore_eos, extra_args=tuple(extra))
     sets = [s.strip() for s in args.prompts.split(",") if s.strip()]
@@ -141,6 +143,7 @@ def add_profile_command(sub: Any) -> None:
     p.add_argument("--temp", type=float, default=0.0, help="0 = greedy; else sampled with --seed")
     p.add_argument("--ngl", type=int, default=None, help="GPU layers for the profiling run")
     p.add_argument("--ignore-eos", action="store_true", help="always generate -n tokens per prompt")
+    p.add_argument("--no-mtp", action="store_true", help="do not run the MTP (NextN) head of a model that has one")
     p.add_argument("--slots", help="slot counts to score, e.g. 8,16,32 (default: powers of two and eighths)")
     p.add_argument("--repick-every", type=int, default=64, help="K for the re-pick policy")
     p.add_argument("--model", help="analyze: check the profile belongs to this model")

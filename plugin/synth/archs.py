@@ -6,7 +6,8 @@ handle:
 
 - `qwen3moe`: separate gate/up/down expert tensors (optionally per-expert scales).
 - `hy_v3`:    fused `ffn_gate_up_exps`, a shared expert, a sigmoid router with a selection
-              bias, and leading dense blocks (so not every block is MoE).
+              bias, leading dense blocks (so not every block is MoE), and optionally an MTP
+              (NextN) block after the trunk, with experts of its own.
 - `gpt-oss`:  expert biases (`*_exps.bias`, through ADD_ID), router bias, attention sinks,
               sliding-window attention.
 """
@@ -53,6 +54,7 @@ class ModelSpec:
     leading_dense: int | None = None  # hy_v3: dense blocks before the MoE ones (default 1)
     shared_ff: int = 0  # hy_v3 shared-expert width; 0 = expert_ff
     expert_scales: bool = False  # qwen3moe: per-expert `*_exps.scale` tensors
+    mtp_layers: int = 0  # hy_v3: MTP (NextN) blocks after the trunk
     tied: bool = False  # no output.weight (gpt-oss always writes one)
     sliding_window: int = 128  # gpt-oss
     vocab_size: int | None = None  # pad the built-in vocab to this many tokens
@@ -72,6 +74,10 @@ class ModelSpec:
             raise ValueError(f"--used {self.used} is larger than --experts {self.experts}")
         if self.heads % self.heads_kv:
             raise ValueError(f"--heads {self.heads} is not a multiple of --heads-kv {self.heads_kv}")
+        if self.mtp_layers and self.arch != "hy_v3":
+            raise ValueError("--mtp-layers is only wired for hy_v3 (its loader reads NextN blocks)")
+        if self.mtp_layers < 0:
+            raise ValueError("--mtp-layers must not be negative")
         if self.expert_scales and self.arch != "qwen3moe":
             raise ValueError("--expert-scales is only wired for qwen3moe (its graph applies them)")
         if self.n_leading_dense >= self.layers:
@@ -147,7 +153,7 @@ def _add_metadata(plan: ModelPlan) -> None:
     kv("general.name", s.model_name, VT.STRING)
     kv("general.file_type", FILE_TYPES[s.dtype], VT.UINT32)
     kv("general.quantization_version", 2, VT.UINT32)
-    kv(f"{a}.block_count", s.layers, VT.UINT32)
+    kv(f"{a}.block_count", s.layers + s.mtp_layers, VT.UINT32)  # NextN blocks count as blocks
     kv(f"{a}.context_length", s.ctx, VT.UINT32)
     kv(f"{a}.embedding_length", s.embd, VT.UINT32)
     kv(f"{a}.feed_forward_length", s.n_dense_ff, VT.UINT32)
@@ -167,6 +173,8 @@ def _add_metadata(plan: ModelPlan) -> None:
         kv(f"{a}.expert_gating_func", 2, VT.UINT32)  # sigmoid
         kv(f"{a}.expert_weights_norm", True, VT.BOOL)
         kv(f"{a}.expert_weights_scale", 1.0, VT.FLOAT32)
+        if s.mtp_layers:
+            kv(f"{a}.nextn_predict_layers", s.mtp_layers, VT.UINT32)
     if a == "gpt-oss":
         kv(f"{a}.attention.sliding_window", s.sliding_window, VT.UINT32)
 
@@ -189,8 +197,13 @@ def _add_tensors(plan: ModelPlan, n_vocab: int) -> None:
     if not s.tied or s.arch == "gpt-oss":
         linear("output.weight", (D, n_vocab))
 
-    for i in range(s.layers):
+    for i in range(s.layers + s.mtp_layers):
         p = f"blk.{i}."
+        if i >= s.layers:  # an MTP block: the NextN projections, then a whole decoder block
+            linear(p + "nextn.eh_proj.weight", (2 * D, D))
+            f32(p + "nextn.enorm.weight", (D,), "norm")
+            f32(p + "nextn.hnorm.weight", (D,), "norm")
+            f32(p + "nextn.shared_head_norm.weight", (D,), "norm")
         f32(p + "attn_norm.weight", (D,), "norm")
         linear(p + "attn_q.weight", (D, q_dim))
         linear(p + "attn_k.weight", (D, kv_dim))

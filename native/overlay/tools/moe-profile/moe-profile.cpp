@@ -7,8 +7,13 @@
 //
 // The ids are read from the MUL_MAT_ID of the expert down weight (ffn_down_exps / ffn_down_chexps),
 // not from the router's top-k node: asking for the top-k node would split the graph inside the
-// fused router kernels. Keying by weight name also covers copies made by the scheduler and the
-// layers of an MTP head.
+// fused router kernels. Keying by weight name also covers copies made by the scheduler.
+//
+// Models with MTP (NextN) blocks: the MTP head is run teacher-forced in a second context, fed
+// the pair (token p+1, trunk hidden state p) after every trunk batch, as the MTP draft would see
+// it. Its MoE layer then routes every token but the first of each prompt, in step with the trunk.
+
+#include "../src/llama-ext.h"  // llama_set_embeddings_nextn, llama_get_embeddings_nextn_ith (staging API)
 
 #include "arg.h"
 #include "common.h"
@@ -35,6 +40,7 @@ enum moe_phase {
 };
 
 struct moe_tensor_record {
+    bool                 mtp      = false;  // routed by the MTP head: no row for a prompt's first token
     int64_t              n_expert = 0;
     int64_t              n_used   = 0;
     std::vector<int32_t> counts[2];  // [phase][expert]
@@ -50,6 +56,12 @@ struct moe_profiler {
     std::vector<std::string>                 order;    // first-seen order of the keys
 
     std::vector<uint8_t> buf;
+};
+
+// the eval callback's user data: which context is computing
+struct moe_cb_source {
+    moe_profiler * prof;
+    bool           mtp;
 };
 
 // weight names may be decorated by the scheduler as "<backend>#<name>#<copy>"
@@ -72,7 +84,8 @@ static bool moe_is_expert_down(const std::string & wname) {
 }
 
 static bool moe_profile_cb_eval(struct ggml_tensor * t, bool ask, void * user_data) {
-    auto * prof = (moe_profiler *) user_data;
+    const auto * src  = (const moe_cb_source *) user_data;
+    moe_profiler * prof = src->prof;
 
     if (t->op != GGML_OP_MUL_MAT_ID || !moe_is_expert_down(moe_weight_name(t->src[0]->name))) {
         return !ask;  // not ours: do not split the graph here, and keep computing
@@ -90,6 +103,7 @@ static bool moe_profile_cb_eval(struct ggml_tensor * t, bool ask, void * user_da
     auto it = prof->tensors.find(wname);
     if (it == prof->tensors.end()) {
         moe_tensor_record rec;
+        rec.mtp      = src->mtp;
         rec.n_expert = n_expert;
         rec.n_used   = n_used;
         rec.counts[MOE_PHASE_PREFILL].assign(n_expert, 0);
@@ -174,6 +188,7 @@ struct moe_model_fingerprint {
     uint32_t                 n_layer       = 0;
     uint32_t                 n_expert      = 0;
     uint32_t                 n_expert_used = 0;
+    uint32_t                 n_nextn       = 0;  // MTP (NextN) blocks, counted in n_layer
     uint64_t                 size          = 0;  // bytes of every file of the model
     std::string              meta_hash;
     std::vector<std::string> expert_tensors;     // every routed-expert tensor, in file order
@@ -223,6 +238,7 @@ static moe_model_fingerprint moe_fingerprint(const std::string & path) {
     fp.n_layer       = moe_get_u32(g, fp.arch + ".block_count");
     fp.n_expert      = moe_get_u32(g, fp.arch + ".expert_count");
     fp.n_expert_used = moe_get_u32(g, fp.arch + ".expert_used_count");
+    fp.n_nextn       = moe_get_u32(g, fp.arch + ".nextn_predict_layers");
     fp.meta_hash     = moe_meta_hash(path, gguf_get_data_offset(g));
 
     const uint32_t n_split = moe_get_u32(g, "split.count");
@@ -338,8 +354,15 @@ static bool moe_write_profile(const std::string & out, const moe_model_fingerpri
         for (int ph = 0; ph < 2; ++ph) {
             memcpy((int32_t *) cnt[ph]->data + it*n_expert, rec.counts[ph].data(), n_expert*sizeof(int32_t));
         }
+        int64_t row = 0;
         for (int64_t s = 0; s < n_steps; ++s) {
-            memcpy((int16_t *) seq->data + (s*n_tensors + it)*n_used, rec.seq.data() + s*n_used, n_used*sizeof(int16_t));
+            int16_t * dst = (int16_t *) seq->data + (s*n_tensors + it)*n_used;
+            if (rec.mtp && tokens[s].pos == 0) {
+                std::fill(dst, dst + n_used, (int16_t) -1);  // the MTP head has no input for a first token
+                continue;
+            }
+            memcpy(dst, rec.seq.data() + row*n_used, n_used*sizeof(int16_t));
+            row++;
         }
     }
     for (int64_t s = 0; s < n_steps; ++s) {
@@ -375,11 +398,47 @@ static void moe_batch_add(llama_batch & batch, llama_token id, llama_pos pos, bo
     batch.logits[i]    = output;
 }
 
+// The MTP head, run teacher-forced: after each trunk batch it gets (token i+1, trunk state i) for
+// every row, plus (first token, last state of the previous batch).
+struct moe_mtp_head {
+    llama_context *    ctx = nullptr;
+    common_batch       batch;
+    int32_t            n_embd = 0;
+    std::vector<float> pending_h;  // the previous batch's last hidden state
+
+    void reset() {
+        llama_memory_clear(llama_get_memory(ctx), true);
+        pending_h.clear();
+    }
+
+    bool feed(llama_context * ctx_trunk, const llama_batch & trunk) {
+        batch.clear();
+        if (!pending_h.empty()) {
+            const int32_t idx = batch.add(trunk.token[0], trunk.pos[0], 0, false);
+            batch.set_embd(idx, { pending_h.data(), 1, (size_t) n_embd });
+        }
+        for (int32_t i = 0; i < trunk.n_tokens; ++i) {
+            const float * h = llama_get_embeddings_nextn_ith(ctx_trunk, i);
+            if (h == nullptr) {
+                return false;
+            }
+            if (i + 1 == trunk.n_tokens) {
+                pending_h.assign(h, h + n_embd);
+                break;
+            }
+            const int32_t idx = batch.add(trunk.token[i + 1], trunk.pos[i + 1], 0, false);
+            batch.set_embd(idx, { h, 1, (size_t) n_embd });
+        }
+        return batch.size() == 0 || llama_process(ctx, LLAMA_PROCESS_TYPE_DECODE, batch.get()) == 0;
+    }
+};
+
 struct moe_args {
     std::string prompts_file;
     std::string out  = "moe-profile.gguf";
     std::string label;
-    bool        chat = false;
+    bool        chat   = false;
+    bool        no_mtp = false;
 };
 
 // printed with fprintf: it can run before common_init() has set up llama.cpp's logging
@@ -390,6 +449,7 @@ static void moe_usage(int /*argc*/, char ** argv) {
         "  --out FILE       profile to write (default: moe-profile.gguf)\n"
         "  --label NAME     label of this run, e.g. codeish (default: the prompts file's name)\n"
         "  --chat           wrap each prompt in the model's chat template as a user turn\n"
+        "  --no-mtp         do not run the MTP (NextN) head of a model that has one\n"
         "  -n N             tokens generated per prompt (default: 512); --temp 0 is greedy, else seeded by -s;\n"
         "                   generation stops at an end-of-generation token unless --ignore-eos\n\n",
         argv[0]);
@@ -414,6 +474,8 @@ static bool moe_parse_own_args(int & argc, char ** argv, moe_args & a) {
             value(a.label);
         } else if (arg == "--chat") {
             a.chat = true;
+        } else if (arg == "--no-mtp") {
+            a.no_mtp = true;
         } else {
             argv[out++] = argv[i];
         }
@@ -479,10 +541,13 @@ static int moe_profile_main(int argc, char ** argv) {
     llama_backend_init();
     llama_numa_init(params.numa);
 
-    moe_profiler prof;
+    moe_profiler  prof;
+    moe_cb_source src_trunk = { &prof, false };
+    moe_cb_source src_mtp   = { &prof, true  };
     params.cb_eval           = moe_profile_cb_eval;
-    params.cb_eval_user_data = &prof;
+    params.cb_eval_user_data = &src_trunk;
     params.warmup            = false;  // a warm-up run would be recorded too
+    params.load_mtp          = fp.n_nextn > 0 && !a.no_mtp;
 
     auto init = common_init_from_params(params);
     llama_model   * model = init->model();
@@ -493,6 +558,25 @@ static int moe_profile_main(int argc, char ** argv) {
     }
     const llama_vocab * vocab = llama_model_get_vocab(model);
     const int n_ctx   = (int) llama_n_ctx(ctx);
+
+    moe_mtp_head mtp;
+    llama_context_ptr mtp_ctx;
+    if (params.load_mtp && llama_model_n_layer_nextn(model) > 0) {
+        llama_context_params cparams = common_context_params_to_llama(params);
+        cparams.ctx_type          = LLAMA_CONTEXT_TYPE_MTP;
+        cparams.n_rs_seq          = 0;
+        cparams.cb_eval_user_data = &src_mtp;
+        mtp_ctx.reset(llama_init_from_model(model, cparams));
+        if (!mtp_ctx) {
+            LOG_ERR("%s: failed to create the MTP context\n", __func__);
+            return 1;
+        }
+        mtp.ctx    = mtp_ctx.get();
+        mtp.n_embd = llama_model_n_embd_out(model);
+        mtp.batch  = common_batch(mtp.ctx);
+        llama_set_embeddings_nextn(ctx, true, /*masked =*/ false);
+        LOG_INF("%s: running the MTP head (%d NextN layer(s)) teacher-forced\n", __func__, llama_model_n_layer_nextn(model));
+    }
     const int n_batch = (int) llama_n_batch(ctx);
 
     std::vector<moe_token_meta> tokens;
@@ -512,6 +596,9 @@ static int moe_profile_main(int argc, char ** argv) {
             toks.resize(std::max(1, n_ctx - params.n_predict));
         }
         llama_memory_clear(llama_get_memory(ctx), true);
+        if (mtp.ctx) {
+            mtp.reset();
+        }
         common_sampler_reset(smpl);
         labels.push_back(a.label);
 
@@ -526,7 +613,7 @@ static int moe_profile_main(int argc, char ** argv) {
                 tokens.push_back({ (int32_t) ip, pos, MOE_PHASE_PREFILL });
                 pos++;
             }
-            if (llama_decode(ctx, batch) != 0) {
+            if (llama_decode(ctx, batch) != 0 || (mtp.ctx && !mtp.feed(ctx, batch))) {
                 LOG_ERR("%s: prefill of prompt %zu failed\n", __func__, ip);
                 return 1;
             }
@@ -543,7 +630,7 @@ static int moe_profile_main(int argc, char ** argv) {
             moe_batch_add(batch, tok, pos, true);
             tokens.push_back({ (int32_t) ip, pos, MOE_PHASE_DECODE });
             pos++;
-            if (llama_decode(ctx, batch) != 0) {
+            if (llama_decode(ctx, batch) != 0 || (mtp.ctx && !mtp.feed(ctx, batch))) {
                 LOG_ERR("%s: decode of prompt %zu failed\n", __func__, ip);
                 return 1;
             }
@@ -561,11 +648,13 @@ static int moe_profile_main(int argc, char ** argv) {
         LOG_ERR("%s: no expert down-projection ran: not a MoE model?\n", __func__);
         return 1;
     }
+    const int64_t n_first = std::count_if(tokens.begin(), tokens.end(), [](const moe_token_meta & t) { return t.pos == 0; });
     for (const auto & name : prof.order) {
         const auto & rec = prof.tensors.at(name);
-        if ((int64_t) rec.seq.size() != rec.n_used * (int64_t) tokens.size()) {
-            LOG_ERR("%s: %s routed %zu token slots, expected %zu\n", __func__, name.c_str(), rec.seq.size(),
-                    rec.n_used * tokens.size());
+        const int64_t expected = (int64_t) tokens.size() - (rec.mtp ? n_first : 0);
+        if ((int64_t) rec.seq.size() != rec.n_used * expected) {
+            LOG_ERR("%s: %s routed %zu token slots, expected %lld\n", __func__, name.c_str(), rec.seq.size(),
+                    (long long) (rec.n_used * expected));
             return 1;
         }
     }
