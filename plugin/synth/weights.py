@@ -34,7 +34,7 @@ def _q4k_scale_bytes(sc: int, m: int) -> np.ndarray:
 def random_quant(rng: np.random.Generator, qtype: QT, n_elements: int, std: float) -> np.ndarray:
     block, type_size = GGML_QUANT_SIZES[qtype]
     n_blocks = n_elements // block
-    data = np.frombuffer(bytearray(rng.bytes(n_blocks * type_size)), dtype=np.uint8).reshape(n_blocks, type_size)
+    data = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
     if qtype == QT.Q8_0:  # w = d * q, q int8
         data[:, 0:2] = _f16_bytes(std / _STD_I8)
     elif qtype == QT.Q4_0:  # w = d * (q - 8), q in 0..15
