@@ -33,10 +33,11 @@ from moeplug.native.source import prepare_tree, source_origin
 from moeplug.output import note
 from moeplug.paths import builds_dir, cache_dir, logs_dir
 
-# The programs moeplug runs. The patched build adds our router profiler; the stock build adds
-# llama-eval-callback, the independent route the profiler's recorded ids are checked against.
+# The programs moeplug runs. The patched build adds our router profiler and our native tests;
+# the stock build adds llama-eval-callback, the independent route the profiler's recorded ids
+# are checked against.
 TARGETS = ("llama-server", "llama-cli", "llama-bench")
-PATCHED_TARGETS = (*TARGETS, "llama-moe-profile")
+PATCHED_TARGETS = (*TARGETS, "llama-moe-profile", "test-moe-split")
 STOCK_TARGETS = (*TARGETS, "llama-eval-callback")
 
 OFFLINE_CMAKE_FLAGS = (
@@ -45,7 +46,7 @@ OFFLINE_CMAKE_FLAGS = (
     "-DLLAMA_USE_PREBUILT_UI=OFF",
     "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_BUILD_EXAMPLES=ON",  # configured, not built: only the targets below are (eval-callback)
-    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_TESTS=ON",  # configured, not built: only the targets below are (test-moe-split)
     "-DLLAMA_BUILD_APP=OFF",
     # programs find their shared libraries beside them, so the bin/ folder can be moved
     "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON",

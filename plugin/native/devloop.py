@@ -72,8 +72,8 @@ def export_patches(tree: Path, spec: NativeSpec | None = None, root: Path | None
     staging = root / ".patches.new"
     shutil.rmtree(staging, ignore_errors=True)
     excludes = [f":(exclude){rel}" for rel in overlay_files]
-    _git(tree, "format-patch", "-q", "--zero-commit", "--no-signature", "--no-stat", "-o", str(staging),
-         f"{OVERLAY_TAG}..HEAD", "--", ".", *excludes)
+    _git(tree, "format-patch", "-q", "--zero-commit", "--no-signature", "--no-stat", "--no-numbered",
+         "-o", str(staging), f"{OVERLAY_TAG}..HEAD", "--", ".", *excludes)
     # swap the new series in only once it is complete
     old = root / ".patches.old"
     shutil.rmtree(old, ignore_errors=True)
