@@ -17,7 +17,7 @@ from moeplug.errors import (
     EXIT_USAGE,
     MoeplugError,
 )
-from moeplug.output import human_bytes, print_json, progress_bar, table
+from moeplug.output import ProgressBar, human_bytes, print_json, table
 
 EPILOG = f"""exit codes:
   {EXIT_OK}    success
@@ -76,7 +76,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
-    from moeplug.synth import ModelSpec, benchmark_spec, make_model, plan_for
+    from moeplug.synth import ModelSpec, benchmark_spec, make_model
 
     if args.benchmark_shape:
         spec = benchmark_spec(args.seed if args.seed is not None else 1234)
@@ -89,21 +89,15 @@ def cmd_make_model(args: argparse.Namespace) -> int:
             mtp_layers=args.mtp_layers,
             vocab_size=args.vocab_size,
         )
+    bar = ProgressBar(f"writing {Path(args.out).name}", "B")
     try:
-        plan, _ = plan_for(spec, args.vocab)
-    except ValueError as exc:
-        raise MoeplugError(str(exc), EXIT_USAGE) from exc
-    total = sum(t.n_bytes for t in plan.tensors)
-    update, close = progress_bar(f"writing {Path(args.out).name}", total)
-    try:
-        files = make_model(spec, args.out, shards=args.shards, vocab_path=args.vocab, progress=lambda d, t: update(d))
+        files = make_model(spec, args.out, shards=args.shards, vocab_path=args.vocab, progress=bar.update)
     except ValueError as exc:
         raise MoeplugError(str(exc), EXIT_USAGE) from exc
     finally:
-        close()
+        bar.close()
     if args.json:
-        print_json({"files": [str(f) for f in files], "arch": spec.arch, "dtype": spec.dtype, "seed": spec.seed,
-                    "tensor_bytes": total})
+        print_json({"files": [str(f) for f in files], "arch": spec.arch, "dtype": spec.dtype, "seed": spec.seed})
     else:
         for f in files:
             print(f"wrote {f} ({human_bytes(f.stat().st_size)})")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -36,18 +36,34 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str | No
     return "\n".join(lines)
 
 
-def progress_bar(description: str, total: int, unit: str = "B") -> tuple[Callable[[int], None], Callable[[], None]]:
-    """(update(done), close()) for a bar on stderr; silent when stderr is not a terminal."""
-    if not sys.stderr.isatty():
-        return (lambda done: None), (lambda: None)
-    from tqdm import tqdm
+class ProgressBar:
+    """Progress on stderr: a bar on a terminal; elsewhere a line every `every` percent (0: none).
 
-    bar = tqdm(total=total, desc=description, unit=unit, unit_scale=True, unit_divisor=1024, leave=False)
+    The bar starts at the first update, when the total is known.
+    """
 
-    def update(done: int) -> None:
-        bar.update(done - bar.n)
+    def __init__(self, description: str, unit: str = "it", every: int = 0) -> None:
+        self.description, self.unit, self.every = description, unit, every
+        self._bar: Any = None
+        self._last_pct = -1
 
-    return update, bar.close
+    def update(self, done: int, total: int) -> None:
+        if sys.stderr.isatty():
+            if self._bar is None:
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=total, desc=self.description, unit=self.unit, leave=False,
+                                 unit_scale=self.unit == "B", unit_divisor=1024)
+            self._bar.update(done - self._bar.n)
+        elif self.every and total:
+            pct = done * 100 // total
+            if pct >= self._last_pct + self.every:
+                note(f"  {self.description}: {pct}%")
+                self._last_pct = pct
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
 
 
 def note(message: str) -> None:

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import requests
-
 from moeplug.errors import MoeplugError
 
 HOST = "127.0.0.1"

@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,7 +29,7 @@ from moeplug.native.cpu_probe import native_cpu_flags
 from moeplug.native.features import detect_features
 from moeplug.native.lock import NativeSpec, load_spec
 from moeplug.native.source import prepare_tree, source_origin
-from moeplug.output import note
+from moeplug.output import ProgressBar, note
 from moeplug.paths import builds_dir, cache_dir, logs_dir
 
 # The programs moeplug runs. The patched build adds our router profiler and our native tests;
@@ -155,26 +154,19 @@ _STEP_RE = re.compile(r"^\[(\d+)/(\d+)\]|^\[\s*(\d+)%\]")
 
 def _run_logged(cmd: list[str], log: Path, what: str) -> None:
     """Run a command, its output to the log; show build progress ([n/N] or [p%]) on stderr."""
+    bar = ProgressBar(what, "step", every=10)
     with open(log, "a") as f:
         f.write(f"\n$ {' '.join(cmd)}\n")
         f.flush()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         assert proc.stdout is not None
-        last_shown, tty = -10, sys.stderr.isatty()
         for line in proc.stdout:
             f.write(line)
             m = _STEP_RE.match(line)
-            if not m:
-                continue
-            pct = int(m[1]) * 100 // int(m[2]) if m[1] else int(m[3])
-            if tty:
-                print(f"\r  {what}: {pct:3d}%", end="", file=sys.stderr, flush=True)
-            elif pct >= last_shown + 10:
-                note(f"  {what}: {pct}%")
-                last_shown = pct
+            if m:
+                bar.update(*((int(m[1]), int(m[2])) if m[1] else (int(m[3]), 100)))
         rc = proc.wait()
-        if tty:
-            print(file=sys.stderr)
+    bar.close()
     if rc != 0:
         raise BuildError(f"{what} failed (exit {rc}); see {log}")
 

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-
 from moeplug.errors import MoeplugError
 
 

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
 from moeplug.profile.format import PHASE_DECODE, Profile
 
 

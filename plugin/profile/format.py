@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from moeplug.errors import MoeplugError
 from moeplug.fsutil import atomic_path
 
@@ -79,7 +78,6 @@ def fnv1a64_hex(data: bytes) -> str:
 def model_fingerprint(model_path: str | Path) -> ModelFingerprint:
     """The fingerprint llama-moe-profile writes, computed from the model's GGUF header(s)."""
     import gguf
-
     from moeplug.model_inspect import shard_paths
 
     shards = shard_paths(Path(model_path))

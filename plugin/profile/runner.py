@@ -9,16 +9,22 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from moeplug.errors import MoeplugError
-from moeplug.output import note
+from moeplug.output import ProgressBar, note
 from moeplug.paths import data_dir, logs_dir
-from moeplug.profile.format import Profile, merge_profiles, model_fingerprint, read_profile, write_profile
+from moeplug.profile.format import (
+    ModelFingerprint,
+    Profile,
+    merge_profiles,
+    model_fingerprint,
+    read_profile,
+    write_profile,
+)
 
 DEFAULT_PROMPT_SETS = ("codeish", "chatty")
 _PROGRESS_RE = re.compile(r"prompt (\d+)/(\d+)")
@@ -52,8 +58,9 @@ def count_prompts(path: Path) -> int:
     return sum(1 for chunk in re.split(r"^---$", text, flags=re.M) if chunk.strip())
 
 
-def profile_path_for(model: Path) -> Path:
-    return data_dir() / "profiles" / f"{model_fingerprint(model).key}.gguf"
+def default_profile_path(fingerprint: ModelFingerprint) -> Path:
+    """Where a model's profile is stored: under the user data dir, by model fingerprint."""
+    return data_dir() / "profiles" / f"{fingerprint.key}.gguf"
 
 
 @dataclass
@@ -104,41 +111,20 @@ def run_profile(run: ProfileRun, prompt_sets: list[str], out: Path | None = None
     total = sum(count_prompts(p) for _, p in sets)
     done_before = 0
     profiles = []
+    bar = ProgressBar("profiling", "prompt", every=1)
     with tempfile.TemporaryDirectory(prefix="moeplug-profile-") as tmp:
         for label, prompts in sets:
             n = count_prompts(prompts)
             note(f"profiling '{label}': {n} prompts x {run.n_predict} tokens")
-            bar = _Progress(total)
 
             def on_prompt(i: int, base: int = done_before) -> None:
-                bar.show(base + i)
+                bar.update(base + i, total)
 
             profiles.append(run.run_set(label, prompts, Path(tmp) / f"{label}.gguf", on_prompt))
             done_before += n
-            bar.close()
+    bar.close()
     merged = merge_profiles(profiles)
     merged.check_model(fingerprint)
-    dest = out or data_dir() / "profiles" / f"{fingerprint.key}.gguf"
+    dest = out or default_profile_path(fingerprint)
     write_profile(merged, dest)
     return dest, merged
-
-
-class _Progress:
-    """prompts done / total on stderr: a bar on a terminal, a line per prompt otherwise."""
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.tty = sys.stderr.isatty()
-
-    def show(self, done: int) -> None:
-        if self.tty:
-            width = 30
-            filled = width * done // max(self.total, 1)
-            print(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} prompts", end="",
-                  file=sys.stderr, flush=True)
-        else:
-            note(f"  {done}/{self.total} prompts")
-
-    def close(self) -> None:
-        if self.tty:
-            print(file=sys.stderr)

@@ -17,7 +17,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT, GGUFValueType as VT
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFValueType as VT
 
 ARCHS = ("qwen3moe", "hy_v3", "gpt-oss")
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
-
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QT
 from moeplug.synth.archs import TensorPlan
 
 _STD_U4 = math.sqrt((16**2 - 1) / 12.0)  # std of a uniform 4-bit code
