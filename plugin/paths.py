@@ -27,6 +27,17 @@ def cache_dir() -> Path:
     return _xdg("XDG_CACHE_HOME", ".cache") / "moeplug"
 
 
+def bundled_dir(checkout_name: str, package_name: str, marker: str) -> Path:
+    """A data folder of the project: `checkout_name` in a source checkout (editable install), or
+    the copy a wheel installs beside the package as moeplug/`package_name`. `marker` is a file
+    that must be there, so an unrelated folder of the same name is never taken."""
+    package = Path(__file__).resolve().parent
+    checkout = package.parent / checkout_name
+    if (checkout / marker).exists():
+        return checkout
+    return package / package_name
+
+
 def builds_dir() -> Path:
     """Installed native builds, one folder per build id."""
     return data_dir() / "builds"

@@ -8,18 +8,12 @@ from pathlib import Path
 
 import yaml
 from moeplug.errors import MoeplugError
+from moeplug.paths import bundled_dir
 
 
 def native_dir() -> Path:
     """native/ of a source checkout, or the copy packaged into an installed wheel."""
-    import moeplug
-
-    checkout = Path(moeplug.__file__).resolve().parent.parent / "native"
-    if (checkout / "lock.yaml").exists():
-        return checkout
-    from importlib.resources import files
-
-    return Path(str(files("moeplug._native")))
+    return bundled_dir("native", "_native", "lock.yaml")
 
 
 @dataclass(frozen=True)

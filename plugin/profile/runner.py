@@ -16,7 +16,7 @@ from pathlib import Path
 
 from moeplug.errors import MoeplugError
 from moeplug.output import ProgressBar, note
-from moeplug.paths import data_dir, logs_dir
+from moeplug.paths import bundled_dir, data_dir, logs_dir
 from moeplug.profile.format import (
     ModelFingerprint,
     Profile,
@@ -31,14 +31,7 @@ _PROGRESS_RE = re.compile(r"prompt (\d+)/(\d+)")
 
 
 def bundled_prompts_dir() -> Path:
-    import moeplug
-
-    checkout = Path(moeplug.__file__).resolve().parent.parent / "profiles"
-    if (checkout / "codeish.txt").exists():
-        return checkout
-    from importlib.resources import files
-
-    return Path(str(files("moeplug._prompts")))
+    return bundled_dir("profiles", "_prompts", "codeish.txt")
 
 
 def resolve_prompt_set(name: str) -> tuple[str, Path]:
