@@ -72,6 +72,43 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# resolve, recipes
+
+
+def cmd_resolve(args: argparse.Namespace) -> int:
+    from moeplug.refs import resolve_ref
+
+    resolved = resolve_ref(args.model)
+    if args.json:
+        print_json(resolved.to_json())
+        return EXIT_OK
+    ref = resolved.ref
+    print(f"{ref.text}: {ref.kind}" + (f" (recipe {ref.recipe.name})" if ref.recipe else ""))
+    if ref.repo:
+        print(f"  repo      {ref.repo}" + (f"  quant {ref.quant}" if ref.quant else f"  file {ref.filename}"))
+    if resolved.revision:
+        print(f"  revision  {resolved.revision}")
+    print(f"  source    {resolved.source}")
+    print(f"  path      {resolved.path}")
+    for extra in resolved.files[1:]:
+        print(f"            {extra}")
+    return EXIT_OK
+
+
+def cmd_recipes(args: argparse.Namespace) -> int:
+    from moeplug.refs import load_recipes
+
+    recipes = {r.name: r for r in load_recipes().values()}
+    if args.json:
+        print_json([{"name": r.name, "aliases": list(r.aliases), "repo": r.repo, "quant": r.quant, "arch": r.arch,
+                     "checked": r.checked, "notes": r.notes} for r in recipes.values()])
+        return EXIT_OK
+    rows = [[r.name, r.repo + ("" if r.checked else " (unconfirmed)"), r.quant, r.arch] for r in recipes.values()]
+    print(table(["recipe", "repo", "quant", "arch"], rows, "llll"))
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------
 # dev make-model
 
 
@@ -162,6 +199,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="path to a .gguf file (any shard of a split model)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("resolve", help="where a model reference is on this machine (HF cache, Ollama, path)",
+                       description="Resolve demo, a .gguf path, user/repo[:QUANT], user/repo/file.gguf, "
+                       "ollama:NAME[:TAG] or a recipe name to local files, without downloading.")
+    p.add_argument("model")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_resolve)
+
+    p = sub.add_parser("recipes", help="list the known MoE models (recipes/*.yaml)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_recipes)
 
     dev = sub.add_parser("dev", help="developer tools: synthetic models").add_subparsers(
         dest="dev_command", metavar="DEV_COMMAND", parser_class=_Parser, required=True

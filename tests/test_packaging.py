@@ -30,7 +30,8 @@ def test_wheel_installs_with_its_data(tmp_path: Path) -> None:
     wheel = next((tmp_path / "dist").glob("moeplug-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     for expected in ("moeplug/cli.py", "moeplug/tui/__init__.py", "moeplug/_native/lock.yaml",
-                     "moeplug/_native/overlay/tools/moe-profile/moe-profile.cpp", "moeplug/_prompts/codeish.txt"):
+                     "moeplug/_native/overlay/tools/moe-profile/moe-profile.cpp", "moeplug/_prompts/codeish.txt",
+                     "moeplug/_recipes/qwen3-30b-a3b.yaml"):
         assert expected in names
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
