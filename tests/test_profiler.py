@@ -201,3 +201,20 @@ def test_cli_profile_errors(tmp_path: Path, fixture_models) -> None:
     assert r.returncode == 1 and "no such profile file" in r.stderr
     r = run_cli("profile", "analyze", str(prof), "--slots", "a,b")
     assert r.returncode == 2
+
+
+def test_profile_stored_by_fingerprint(tmp_path: Path, patched_build, fixture_models, monkeypatch) -> None:
+    """Without --out the merged profile lands under the data dir, named by the model's fingerprint,
+    written atomically (no temporary file left beside it)."""
+    from moeplug.profile.runner import ProfileRun, default_profile_path, run_profile
+
+    model = fixture_models["qwen3moe"]
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    run = ProfileRun(tool=patched_build.binary("llama-moe-profile"), model=model, n_predict=4, ctx=512, threads=2,
+                     ignore_eos=True)
+    dest, profile = run_profile(run, ["codeish"])
+    fingerprint = model_fingerprint(model)
+    assert dest == default_profile_path(fingerprint) == tmp_path / "data" / "moeplug" / "profiles" / \
+        f"qwen3moe-{fingerprint.meta_hash}.gguf"
+    assert read_profile(dest).tokens(1) == 8 * 4
+    assert [p.name for p in dest.parent.iterdir()] == [dest.name]
