@@ -160,14 +160,6 @@ def _open_reader(path: Path) -> Any:
     return reader
 
 
-def _field_value(reader: Any, key: str) -> Any:
-    f = reader.get_field(key)
-    if f is None:
-        return None
-    value = f.contents()
-    return value
-
-
 def _scalar_or_max(value: Any) -> int | None:
     """Per-layer arrays (some archs store expert counts per layer) collapse to their maximum."""
     if value is None:
@@ -182,7 +174,7 @@ def _read_metadata(reader: Any) -> dict[str, Any]:
     for key in reader.fields:
         if key.startswith("GGUF.") or key.startswith("tokenizer."):
             continue
-        value = _field_value(reader, key)
+        value = reader.get_field(key).contents()
         if isinstance(value, (str, int, float, bool)) or (isinstance(value, list) and len(value) <= 512):
             out[key] = value
     return out
