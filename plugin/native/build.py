@@ -120,7 +120,7 @@ def find_nvcc() -> str | None:
 
 def resolve_options(backend: str | None, stock: bool, jobs: int, cuda_arch: str | None) -> BuildOptions:
     """Pick the backend: CUDA when nvcc and a GPU are present (or forced), else CPU."""
-    gpu_arch = detect_gpu_arch()
+    gpu_arch = detect_gpu_arch() if backend != "cpu" else None  # no NVML probe for a CPU build
     if backend is None:
         backend = "cuda" if find_nvcc() and gpu_arch else "cpu"
     if backend == "cuda":
