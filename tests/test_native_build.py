@@ -205,3 +205,31 @@ def test_worktree_roundtrip(private_cache: Path, tmp_path: Path) -> None:
         patches[-1].name.endswith("README-say-hello.patch")
     rebuilt = prepare_tree(load_spec(root), stock=False, tree_id="rt", log=tmp_path / "log")
     assert (rebuilt / "README.md").read_text().endswith("moeplug was here\n")
+
+
+def test_prune_removes_only_stale_builds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, patched_build) -> None:
+    """A build whose id this checkout would not produce (another patch series) is stale."""
+    from moeplug.native.build import installed_builds, is_current, prune, tree_id
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    builds = tmp_path / "data" / "moeplug" / "builds"
+    shutil.copytree(patched_build.path, builds / patched_build.build_id, symlinks=True)
+    old_id = patched_build.build_id.rsplit("-", 1)[0] + "-000000000000"
+    shutil.copytree(patched_build.path, builds / old_id, symlinks=True)
+    manifest = json.loads((builds / old_id / "build.json").read_text())
+    manifest.update(build_id=old_id, patches=["0001-an-older-patch.patch"])
+    (builds / old_id / "build.json").write_text(json.dumps(manifest))
+    src = tmp_path / "cache" / "moeplug" / "src"
+    for name in (tree_id(load_spec(), True), tree_id(load_spec(), False), "b11434-0123456789abcdef"):
+        (src / name).mkdir(parents=True)
+
+    state = {b.build_id: is_current(b) for b in installed_builds()}
+    assert state == {patched_build.build_id: True, old_id: False}
+    assert set(prune(dry_run=True)) == {builds / old_id, src / "b11434-0123456789abcdef"}
+    assert (builds / old_id).exists()  # a dry run removes nothing
+    r = run_cli("native", "prune", "--json")
+    assert r.returncode == 0, r.stderr
+    assert set(json.loads(r.stdout)["removed"]) == {str(builds / old_id), str(src / "b11434-0123456789abcdef")}
+    assert [b.build_id for b in installed_builds()] == [patched_build.build_id]
+    assert sorted(p.name for p in src.iterdir()) == sorted([tree_id(load_spec(), True), tree_id(load_spec(), False)])

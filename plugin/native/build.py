@@ -88,13 +88,18 @@ class BuildResult:
         return self.bin_dir / name
 
 
-def build_id(spec: NativeSpec, opts: BuildOptions) -> str:
+def build_id(spec: NativeSpec, opts: BuildOptions, origin: str | None = None) -> str:
     h = hashlib.sha256()
     h.update(spec.digest(opts.stock).encode())
     h.update(json.dumps(opts.identity(), sort_keys=True).encode())
-    h.update(source_origin().encode())
+    h.update((origin or source_origin()).encode())
     kind = "stock" if opts.stock else "moeplug"
     return f"{spec.lock.tag}-{opts.backend}-{kind}-{h.hexdigest()[:12]}"
+
+
+def tree_id(spec: NativeSpec, stock: bool) -> str:
+    """The id of the prepared source tree (stock, or with this patch series and overlay)."""
+    return f"{spec.lock.tag}-{spec.digest(stock)[:16]}"
 
 
 def detect_gpu_arch() -> str | None:
@@ -217,7 +222,7 @@ def build(opts: BuildOptions, spec: NativeSpec | None = None) -> BuildResult:
         started = time.time()
         kind = "stock" if opts.stock else f"patched ({len(spec.patches)} patches)"
         note(f"native build {bid}: llama.cpp {spec.lock.tag}, {opts.backend}, {kind}; log: {log}")
-        tree = prepare_tree(spec, opts.stock, f"{spec.lock.tag}-{spec.digest(opts.stock)[:16]}", log)
+        tree = prepare_tree(spec, opts.stock, tree_id(spec, opts.stock), log)
         build_dir = cache_dir() / "build" / bid
         _run_logged(cmake_args(opts, tree, build_dir), log, "configure")
         jobs = opts.jobs or os.cpu_count() or 2
@@ -253,3 +258,33 @@ def installed_builds() -> list[BuildResult]:
         if manifest is not None and not path.name.startswith("."):
             out.append(BuildResult(path.name, path, manifest, built=False))
     return out
+
+
+def is_current(result: BuildResult, spec: NativeSpec | None = None) -> bool:
+    """True when this checkout would build the same id with the build's own options: the build
+    has the current lock, patch series and overlay."""
+    m = result.manifest
+    try:
+        opts = BuildOptions(backend=m["backend"], stock=m["stock"], cuda_arch=m.get("cuda_arch"),
+                            targets=tuple(m["targets"]), cpu_flags=tuple(m.get("cpu_flags", [])))
+    except (KeyError, TypeError):
+        return False
+    return build_id(spec or load_spec(), opts, m.get("source", "sdist")) == result.build_id
+
+
+def prune(spec: NativeSpec | None = None, dry_run: bool = False) -> list[Path]:
+    """Remove stale builds (with their build folders) and source trees that no current build uses."""
+    spec = spec or load_spec()
+    doomed: list[Path] = []
+    for b in installed_builds():
+        if not is_current(b, spec):
+            doomed += [b.path, cache_dir() / "build" / b.build_id]
+    keep_trees = {tree_id(spec, stock) for stock in (True, False)}
+    src = cache_dir() / "src"
+    if src.is_dir():
+        doomed += [t for t in sorted(src.iterdir()) if t.name not in keep_trees]
+    doomed = [p for p in doomed if p.exists()]
+    if not dry_run:
+        for path in doomed:
+            shutil.rmtree(path)
+    return doomed

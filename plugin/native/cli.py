@@ -28,7 +28,7 @@ def _features_text(features: dict[str, bool]) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from moeplug.native.build import installed_builds
+    from moeplug.native.build import installed_builds, is_current
     from moeplug.native.features import detect_features
 
     if args.binary:
@@ -42,7 +42,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     docs: list[dict[str, Any]] = []
     for b in builds:
         server = b.binary("llama-server")
-        docs.append({**b.manifest, "path": str(b.path), "usable": server.exists()})
+        docs.append({**b.manifest, "path": str(b.path), "usable": server.exists(), "current": is_current(b)})
     if args.json:
         print_json({"builds": docs})
         return EXIT_OK
@@ -50,8 +50,32 @@ def cmd_status(args: argparse.Namespace) -> int:
         print("no native builds yet: run 'moeplug native build'")
         return EXIT_OK
     rows = [[d["build_id"], d["backend"], "stock" if d["stock"] else "patched", d["llama_cpp_tag"],
-             d.get("created", "?"), _features_text(d.get("features", {}))] for d in docs]
-    print(table(["build", "backend", "kind", "llama.cpp", "created", "features"], rows, "llllll"))
+             "current" if d["current"] else "stale", d.get("created", "?"), _features_text(d.get("features", {}))]
+            for d in docs]
+    print(table(["build", "backend", "kind", "llama.cpp", "state", "created", "features"], rows, "lllllll"))
+    if not all(d["current"] for d in docs):
+        print("stale: built from another patch series or overlay; 'moeplug native prune' removes them")
+    return EXIT_OK
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from moeplug.native.build import prune
+    from moeplug.output import human_bytes
+
+    def size(path: Path) -> int:
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+    removed = prune(dry_run=True)
+    freed = sum(size(p) for p in removed)
+    if not args.dry_run:
+        prune()
+    if args.json:
+        print_json({"removed": [str(p) for p in removed], "bytes": freed, "dry_run": args.dry_run})
+        return EXIT_OK
+    verb = "would remove" if args.dry_run else "removed"
+    for p in removed:
+        print(f"{verb} {p}")
+    print(f"{verb} {len(removed)} folders, {human_bytes(freed)}")
     return EXIT_OK
 
 
@@ -91,6 +115,11 @@ def add_native_commands(sub: Any) -> None:
     p.add_argument("--binary", help="report the features of this llama-server instead (any build)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_status)
+
+    p = native.add_parser("prune", help="remove stale builds and source trees (another patch series or overlay)")
+    p.add_argument("--dry-run", action="store_true", help="list what would be removed")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_prune)
 
     p = native.add_parser("worktree", help="make a git work tree of the pinned source with our patches as commits")
     p.add_argument("dir")
