@@ -125,13 +125,21 @@ class ModelInfo:
         }
 
 
+def shard_names(name: str) -> list[str] | None:
+    """The file names of every shard of the split model `name` (a shard's name), else None."""
+    m = SHARD_RE.match(name)
+    if not m:
+        return None
+    count = int(m["count"])
+    return [f"{m['stem']}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+
+
 def shard_paths(path: Path) -> list[Path]:
     """All shards of a split model given any one of them (or [path] if it is not split)."""
-    m = SHARD_RE.match(path.name)
-    if not m:
+    names = shard_names(path.name)
+    if names is None:
         return [path]
-    count = int(m["count"])
-    paths = [path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    paths = [path.with_name(n) for n in names]
     missing = [p.name for p in paths if not p.exists()]
     if missing:
         raise GGUFError(f"{path}: split model is incomplete: missing shard {', '.join(missing)}")
@@ -160,7 +168,7 @@ def _open_reader(path: Path) -> Any:
     return reader
 
 
-def _scalar_or_max(value: Any) -> int | None:
+def scalar_or_max(value: Any) -> int | None:
     """Per-layer arrays (some archs store expert counts per layer) collapse to their maximum."""
     if value is None:
         return None
@@ -234,12 +242,12 @@ def inspect_model(path: str | Path) -> ModelInfo:
             )
         raise MoeplugError(f"{path}: unknown architecture '{arch}' (llama.cpp b11434 cannot load it)")
 
-    n_expert = _scalar_or_max(meta.get(f"{arch}.expert_count")) or 0
+    n_expert = scalar_or_max(meta.get(f"{arch}.expert_count")) or 0
     if not layers or n_expert == 0:
         raise NotApplicableError(f"{path}: dense model ({arch}): no routed-expert tensors, nothing for moeplug to do")
 
     n_layer = int(meta.get(f"{arch}.block_count") or 0)
-    shared = _scalar_or_max(meta.get(f"{arch}.expert_shared_count"))
+    shared = scalar_or_max(meta.get(f"{arch}.expert_shared_count"))
     if shared is None:
         shared = 1 if any(SHARED_EXPERT_RE.match(t.name) for t in tensors) else 0
     return ModelInfo(
@@ -249,9 +257,9 @@ def inspect_model(path: str | Path) -> ModelInfo:
         name=meta.get("general.name"),
         n_layer=n_layer,
         n_expert=n_expert,
-        n_expert_used=_scalar_or_max(meta.get(f"{arch}.expert_used_count")) or 0,
+        n_expert_used=scalar_or_max(meta.get(f"{arch}.expert_used_count")) or 0,
         n_expert_shared=shared,
-        expert_ff=_scalar_or_max(meta.get(f"{arch}.expert_feed_forward_length")),
+        expert_ff=scalar_or_max(meta.get(f"{arch}.expert_feed_forward_length")),
         layers=layers,
         tensors=tensors,
         metadata=meta,

@@ -23,6 +23,7 @@ from pathlib import Path
 import yaml
 
 from moeplug.errors import MoeplugError
+from moeplug.model_inspect import shard_names, shard_paths
 from moeplug.paths import bundled_dir
 
 DEFAULT_QUANT = "Q4_K_M"
@@ -30,7 +31,6 @@ OLLAMA_MODEL_MEDIA_TYPE = "application/vnd.ollama.image.model"
 _HF_REPO = r"[A-Za-z0-9][\w.-]*/[\w.-]+"
 _HF_QUANT_RE = re.compile(rf"^(?P<repo>{_HF_REPO})(?::(?P<quant>[\w.-]+))?$")
 _HF_FILE_RE = re.compile(rf"^(?P<repo>{_HF_REPO})/(?P<file>.+\.gguf)$", re.IGNORECASE)
-_SHARD_RE = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 
 
 @dataclass(frozen=True)
@@ -188,11 +188,11 @@ def _quant_matches(path: str, quant: str) -> bool:
 
 def _shard_set(name: str, present: set[str], where: str) -> list[str]:
     """[name], or every shard of the split model `name` belongs to (all of them must be there)."""
-    m = _SHARD_RE.search(name)
-    if not m:
+    folder, _, base = name.rpartition("/")
+    names = shard_names(base)
+    if names is None:
         return [name]
-    count, stem = int(m[2]), name[: m.start()]
-    shards = [f"{stem}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+    shards = [f"{folder}/{n}" if folder else n for n in names]
     missing = [f for f in shards if f not in present]
     if missing:
         raise MoeplugError(f"{where}: split model is incomplete: missing {', '.join(missing)}")
@@ -246,8 +246,6 @@ def resolve_ref(text: str) -> ResolvedModel:
         assert ref.path is not None
         if not ref.path.is_file():
             raise MoeplugError(f"{ref.path}: no such file")
-        from moeplug.model_inspect import shard_paths
-
         files = shard_paths(ref.path.resolve())
         return ResolvedModel(ref=ref, path=files[0], files=files, source="local")
     if ref.kind == "ollama":

@@ -78,17 +78,14 @@ def fnv1a64_hex(data: bytes) -> str:
 def model_fingerprint(model_path: str | Path) -> ModelFingerprint:
     """The fingerprint llama-moe-profile writes, computed from the model's GGUF header(s)."""
     import gguf
-    from moeplug.model_inspect import shard_paths
+    from moeplug.model_inspect import scalar_or_max, shard_paths
 
     shards = shard_paths(Path(model_path))
     first = gguf.GGUFReader(shards[0])
 
     def u32(key: str) -> int:
         f = first.get_field(key)
-        if f is None:
-            return 0
-        v = f.contents()
-        return int(max(v)) if isinstance(v, list) else int(v)
+        return (scalar_or_max(f.contents()) if f is not None else None) or 0
 
     arch = str(first.get_field("general.architecture").contents())
     with open(shards[0], "rb") as fh:
