@@ -36,7 +36,9 @@ from moeplug.paths import builds_dir, cache_dir, logs_dir
 # the stock build adds llama-eval-callback, the independent route the profiler's recorded ids
 # are checked against.
 TARGETS = ("llama-server", "llama-cli", "llama-bench")
-PATCHED_TARGETS = (*TARGETS, "llama-moe-profile", "test-moe-split")
+PATCHED_TARGETS = (
+    *TARGETS, "llama-moe-profile", "llama-eval-callback", "test-moe-split", "test-moe-cache", "test-llama-archs",
+)
 STOCK_TARGETS = (*TARGETS, "llama-eval-callback")
 
 OFFLINE_CMAKE_FLAGS = (

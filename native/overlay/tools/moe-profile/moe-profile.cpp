@@ -19,6 +19,7 @@
 #include "common.h"
 #include "gguf.h"
 #include "log.h"
+#include "moe-cache.h"
 #include "llama.h"
 #include "sampling.h"
 
@@ -29,7 +30,6 @@
 #include <fstream>
 #include <map>
 #include <string>
-#include <sys/stat.h>
 #include <vector>
 
 static const uint32_t MOE_PROFILE_VERSION = 1;
@@ -165,127 +165,6 @@ static std::vector<std::string> moe_read_prompts(const std::string & path) {
     return prompts;
 }
 
-// FNV-1a 64 of the bytes before the tensor data of the model's first file: the header, every
-// metadata key and the tensor table. moeplug computes the same to match profiles to models.
-static std::string moe_meta_hash(const std::string & path, size_t n_bytes) {
-    std::ifstream f(path, std::ios::binary);
-    std::vector<char> data(n_bytes);
-    if (!f.read(data.data(), (std::streamsize) n_bytes)) {
-        throw std::runtime_error("cannot read " + path);
-    }
-    uint64_t h = 0xcbf29ce484222325ULL;
-    for (char c : data) {
-        h ^= (uint8_t) c;
-        h *= 0x100000001b3ULL;
-    }
-    char hex[17];
-    snprintf(hex, sizeof(hex), "%016llx", (unsigned long long) h);
-    return hex;
-}
-
-struct moe_model_fingerprint {
-    std::string              arch;
-    uint32_t                 n_layer       = 0;
-    uint32_t                 n_expert      = 0;
-    uint32_t                 n_expert_used = 0;
-    uint32_t                 n_nextn       = 0;  // MTP (NextN) blocks, counted in n_layer
-    uint64_t                 size          = 0;  // bytes of every file of the model
-    std::string              meta_hash;
-    std::vector<std::string> expert_tensors;     // every routed-expert tensor, in file order
-    std::vector<int64_t>     expert_shapes;      // 4 ne per tensor
-    std::vector<int32_t>     expert_types;       // ggml_type per tensor
-};
-
-static uint32_t moe_get_u32(const gguf_context * g, const std::string & key) {
-    const int64_t id = gguf_find_key(g, key.c_str());
-    if (id < 0) {
-        return 0;
-    }
-    switch (gguf_get_kv_type(g, id)) {
-        case GGUF_TYPE_UINT32: return gguf_get_val_u32(g, id);
-        case GGUF_TYPE_INT32:  return (uint32_t) gguf_get_val_i32(g, id);
-        case GGUF_TYPE_UINT16: return gguf_get_val_u16(g, id);
-        case GGUF_TYPE_ARRAY: {
-            // per-layer values: the largest
-            uint32_t best = 0;
-            if (gguf_get_arr_type(g, id) == GGUF_TYPE_UINT32 || gguf_get_arr_type(g, id) == GGUF_TYPE_INT32) {
-                const auto * v = (const uint32_t *) gguf_get_arr_data(g, id);
-                for (size_t i = 0; i < gguf_get_arr_n(g, id); ++i) {
-                    best = std::max(best, v[i]);
-                }
-            }
-            return best;
-        }
-        default: return 0;
-    }
-}
-
-static bool moe_is_expert_tensor(const std::string & name) {
-    return name.rfind("blk.", 0) == 0 &&
-           (name.find("_exps.") != std::string::npos || name.find("_chexps.") != std::string::npos);
-}
-
-static moe_model_fingerprint moe_fingerprint(const std::string & path) {
-    moe_model_fingerprint fp;
-
-    ggml_context * meta = nullptr;
-    gguf_init_params ip = { /*.no_alloc =*/ true, /*.ctx =*/ &meta };
-    gguf_context * g = gguf_init_from_file(path.c_str(), ip);
-    if (g == nullptr) {
-        throw std::runtime_error("cannot read GGUF header of " + path);
-    }
-    fp.arch          = gguf_get_val_str(g, gguf_find_key(g, "general.architecture"));
-    fp.n_layer       = moe_get_u32(g, fp.arch + ".block_count");
-    fp.n_expert      = moe_get_u32(g, fp.arch + ".expert_count");
-    fp.n_expert_used = moe_get_u32(g, fp.arch + ".expert_used_count");
-    fp.n_nextn       = moe_get_u32(g, fp.arch + ".nextn_predict_layers");
-    fp.meta_hash     = moe_meta_hash(path, gguf_get_data_offset(g));
-
-    const uint32_t n_split = moe_get_u32(g, "split.count");
-    std::vector<std::string> paths = { path };
-    if (n_split > 1) {
-        char prefix[4096];
-        if (llama_split_prefix(prefix, sizeof(prefix), path.c_str(), 0, n_split) == 0) {
-            throw std::runtime_error("split model: name the first shard, not " + path);
-        }
-        for (uint32_t i = 1; i < n_split; ++i) {
-            char split[4096];
-            llama_split_path(split, sizeof(split), prefix, i, n_split);
-            paths.push_back(split);
-        }
-    }
-    gguf_free(g);
-    ggml_free(meta);
-
-    for (const auto & p : paths) {
-        struct stat st;
-        if (stat(p.c_str(), &st) == 0) {
-            fp.size += (uint64_t) st.st_size;
-        }
-        ggml_context * ctx = nullptr;
-        gguf_init_params sp = { /*.no_alloc =*/ true, /*.ctx =*/ &ctx };
-        gguf_context * gs = gguf_init_from_file(p.c_str(), sp);
-        if (gs == nullptr) {
-            throw std::runtime_error("cannot read GGUF header of " + p);
-        }
-        for (int64_t i = 0; i < gguf_get_n_tensors(gs); ++i) {
-            const std::string name = gguf_get_tensor_name(gs, i);
-            if (!moe_is_expert_tensor(name)) {
-                continue;
-            }
-            const ggml_tensor * t = ggml_get_tensor(ctx, name.c_str());
-            fp.expert_tensors.push_back(name);
-            for (int d = 0; d < 4; ++d) {
-                fp.expert_shapes.push_back(t->ne[d]);
-            }
-            fp.expert_types.push_back((int32_t) gguf_get_tensor_type(gs, i));
-        }
-        gguf_free(gs);
-        ggml_free(ctx);
-    }
-    return fp;
-}
-
 struct moe_token_meta {
     int32_t prompt;
     int32_t pos;
@@ -300,7 +179,7 @@ static void moe_set_arr_str(gguf_context * g, const char * key, const std::vecto
     gguf_set_arr_str(g, key, ptrs.data(), ptrs.size());
 }
 
-static bool moe_write_profile(const std::string & out, const moe_model_fingerprint & fp, const moe_profiler & prof,
+static bool moe_write_profile(const std::string & out, const common_moe_fingerprint & fp, const moe_profiler & prof,
         const std::vector<moe_token_meta> & tokens, const std::vector<std::string> & prompt_labels,
         const std::string & source, const common_params & params) {
     const int64_t n_tensors = (int64_t) prof.order.size();
@@ -321,15 +200,7 @@ static bool moe_write_profile(const std::string & out, const moe_model_fingerpri
     gguf_context * g = gguf_init_empty();
     gguf_set_val_str(g, "general.type", "moe-profile");
     gguf_set_val_u32(g, "moe_profile.version", MOE_PROFILE_VERSION);
-    gguf_set_val_str(g, "moe_profile.model.arch", fp.arch.c_str());
-    gguf_set_val_u32(g, "moe_profile.model.n_layer", fp.n_layer);
-    gguf_set_val_u32(g, "moe_profile.model.n_expert", fp.n_expert);
-    gguf_set_val_u32(g, "moe_profile.model.n_expert_used", fp.n_expert_used);
-    gguf_set_val_u64(g, "moe_profile.model.size", fp.size);
-    gguf_set_val_str(g, "moe_profile.model.meta_hash", fp.meta_hash.c_str());
-    moe_set_arr_str(g, "moe_profile.model.expert_tensors", fp.expert_tensors);
-    gguf_set_arr_data(g, "moe_profile.model.expert_shapes", GGUF_TYPE_INT64, fp.expert_shapes.data(), fp.expert_shapes.size());
-    gguf_set_arr_data(g, "moe_profile.model.expert_types", GGUF_TYPE_INT32, fp.expert_types.data(), fp.expert_types.size());
+    common_moe_fingerprint_write(g, fp);
     moe_set_arr_str(g, "moe_profile.tensors", prof.order);
     gguf_set_val_u64(g, "moe_profile.tokens.prefill", (uint64_t) n_prefill);
     gguf_set_val_u64(g, "moe_profile.tokens.decode", (uint64_t) (n_steps - n_prefill));
@@ -522,16 +393,21 @@ static int moe_profile_main(int argc, char ** argv) {
     }
 
     std::vector<std::string> prompts;
-    moe_model_fingerprint fp;
+    common_moe_fingerprint fp;
     try {
         prompts = moe_read_prompts(a.prompts_file);
-        fp      = moe_fingerprint(params.model.path);
+        fp      = common_moe_fingerprint_of(params.model.path);
     } catch (const std::exception & e) {
         LOG_ERR("%s: %s\n", __func__, e.what());
         return 1;
     }
     if (prompts.empty()) {
         LOG_ERR("%s: no prompts in %s\n", __func__, a.prompts_file.c_str());
+        return 1;
+    }
+    if (!params.moe_cache_profile.empty()) {
+        // the slots would hide the resident experts' ids from the recording
+        LOG_ERR("%s: profile without --moe-cache-profile: the cache changes what is recorded\n", __func__);
         return 1;
     }
     if (a.label.empty()) {

@@ -1,0 +1,294 @@
+#include "moe-cache.h"
+
+#include "../src/llama-ext.h"  // llama_model_moe_cache_init (staging API)
+
+#include "common.h"
+#include "gguf.h"
+#include "log.h"
+#include "llama.h"
+
+#include <algorithm>
+#include <fstream>
+#include <numeric>
+#include <stdexcept>
+#include <sys/stat.h>
+
+static const uint32_t MOE_PROFILE_VERSION = 1;
+
+// FNV-1a 64 of the first n_bytes of path, as 16 hex digits
+static std::string moe_meta_hash(const std::string & path, size_t n_bytes) {
+    std::ifstream f(path, std::ios::binary);
+    std::vector<char> data(n_bytes);
+    if (!f.read(data.data(), (std::streamsize) n_bytes)) {
+        throw std::runtime_error("cannot read " + path);
+    }
+    uint64_t h = 0xcbf29ce484222325ULL;
+    for (char c : data) {
+        h ^= (uint8_t) c;
+        h *= 0x100000001b3ULL;
+    }
+    char hex[17];
+    snprintf(hex, sizeof(hex), "%016llx", (unsigned long long) h);
+    return hex;
+}
+
+static uint32_t moe_get_u32(const gguf_context * g, const std::string & key) {
+    const int64_t id = gguf_find_key(g, key.c_str());
+    if (id < 0) {
+        return 0;
+    }
+    switch (gguf_get_kv_type(g, id)) {
+        case GGUF_TYPE_UINT32: return gguf_get_val_u32(g, id);
+        case GGUF_TYPE_INT32:  return (uint32_t) gguf_get_val_i32(g, id);
+        case GGUF_TYPE_UINT16: return gguf_get_val_u16(g, id);
+        case GGUF_TYPE_ARRAY: {
+            // per-layer values: the largest
+            uint32_t best = 0;
+            if (gguf_get_arr_type(g, id) == GGUF_TYPE_UINT32 || gguf_get_arr_type(g, id) == GGUF_TYPE_INT32) {
+                const auto * v = (const uint32_t *) gguf_get_arr_data(g, id);
+                for (size_t i = 0; i < gguf_get_arr_n(g, id); ++i) {
+                    best = std::max(best, v[i]);
+                }
+            }
+            return best;
+        }
+        default: return 0;
+    }
+}
+
+static bool moe_is_expert_tensor(const std::string & name) {
+    return name.rfind("blk.", 0) == 0 &&
+           (name.find("_exps.") != std::string::npos || name.find("_chexps.") != std::string::npos);
+}
+
+common_moe_fingerprint common_moe_fingerprint_of(const std::string & path) {
+    common_moe_fingerprint fp;
+
+    gguf_init_params ip = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
+    gguf_context * g = gguf_init_from_file(path.c_str(), ip);
+    if (g == nullptr) {
+        throw std::runtime_error("cannot read the GGUF header of " + path);
+    }
+    const int64_t arch_id = gguf_find_key(g, "general.architecture");
+    fp.arch          = arch_id < 0 ? "" : gguf_get_val_str(g, arch_id);
+    fp.n_layer       = moe_get_u32(g, fp.arch + ".block_count");
+    fp.n_expert      = moe_get_u32(g, fp.arch + ".expert_count");
+    fp.n_expert_used = moe_get_u32(g, fp.arch + ".expert_used_count");
+    fp.n_nextn       = moe_get_u32(g, fp.arch + ".nextn_predict_layers");
+    fp.meta_hash     = moe_meta_hash(path, gguf_get_data_offset(g));
+
+    const uint32_t n_split = moe_get_u32(g, "split.count");
+    gguf_free(g);
+
+    std::vector<std::string> paths = { path };
+    if (n_split > 1) {
+        char prefix[4096];
+        if (llama_split_prefix(prefix, sizeof(prefix), path.c_str(), 0, n_split) == 0) {
+            throw std::runtime_error("split model: name the first shard, not " + path);
+        }
+        for (uint32_t i = 1; i < n_split; ++i) {
+            char split[4096];
+            llama_split_path(split, sizeof(split), prefix, i, n_split);
+            paths.push_back(split);
+        }
+    }
+
+    for (const auto & p : paths) {
+        struct stat st;
+        if (stat(p.c_str(), &st) == 0) {
+            fp.size += (uint64_t) st.st_size;
+        }
+        ggml_context * ctx = nullptr;
+        gguf_init_params sp = { /*.no_alloc =*/ true, /*.ctx =*/ &ctx };
+        gguf_context * gs = gguf_init_from_file(p.c_str(), sp);
+        if (gs == nullptr) {
+            throw std::runtime_error("cannot read the GGUF header of " + p);
+        }
+        for (int64_t i = 0; i < gguf_get_n_tensors(gs); ++i) {
+            const std::string name = gguf_get_tensor_name(gs, i);
+            if (!moe_is_expert_tensor(name)) {
+                continue;
+            }
+            const ggml_tensor * t = ggml_get_tensor(ctx, name.c_str());
+            fp.expert_tensors.push_back(name);
+            for (int d = 0; d < 4; ++d) {
+                fp.expert_shapes.push_back(t->ne[d]);
+            }
+            fp.expert_types.push_back((int32_t) gguf_get_tensor_type(gs, i));
+        }
+        gguf_free(gs);
+        ggml_free(ctx);
+    }
+    return fp;
+}
+
+static void moe_set_arr_str(gguf_context * g, const char * key, const std::vector<std::string> & v) {
+    std::vector<const char *> ptrs;
+    for (const auto & s : v) {
+        ptrs.push_back(s.c_str());
+    }
+    gguf_set_arr_str(g, key, ptrs.data(), ptrs.size());
+}
+
+void common_moe_fingerprint_write(gguf_context * g, const common_moe_fingerprint & fp) {
+    gguf_set_val_str(g, "moe_profile.model.arch", fp.arch.c_str());
+    gguf_set_val_u32(g, "moe_profile.model.n_layer", fp.n_layer);
+    gguf_set_val_u32(g, "moe_profile.model.n_expert", fp.n_expert);
+    gguf_set_val_u32(g, "moe_profile.model.n_expert_used", fp.n_expert_used);
+    gguf_set_val_u64(g, "moe_profile.model.size", fp.size);
+    gguf_set_val_str(g, "moe_profile.model.meta_hash", fp.meta_hash.c_str());
+    moe_set_arr_str(g, "moe_profile.model.expert_tensors", fp.expert_tensors);
+    gguf_set_arr_data(g, "moe_profile.model.expert_shapes", GGUF_TYPE_INT64, fp.expert_shapes.data(), fp.expert_shapes.size());
+    gguf_set_arr_data(g, "moe_profile.model.expert_types", GGUF_TYPE_INT32, fp.expert_types.data(), fp.expert_types.size());
+}
+
+static std::vector<std::string> moe_get_arr_str(const gguf_context * g, const char * key) {
+    std::vector<std::string> res;
+    const int64_t id = gguf_find_key(g, key);
+    if (id >= 0 && gguf_get_kv_type(g, id) == GGUF_TYPE_ARRAY && gguf_get_arr_type(g, id) == GGUF_TYPE_STRING) {
+        for (size_t i = 0; i < gguf_get_arr_n(g, id); ++i) {
+            res.push_back(gguf_get_arr_str(g, id, i));
+        }
+    }
+    return res;
+}
+
+template <typename T>
+static std::vector<T> moe_get_arr(const gguf_context * g, const char * key, gguf_type type) {
+    const int64_t id = gguf_find_key(g, key);
+    if (id < 0 || gguf_get_kv_type(g, id) != GGUF_TYPE_ARRAY || gguf_get_arr_type(g, id) != type) {
+        return {};
+    }
+    const T * data = (const T *) gguf_get_arr_data(g, id);
+    return std::vector<T>(data, data + gguf_get_arr_n(g, id));
+}
+
+static std::string moe_get_str(const gguf_context * g, const char * key) {
+    const int64_t id = gguf_find_key(g, key);
+    return id >= 0 && gguf_get_kv_type(g, id) == GGUF_TYPE_STRING ? gguf_get_val_str(g, id) : "";
+}
+
+static uint64_t moe_get_u64(const gguf_context * g, const char * key) {
+    const int64_t id = gguf_find_key(g, key);
+    return id >= 0 && gguf_get_kv_type(g, id) == GGUF_TYPE_UINT64 ? gguf_get_val_u64(g, id) : 0;
+}
+
+std::string common_moe_fingerprint_diff(const gguf_context * g, const common_moe_fingerprint & fp) {
+    std::vector<std::string> diff;
+    auto check = [&](bool same, const char * key) {
+        if (!same) {
+            diff.push_back(key);
+        }
+    };
+    check(moe_get_str(g, "moe_profile.model.arch") == fp.arch, "arch");
+    check(moe_get_u32(g, "moe_profile.model.n_layer") == fp.n_layer, "n_layer");
+    check(moe_get_u32(g, "moe_profile.model.n_expert") == fp.n_expert, "n_expert");
+    check(moe_get_u32(g, "moe_profile.model.n_expert_used") == fp.n_expert_used, "n_expert_used");
+    check(moe_get_u64(g, "moe_profile.model.size") == fp.size, "size");
+    check(moe_get_str(g, "moe_profile.model.meta_hash") == fp.meta_hash, "meta_hash");
+    check(moe_get_arr_str(g, "moe_profile.model.expert_tensors") == fp.expert_tensors, "expert_tensors");
+    check(moe_get_arr<int64_t>(g, "moe_profile.model.expert_shapes", GGUF_TYPE_INT64) == fp.expert_shapes, "expert_shapes");
+    check(moe_get_arr<int32_t>(g, "moe_profile.model.expert_types", GGUF_TYPE_INT32) == fp.expert_types, "expert_types");
+
+    std::string res;
+    for (const auto & key : diff) {
+        res += (res.empty() ? "" : ", ") + key;
+    }
+    return res;
+}
+
+std::vector<common_moe_cache_choice> common_moe_cache_choose(
+        const std::string & profile_path, const std::string & model_path, int32_t n_slots) {
+    ggml_context * ctx = nullptr;
+    gguf_init_params ip = { /*.no_alloc =*/ false, /*.ctx =*/ &ctx };
+    gguf_context * g = gguf_init_from_file(profile_path.c_str(), ip);
+    if (g == nullptr) {
+        throw std::runtime_error("cannot read the profile " + profile_path + " (missing, truncated or not GGUF)");
+    }
+    struct free_on_exit {
+        gguf_context * g; ggml_context * ctx;
+        ~free_on_exit() { gguf_free(g); ggml_free(ctx); }
+    } guard { g, ctx };
+
+    if (moe_get_str(g, "general.type") != "moe-profile") {
+        throw std::runtime_error(profile_path + " is not a moe profile");
+    }
+    const uint32_t version = moe_get_u32(g, "moe_profile.version");
+    if (version != MOE_PROFILE_VERSION) {
+        throw std::runtime_error(string_format("%s is a version %u moe profile; this build reads version %u",
+            profile_path.c_str(), version, MOE_PROFILE_VERSION));
+    }
+    const std::string diff = common_moe_fingerprint_diff(g, common_moe_fingerprint_of(model_path));
+    if (!diff.empty()) {
+        throw std::runtime_error("the profile " + profile_path + " is of another model (" + diff + " differ)");
+    }
+
+    const std::vector<std::string> tensors = moe_get_arr_str(g, "moe_profile.tensors");
+    const ggml_tensor * decode  = ggml_get_tensor(ctx, "counts.decode");
+    const ggml_tensor * prefill = ggml_get_tensor(ctx, "counts.prefill");
+    if (decode == nullptr || prefill == nullptr || decode->type != GGML_TYPE_I32 || prefill->type != GGML_TYPE_I32 ||
+        decode->ne[1] != (int64_t) tensors.size() || !ggml_are_same_shape(decode, prefill) || tensors.empty()) {
+        throw std::runtime_error("the profile " + profile_path + " has no usable expert counts");
+    }
+    const int64_t n_expert = decode->ne[0];
+    if (n_slots < 1) {
+        throw std::runtime_error(string_format("--moe-cache-slots %d: give at least 1 slot per layer", n_slots));
+    }
+    if (n_slots > n_expert) {
+        throw std::runtime_error(string_format("--moe-cache-slots %d: the model has %lld experts per layer", n_slots, (long long) n_expert));
+    }
+
+    std::vector<common_moe_cache_choice> res;
+    for (size_t it = 0; it < tensors.size(); ++it) {
+        const int32_t * nd = (const int32_t *) decode->data  + it*n_expert;
+        const int32_t * np = (const int32_t *) prefill->data + it*n_expert;
+        std::vector<int32_t> order(n_expert);
+        std::iota(order.begin(), order.end(), 0);
+        std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+            return nd[a] != nd[b] ? nd[a] > nd[b] : np[a] > np[b];
+        });
+        order.resize(n_slots);
+        res.push_back({ tensors[it], order });
+    }
+    return res;
+}
+
+bool common_moe_cache_enable(llama_model * model, const std::string & model_path, const std::string & profile_path,
+        int32_t n_slots, int32_t max_batch, int32_t margin_mib) {
+    llama_moe_cache_result result = {};
+    try {
+        const auto choice = common_moe_cache_choose(profile_path, model_path, n_slots);
+
+        std::vector<llama_moe_cache_layer_experts> layers;
+        for (const auto & c : choice) {
+            layers.push_back({ c.tensor.c_str(), c.experts.data(), (int32_t) c.experts.size() });
+        }
+        llama_moe_cache_params mp = {};
+        mp.model_path = model_path.c_str();
+        mp.layers     = layers.data();
+        mp.n_layers   = layers.size();
+        mp.max_batch  = max_batch;
+        mp.margin     = (size_t) std::max(margin_mib, 0) * 1024 * 1024;
+        if (!llama_model_moe_cache_init(model, &mp, &result)) {
+            throw std::runtime_error(result.reason);
+        }
+    } catch (const std::exception & err) {
+        LOG_WRN("moe-cache: not engaged, running without it: %s\n", err.what());
+        return false;
+    }
+
+    LOG_INF("moe-cache: %d layers x %d slots, %.2f MiB uploaded to %s in %.2f s\n",
+        result.n_layers, result.n_slots, result.n_bytes / (1024.0 * 1024.0), result.device, result.t_upload_s);
+    return true;
+}
+
+bool common_moe_cache_init(llama_model * model, const common_params & params) {
+    if (params.moe_cache_profile.empty()) {
+        if (params.moe_cache_slots != 0) {
+            LOG_WRN("moe-cache: not engaged, running without it: --moe-cache-slots needs --moe-cache-profile\n");
+        }
+        return false;
+    }
+    return common_moe_cache_enable(model, params.model.path, params.moe_cache_profile, params.moe_cache_slots,
+        params.moe_cache_max_batch, params.moe_cache_margin_mib);
+}

@@ -1,0 +1,56 @@
+#pragma once
+
+// Expert slot cache (moeplug), the common side: the model fingerprint that ties a moe profile
+// to one model, and the start-up call that reads a profile, picks each layer's hottest experts
+// and asks libllama to keep them resident (llama_model_moe_cache_init).
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+struct common_params;
+struct gguf_context;
+struct llama_model;
+
+// what a moe profile records of the model it was made with (native/PROFILE-FORMAT.md)
+struct common_moe_fingerprint {
+    std::string              arch;
+    uint32_t                 n_layer       = 0;
+    uint32_t                 n_expert      = 0;
+    uint32_t                 n_expert_used = 0;
+    uint32_t                 n_nextn       = 0;  // MTP (NextN) blocks, counted in n_layer
+    uint64_t                 size          = 0;  // bytes of every file of the model
+    std::string              meta_hash;          // FNV-1a 64 of the first file's bytes before its tensor data
+    std::vector<std::string> expert_tensors;     // every routed-expert tensor, in file order
+    std::vector<int64_t>     expert_shapes;      // 4 ne per tensor
+    std::vector<int32_t>     expert_types;       // ggml_type per tensor
+};
+
+// reads the fingerprint of the model whose (first) file is path; throws std::runtime_error
+common_moe_fingerprint common_moe_fingerprint_of(const std::string & path);
+
+// writes the fingerprint keys (moe_profile.model.*) into a profile
+void common_moe_fingerprint_write(gguf_context * profile, const common_moe_fingerprint & fp);
+
+// "" when the profile's fingerprint is fp, else which key differs
+std::string common_moe_fingerprint_diff(const gguf_context * profile, const common_moe_fingerprint & fp);
+
+// reads the profile, checks it against the model and picks the slots of each layer: the experts
+// with the most decode selections (then prefill, then the lower id); throws std::runtime_error
+struct common_moe_cache_choice {
+    std::string          tensor;  // the layer's expert down weight
+    std::vector<int32_t> experts; // hottest first
+};
+std::vector<common_moe_cache_choice> common_moe_cache_choose(
+        const std::string & profile_path, const std::string & model_path, int32_t n_slots);
+
+// sets up the cache with the n_slots hottest experts of each layer from the profile; logs one line:
+//   moe-cache: L layers x N slots, X MiB uploaded to DEV in T s
+// or, when it cannot engage (the model then runs without it):
+//   moe-cache: not engaged, running without it: REASON
+// returns whether it engaged
+bool common_moe_cache_enable(llama_model * model, const std::string & model_path, const std::string & profile_path,
+        int32_t n_slots, int32_t max_batch, int32_t margin_mib);
+
+// common_moe_cache_enable from params.moe_cache_*, when a profile is given
+bool common_moe_cache_init(llama_model * model, const common_params & params);

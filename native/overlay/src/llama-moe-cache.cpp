@@ -1,0 +1,431 @@
+#include "llama-moe-cache.h"
+
+#include "llama-ext.h"
+#include "llama-impl.h"
+#include "llama-model.h"
+
+#include "gguf.h"
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <set>
+#include <stdexcept>
+#include <string>
+
+ggml_tensor * llama_moe_cache_layer::slot(const ggml_tensor * src) const {
+    if (src == nullptr) {
+        return nullptr;
+    }
+    const auto it = slots.find(src);
+    return it == slots.end() ? nullptr : it->second;
+}
+
+const llama_moe_cache_layer * llama_moe_cache::find(const ggml_tensor * down_exps, int64_t n_tokens) const {
+    if (n_tokens > max_batch) {
+        return nullptr;
+    }
+    const auto it = layers.find(down_exps);
+    return it == layers.end() ? nullptr : it->second.get();
+}
+
+uint32_t llama_moe_cache::n_extra_nodes() const {
+    // the remaps, a second expert pass and the merge: well under 64 nodes per layer
+    return 64u * (uint32_t) layers.size();
+}
+
+namespace {
+
+// what the cache does on one layer before anything is allocated
+struct moe_layer_plan {
+    const ggml_tensor *              down = nullptr;
+    int                              il   = -1;
+    std::vector<int32_t>             experts;
+    std::vector<const ggml_tensor *> sources;  // every expert tensor of the layer
+    std::vector<ggml_backend_buffer_type_t> bufts; // where each source's slot copy goes
+    ggml_backend_dev_t               dev  = nullptr;
+};
+
+struct moe_file_slice {
+    std::string path;
+    size_t      offset = 0; // of the tensor's data in the file
+};
+
+bool moe_debug_cpu() {
+    const char * v = getenv("LLAMA_MOE_CACHE_DEVICE");
+    return v != nullptr && strcmp(v, "CPU") == 0;
+}
+
+bool moe_debug_no_resident() {
+    const char * v = getenv("LLAMA_MOE_CACHE_NO_RESIDENT");
+    return v != nullptr && strcmp(v, "0") != 0 && v[0] != '\0';
+}
+
+// the dimension that counts experts: the last one (weights [k, n, E], biases [n, E], scales [E])
+int moe_expert_dim(const ggml_tensor * t) {
+    return ggml_n_dims(t) - 1;
+}
+
+// where each tensor's data is in the model's files, for buffers that cannot be read back
+std::unordered_map<std::string, moe_file_slice> moe_file_slices(const std::string & path) {
+    std::vector<std::string> paths = { path };
+    {
+        gguf_init_params ip = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
+        gguf_context * g = gguf_init_from_file(path.c_str(), ip);
+        if (g == nullptr) {
+            throw std::runtime_error("cannot read the GGUF header of " + path);
+        }
+        const int64_t kid = gguf_find_key(g, "split.count");
+        const int n_split = kid < 0 ? 1 : (int) gguf_get_val_u16(g, kid);
+        gguf_free(g);
+        if (n_split > 1) {
+            char prefix[4096];
+            if (llama_split_prefix(prefix, sizeof(prefix), path.c_str(), 0, n_split) == 0) {
+                throw std::runtime_error("split model: name its first file, not " + path);
+            }
+            for (int i = 1; i < n_split; ++i) {
+                char split[4096];
+                llama_split_path(split, sizeof(split), prefix, i, n_split);
+                paths.push_back(split);
+            }
+        }
+    }
+
+    std::unordered_map<std::string, moe_file_slice> slices;
+    for (const auto & p : paths) {
+        gguf_init_params ip = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
+        gguf_context * g = gguf_init_from_file(p.c_str(), ip);
+        if (g == nullptr) {
+            throw std::runtime_error("cannot read the GGUF header of " + p);
+        }
+        for (int64_t i = 0; i < gguf_get_n_tensors(g); ++i) {
+            slices[gguf_get_tensor_name(g, i)] = { p, gguf_get_data_offset(g) + gguf_get_tensor_offset(g, i) };
+        }
+        gguf_free(g);
+    }
+    return slices;
+}
+
+// can dev compute a MUL_MAT_ID with negative ids on a weight of type `type` in buft?
+bool moe_dev_supports_skip_neg(ggml_backend_dev_t dev, ggml_backend_buffer_type_t buft, const ggml_tensor * w) {
+    ggml_init_params params = { ggml_tensor_overhead()*8, nullptr, true };
+    ggml_context_ptr ctx { ggml_init(params) };
+
+    ggml_tensor * as  = ggml_new_tensor_3d(ctx.get(), w->type, w->ne[0], w->ne[1], 2);
+    ggml_tensor * b   = ggml_new_tensor_3d(ctx.get(), GGML_TYPE_F32, w->ne[0], 1, 1);
+    ggml_tensor * ids = ggml_new_tensor_2d(ctx.get(), GGML_TYPE_I32, 1, 1);
+    ggml_tensor * op  = ggml_mul_mat_id(ctx.get(), as, b, ids);
+    ggml_set_skip_neg_ids(op);
+
+    ggml_backend_buffer_ptr buf { ggml_backend_buft_alloc_buffer(buft, 0) };
+    as->buffer = buf.get();
+    return ggml_backend_dev_supports_op(dev, op);
+}
+
+bool moe_is_cpu_dev(ggml_backend_dev_t dev) {
+    return dev == nullptr || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
+}
+
+// the layer's expert tensors: blk.N.ffn_{gate,up,gate_up,down}_exps.* (or _chexps.*, after down)
+std::vector<const ggml_tensor *> moe_layer_sources(const llama_model & model, const std::string & down_name) {
+    const size_t dot   = down_name.find('.', 4);
+    const std::string prefix = down_name.substr(0, dot + 1) + "ffn_";
+    const std::string infix  = down_name.find("_chexps.") != std::string::npos ? "_chexps." : "_exps.";
+
+    std::vector<const ggml_tensor *> res;
+    for (const auto & [name, t] : model.tensors_by_name) {
+        for (const char * kind : { "gate", "up", "gate_up", "down" }) {
+            if (name.rfind(prefix + kind + infix, 0) == 0) {
+                res.push_back(t);
+            }
+        }
+    }
+    return res;
+}
+
+// fills plan from one layer of the request; returns "" or why the layer is left stock
+std::string moe_plan_layer(const llama_model & model, const llama_moe_cache_layer_experts & req, bool debug_cpu, moe_layer_plan & plan) {
+    const std::string name = req.tensor ? req.tensor : "";
+    const ggml_tensor * down = model.get_tensor(name.c_str());
+    if (down == nullptr || name.rfind("blk.", 0) != 0) {
+        throw std::runtime_error("the model has no expert tensor " + name);
+    }
+    if (ggml_n_dims(down) != 3) {
+        throw std::runtime_error(name + " is not a 3-d expert tensor");
+    }
+    plan.down = down;
+    plan.il   = atoi(name.c_str() + 4);
+
+    const int64_t n_expert = down->ne[2];
+    if (req.n_experts < 1 || req.n_experts > n_expert) {
+        throw std::runtime_error(format("%s: %d slots asked, the layer has %" PRId64 " experts", name.c_str(), req.n_experts, n_expert));
+    }
+    std::set<int32_t> seen;
+    for (int32_t i = 0; i < req.n_experts; ++i) {
+        const int32_t e = req.experts[i];
+        if (e < 0 || e >= n_expert || !seen.insert(e).second) {
+            throw std::runtime_error(format("%s: expert %d is out of range or repeated", name.c_str(), e));
+        }
+        plan.experts.push_back(e);
+    }
+
+    if (debug_cpu) {
+        plan.dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    } else {
+        plan.dev = model.dev_layer(plan.il);
+        if (moe_is_cpu_dev(plan.dev)) {
+            return "the layer runs on the CPU";
+        }
+    }
+
+    plan.sources = moe_layer_sources(model, name);
+    for (const ggml_tensor * t : plan.sources) {
+        if (t->ne[moe_expert_dim(t)] != n_expert || !ggml_is_contiguous(t)) {
+            return std::string("expert tensor ") + t->name + " has an unexpected shape";
+        }
+        if (t->buffer == nullptr) {
+            return std::string("expert tensor ") + t->name + " is not loaded";
+        }
+        ggml_backend_buffer_type_t src_buft = ggml_backend_buffer_get_type(t->buffer);
+        if (!moe_is_cpu_dev(ggml_backend_buft_get_device(src_buft))) {
+            return "its experts are on a GPU already";
+        }
+        // debug: the source's own buffer type, so that the same CPU kernels run (repack included)
+        ggml_backend_buffer_type_t buft = !debug_cpu ? ggml_backend_dev_buffer_type(plan.dev) :
+            ggml_backend_buffer_is_host(t->buffer) ? ggml_backend_dev_buffer_type(plan.dev) : src_buft;
+        if (ggml_n_dims(t) == 3 && !moe_dev_supports_skip_neg(plan.dev, buft, t)) {
+            return std::string(ggml_backend_dev_name(plan.dev)) + " cannot compute a MUL_MAT_ID with ids < 0 on " + ggml_type_name(t->type);
+        }
+        plan.bufts.push_back(buft);
+    }
+    return "";
+}
+
+// the copy of `src` that holds n_slot experts; at least 2, as some backends (CPU_REPACK) tell
+// expert stacks from plain matrices by ggml_n_dims, which does not count a trailing 1
+ggml_tensor * moe_new_slot_tensor(ggml_context * ctx, const ggml_tensor * src, int64_t n_slot) {
+    int64_t ne[GGML_MAX_DIMS];
+    for (int d = 0; d < GGML_MAX_DIMS; ++d) {
+        ne[d] = src->ne[d];
+    }
+    ne[moe_expert_dim(src)] = std::max<int64_t>(n_slot, 2);
+    ggml_tensor * t = ggml_new_tensor(ctx, src->type, ggml_n_dims(src), ne);
+    ggml_format_name(t, "%s.slots", src->name);
+    return t;
+}
+
+ggml_tensor * moe_new_map(ggml_context * ctx, int64_t n_expert, const char * name, int il) {
+    ggml_tensor * t = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 1, n_expert);
+    ggml_format_name(t, "blk.%d.%s", il, name);
+    return t;
+}
+
+// copies the chosen experts of src into dst, reading memory when it can and the file otherwise
+void moe_fill_slot(ggml_tensor * dst, const ggml_tensor * src, const std::vector<int32_t> & experts,
+        const std::string & model_path, std::unordered_map<std::string, moe_file_slice> & file_slices) {
+    const size_t slice = src->nb[moe_expert_dim(src)];
+    std::vector<uint8_t> staging(ggml_nbytes(dst), 0); // a padding slot stays zero
+
+    if (ggml_backend_buffer_is_host(src->buffer)) {
+        for (size_t s = 0; s < experts.size(); ++s) {
+            memcpy(staging.data() + s*slice, (const uint8_t *) src->data + experts[s]*slice, slice);
+        }
+    } else {
+        if (file_slices.empty()) {
+            file_slices = moe_file_slices(model_path);
+        }
+        const auto it = file_slices.find(src->name);
+        if (it == file_slices.end()) {
+            throw std::runtime_error(std::string("tensor ") + src->name + " is not in " + model_path);
+        }
+        std::ifstream f(it->second.path, std::ios::binary);
+        for (size_t s = 0; s < experts.size(); ++s) {
+            f.seekg((std::streamoff) (it->second.offset + experts[s]*slice));
+            if (!f.read((char *) staging.data() + s*slice, (std::streamsize) slice)) {
+                throw std::runtime_error("cannot read " + std::string(src->name) + " from " + it->second.path);
+            }
+        }
+    }
+    // one call for the whole tensor: repacked buffers only take whole tensors
+    ggml_backend_tensor_set(dst, staging.data(), 0, staging.size());
+}
+
+std::string moe_plans_failure(const std::map<std::string, int> & reasons) {
+    std::string res = "no layer can use it:";
+    for (const auto & [why, n] : reasons) {
+        res += format(" %d %s (%s);", n, n == 1 ? "layer" : "layers", why.c_str());
+    }
+    res.pop_back();
+    return res;
+}
+
+} // namespace
+
+bool llama_moe_cache_build(llama_model & model, const llama_moe_cache_params & params, llama_moe_cache_result & result) {
+    const int64_t t_start = ggml_time_us();
+    const bool debug_cpu = moe_debug_cpu();
+
+    if (params.max_batch < 1) {
+        throw std::runtime_error(format("max batch %d: it must be at least 1", params.max_batch));
+    }
+
+    std::vector<moe_layer_plan> plans;
+    std::map<std::string, int> skipped;
+    for (size_t i = 0; i < params.n_layers; ++i) {
+        moe_layer_plan plan;
+        const std::string why = moe_plan_layer(model, params.layers[i], debug_cpu, plan);
+        if (!why.empty()) {
+            skipped[why]++;
+            continue;
+        }
+        plans.push_back(std::move(plan));
+    }
+    if (plans.empty()) {
+        snprintf(result.reason, sizeof(result.reason), "%s", moe_plans_failure(skipped).c_str());
+        return false;
+    }
+    for (const auto & [why, n] : skipped) {
+        LLAMA_LOG_WARN("moe-cache: %d %s left stock: %s\n", n, n == 1 ? "layer" : "layers", why.c_str());
+    }
+
+    auto cache = std::make_unique<llama_moe_cache>();
+    cache->max_batch = params.max_batch;
+
+    // one context per buffer type: the slots, and the maps beside them
+    std::map<ggml_backend_buffer_type_t, ggml_context *> ctx_of;
+    auto ctx_for = [&](ggml_backend_buffer_type_t buft) {
+        auto it = ctx_of.find(buft);
+        if (it != ctx_of.end()) {
+            return it->second;
+        }
+        ggml_init_params ip = { ggml_tensor_overhead() * 64 * (plans.size() + 1), nullptr, true };
+        ggml_context * ctx = ggml_init(ip);
+        cache->ctxs.emplace_back(ctx);
+        ctx_of[buft] = ctx;
+        return ctx;
+    };
+
+    std::map<ggml_backend_dev_t, size_t> bytes_on;
+    std::map<ggml_backend_dev_t, size_t> bytes_per_slot_on;
+    for (const auto & plan : plans) {
+        auto layer = std::make_unique<llama_moe_cache_layer>();
+        layer->il       = plan.il;
+        layer->n_expert = plan.down->ne[2];
+        layer->experts  = plan.experts;
+
+        for (size_t i = 0; i < plan.sources.size(); ++i) {
+            const ggml_tensor * src = plan.sources[i];
+            ggml_tensor * t = moe_new_slot_tensor(ctx_for(plan.bufts[i]), src, (int64_t) plan.experts.size());
+            layer->slots[src] = t;
+            const size_t n = ggml_backend_buft_get_alloc_size(plan.bufts[i], t);
+            bytes_on[plan.dev]          += n;
+            bytes_per_slot_on[plan.dev] += n / t->ne[moe_expert_dim(t)];
+        }
+        ggml_context * ctx_map = ctx_for(ggml_backend_dev_buffer_type(plan.dev));
+        layer->map_src          = moe_new_map(ctx_map, layer->n_expert, "moe_map_src", plan.il);
+        layer->map_slot         = moe_new_map(ctx_map, layer->n_expert, "moe_map_slot", plan.il);
+        layer->map_slot_clamped = moe_new_map(ctx_map, layer->n_expert, "moe_map_slot_clamped", plan.il);
+        cache->layers[plan.down] = std::move(layer);
+    }
+
+    for (const auto & [dev, n] : bytes_on) {
+        if (moe_is_cpu_dev(dev)) {
+            continue;
+        }
+        size_t free = 0;
+        size_t total = 0;
+        ggml_backend_dev_memory(dev, &free, &total);
+        if (n + params.margin > free) {
+            const size_t per_slot = bytes_per_slot_on[dev];
+            const size_t room     = free > params.margin ? free - params.margin : 0;
+            snprintf(result.reason, sizeof(result.reason),
+                "does not fit on %s: %.2f MiB needed (%.2f MiB per slot across its layers), %.2f MiB free less a %.2f MiB margin; at most %zu slots per layer would fit",
+                ggml_backend_dev_name(dev), n / 1048576.0, per_slot / 1048576.0, free / 1048576.0,
+                params.margin / 1048576.0, per_slot ? room / per_slot : 0);
+            return false;
+        }
+    }
+
+    for (auto & [buft, ctx] : ctx_of) {
+        ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
+        if (buf == nullptr) {
+            snprintf(result.reason, sizeof(result.reason), "could not allocate the slots in %s", ggml_backend_buft_name(buft));
+            return false;
+        }
+        ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        cache->bufs.emplace_back(buf);
+    }
+
+    const bool no_resident = moe_debug_no_resident();
+    std::unordered_map<std::string, moe_file_slice> file_slices;
+    uint64_t n_bytes = 0;
+    for (auto & [down, layer] : cache->layers) {
+        for (auto & [src, dst] : layer->slots) {
+            moe_fill_slot(dst, src, layer->experts, params.model_path ? params.model_path : "", file_slices);
+            n_bytes += ggml_nbytes(dst);
+        }
+
+        std::vector<int32_t> map_src(layer->n_expert);
+        std::vector<int32_t> map_slot(layer->n_expert, -1);
+        std::vector<int32_t> map_slot_clamped(layer->n_expert, 0);
+        for (int32_t e = 0; e < layer->n_expert; ++e) {
+            map_src[e] = e;
+        }
+        if (!no_resident) {
+            for (size_t s = 0; s < layer->experts.size(); ++s) {
+                const int32_t e = layer->experts[s];
+                map_src[e]          = -1;
+                map_slot[e]         = (int32_t) s;
+                map_slot_clamped[e] = (int32_t) s;
+            }
+        }
+        ggml_backend_tensor_set(layer->map_src,          map_src.data(),          0, ggml_nbytes(layer->map_src));
+        ggml_backend_tensor_set(layer->map_slot,         map_slot.data(),         0, ggml_nbytes(layer->map_slot));
+        ggml_backend_tensor_set(layer->map_slot_clamped, map_slot_clamped.data(), 0, ggml_nbytes(layer->map_slot_clamped));
+    }
+
+    // the slot copies compute with the precision their sources ask for
+    for (const auto & [down, layer] : cache->layers) {
+        for (const auto & [src, dst] : layer->slots) {
+            const auto acc = model.prec_policy.prec_acc.find(src);
+            if (acc != model.prec_policy.prec_acc.end()) {
+                model.prec_policy.prec_acc[dst] = acc->second;
+            }
+            const auto src1 = model.prec_policy.prec_src1.find(src);
+            if (src1 != model.prec_policy.prec_src1.end()) {
+                model.prec_policy.prec_src1[dst] = src1->second;
+            }
+        }
+    }
+
+    int32_t n_slots = 0;
+    for (const auto & plan : plans) {
+        n_slots = std::max(n_slots, (int32_t) plan.experts.size());
+    }
+    result.n_layers   = (int32_t) plans.size();
+    result.n_slots    = n_slots;
+    result.n_bytes    = n_bytes;
+    result.t_upload_s = (ggml_time_us() - t_start) / 1e6;
+    snprintf(result.device, sizeof(result.device), "%s", ggml_backend_dev_name(plans[0].dev));
+
+    model.moe_cache = std::move(cache);
+    return true;
+}
+
+bool llama_model_moe_cache_init(llama_model * model, const llama_moe_cache_params * params, llama_moe_cache_result * result) {
+    *result = {};
+    if (model->moe_cache) {
+        snprintf(result->reason, sizeof(result->reason), "the model has a cache already");
+        return false;
+    }
+    try {
+        return llama_moe_cache_build(*model, *params, *result);
+    } catch (const std::exception & err) {
+        snprintf(result->reason, sizeof(result->reason), "%s", err.what());
+        return false;
+    }
+}

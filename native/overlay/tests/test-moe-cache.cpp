@@ -1,0 +1,149 @@
+// test-moe-cache: a model with the expert slot cache gives the same logits as without it, bitwise.
+//
+//   test-moe-cache -m MODEL --moe-cache-profile PROFILE --moe-cache-slots N [-ub U] [-n N_GEN]
+//
+// Loads the model twice, once stock and once with the cache (common_moe_cache_init, as
+// llama-server does), processes 100 random prompt tokens in ubatches of -ub with every logit
+// output, then generates -n tokens greedily with both, one token per batch. Every logit of every
+// step must be bitwise equal, and so every token. Run it with LLAMA_MOE_CACHE_DEVICE=CPU on a CPU
+// build (the slots then live on the CPU with the source's buffer type), and with
+// LLAMA_MOE_CACHE_NO_RESIDENT=1 for a cache whose maps keep every expert on the source weights.
+
+#include "arg.h"
+#include "common.h"
+#include "log.h"
+#include "llama.h"
+#include "moe-cache.h"
+
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+struct run_state {
+    llama_model   * model = nullptr;
+    llama_context * ctx   = nullptr;
+    ~run_state() {
+        llama_free(ctx);
+        llama_model_free(model);
+    }
+};
+
+static bool load(run_state & st, common_params & params, bool with_cache) {
+    st.model = llama_model_load_from_file(params.model.path.c_str(), common_model_params_to_llama(params));
+    if (st.model == nullptr) {
+        return false;
+    }
+    if (with_cache && !common_moe_cache_init(st.model, params)) {
+        LOG_ERR("the cache did not engage\n");
+        return false;
+    }
+    st.ctx = llama_init_from_model(st.model, common_context_params_to_llama(params));
+    return st.ctx != nullptr;
+}
+
+// decodes tokens from pos on; returns the logits of every token, row after row
+static std::vector<float> decode(llama_context * ctx, const std::vector<llama_token> & tokens, llama_pos pos) {
+    const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
+    common_batch batch(ctx);
+    for (size_t i = 0; i < tokens.size(); ++i) {
+        batch.add(tokens[i], pos + (llama_pos) i, 0, true);
+    }
+    std::vector<float> logits;
+    if (llama_process(ctx, LLAMA_PROCESS_TYPE_DECODE, batch.get()) == 0) {
+        for (size_t i = 0; i < tokens.size(); ++i) {
+            const float * row = llama_get_logits_ith(ctx, (int32_t) i);
+            logits.insert(logits.end(), row, row + n_vocab);
+        }
+    }
+    return logits;
+}
+
+// index of the first difference in bits, or -1
+static int64_t first_difference(const std::vector<float> & a, const std::vector<float> & b) {
+    if (a.size() != b.size()) {
+        return 0;
+    }
+    for (size_t i = 0; i < a.size(); ++i) {
+        if (memcmp(&a[i], &b[i], sizeof(float)) != 0) {
+            return (int64_t) i;
+        }
+    }
+    return -1;
+}
+
+static llama_token argmax_last(const std::vector<float> & logits, int n_vocab) {
+    const float * row = logits.data() + logits.size() - n_vocab;
+    llama_token best = 0;
+    for (int i = 1; i < n_vocab; ++i) {
+        if (row[i] > row[best]) {
+            best = i;
+        }
+    }
+    return best;
+}
+
+int main(int argc, char ** argv) {
+    common_params params;
+    params.n_predict = 128;
+    params.n_ctx     = 512;
+    params.n_batch   = 512;
+    params.warmup    = false;
+    if (!common_params_parse(argc, argv, params, LLAMA_EXAMPLE_COMMON)) {
+        return 1;
+    }
+    common_init();
+    llama_backend_init();
+
+    run_state stock;
+    run_state cached;
+    if (!load(stock, params, false) || !load(cached, params, true)) {
+        LOG_ERR("test-moe-cache: cannot load %s\n", params.model.path.c_str());
+        return 1;
+    }
+    const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(stock.model));
+
+    const int n_prompt = 100;
+    std::mt19937 rng(42);
+    std::vector<llama_token> prompt(n_prompt);
+    for (auto & t : prompt) {
+        t = (llama_token) (rng() % n_vocab);
+    }
+
+    std::vector<float> ref = decode(stock.ctx, prompt, 0);
+    std::vector<float> got = decode(cached.ctx, prompt, 0);
+    if (ref.empty() || got.empty()) {
+        LOG_ERR("test-moe-cache: prefill failed\n");
+        return 1;
+    }
+    int64_t diff = first_difference(ref, got);
+    if (diff >= 0) {
+        printf("test-moe-cache: FAIL prefill token %" PRId64 " logit %" PRId64 ": %.9g != %.9g\n",
+            diff / n_vocab, diff % n_vocab, ref[diff], got[diff]);
+        return 1;
+    }
+
+    std::vector<llama_token> generated;
+    llama_token next = argmax_last(ref, n_vocab);
+    for (int i = 0; i < params.n_predict; ++i) {
+        generated.push_back(next);
+        ref = decode(stock.ctx,  { next }, n_prompt + i);
+        got = decode(cached.ctx, { next }, n_prompt + i);
+        diff = ref.empty() || got.empty() ? 0 : first_difference(ref, got);
+        if (diff >= 0) {
+            printf("test-moe-cache: FAIL decode step %d logit %" PRId64 "\n", i, diff);
+            return 1;
+        }
+        next = argmax_last(ref, n_vocab);
+    }
+
+    std::string tokens;
+    for (size_t i = 0; i < generated.size() && i < 8; ++i) {
+        tokens += (i ? " " : "") + std::to_string(generated[i]);
+    }
+    printf("test-moe-cache: prefill %d tokens (ubatch %d) and %d greedy tokens [%s ...]: logits bitwise equal\n",
+        n_prompt, params.n_ubatch, params.n_predict, tokens.c_str());
+    return 0;
+}

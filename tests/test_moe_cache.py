@@ -1,0 +1,189 @@
+"""The expert slot cache on the CPU build: bitwise equal to stock, and a clean fallback when it
+cannot engage. Slots live on the CPU with the source's buffer type (LLAMA_MOE_CACHE_DEVICE=CPU),
+so the same kernels compute every expert, repacked ones included."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from conftest import fixture_spec
+from moeplug.server import start_server
+from moeplug.synth import make_model
+
+pytestmark = pytest.mark.native
+
+ENGAGED_RE = re.compile(r"moe-cache: (\d+) layers x (\d+) slots, ([\d.]+) MiB uploaded to (\S+) in ([\d.]+) s")
+NOT_ENGAGED = "moe-cache: not engaged, running without it: "
+N_EXPERT = 8  # conftest.FIXTURE_SHAPE
+
+
+@pytest.fixture(scope="session")
+def cache_models(fixture_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every family (q8_0: repacked on x86), plus plain f16 and repacked q4_K with per-expert scales."""
+    root = tmp_path_factory.mktemp("cache-models")
+    models = dict(fixture_models)
+    for dtype in ("f16", "q4_k"):
+        spec = replace(fixture_spec("qwen3moe", dtype=dtype), expert_scales=True)
+        models[f"qwen3moe-{dtype}-scales"] = make_model(spec, root / f"qwen3moe-{dtype}.gguf")[0]
+    return models
+
+
+@pytest.fixture(scope="session")
+def profiles(patched_build, cache_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A real profile of each model, from llama-moe-profile on the bundled code prompts."""
+    root = tmp_path_factory.mktemp("cache-profiles")
+    prompts = Path(__file__).parents[1] / "profiles" / "codeish.txt"
+    out = {}
+    for name, model in cache_models.items():
+        dest = root / f"{name}.profile.gguf"
+        r = subprocess.run([str(patched_build.binary("llama-moe-profile")), "-m", str(model), "--prompts", str(prompts),
+                            "--out", str(dest), "-n", "16", "-t", "2"], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        out[name] = dest
+    return out
+
+
+@pytest.fixture
+def slots_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLAMA_MOE_CACHE_DEVICE", "CPU")
+
+
+def run_cache_test(build, model: Path, profile: Path, slots: int, ubatch: int, env: dict[str, str] | None = None,
+                   n_predict: int = 128) -> subprocess.CompletedProcess[str]:
+    cmd = [str(build.binary("test-moe-cache")), "-m", str(model), "--moe-cache-profile", str(profile),
+           "--moe-cache-slots", str(slots), "-ub", str(ubatch), "-n", str(n_predict), "-t", "2"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+
+
+def assert_bitwise(r: subprocess.CompletedProcess[str], slots: int) -> None:
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert r.stdout.strip().endswith("logits bitwise equal"), r.stdout
+    m = ENGAGED_RE.search(r.stderr)
+    assert m and int(m[2]) == slots and m[4] == "CPU", r.stderr[-2000:]
+
+
+MODELS = ["qwen3moe", "hy_v3", "gpt-oss", "hy_v3-mtp", "qwen3moe-f16-scales", "qwen3moe-q4_k-scales"]
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("slots", [1, 3, N_EXPERT])
+def test_slots_on_cpu_are_bitwise_stock(patched_build, cache_models, profiles, slots_on_cpu, name: str, slots: int) -> None:
+    """100 prompt tokens in ubatches of 7 (the two-pass graph) and 128 greedy tokens, one per
+    batch: every logit equal to the model without the cache, bitwise."""
+    assert_bitwise(run_cache_test(patched_build, cache_models[name], profiles[name], slots, ubatch=7), slots)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_cache_without_resident_experts_is_bitwise_stock(patched_build, cache_models, profiles, slots_on_cpu,
+                                                         name: str) -> None:
+    """The whole two-pass graph with maps that keep every expert on the source weights."""
+    r = run_cache_test(patched_build, cache_models[name], profiles[name], 3, ubatch=7,
+                       env={"LLAMA_MOE_CACHE_NO_RESIDENT": "1"})
+    assert_bitwise(r, 3)
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "gpt-oss"])
+def test_batches_above_max_batch_are_bitwise_stock(patched_build, cache_models, profiles, slots_on_cpu, name: str) -> None:
+    """Prefill ubatches of 64 tokens (above the default max batch of 31) take the stock graph;
+    decode (1 token) takes the cache."""
+    assert_bitwise(run_cache_test(patched_build, cache_models[name], profiles[name], 3, ubatch=64), 3)
+
+
+def test_two_pass_graph_is_built(patched_build, cache_models, profiles, slots_on_cpu, tmp_path: Path) -> None:
+    """The bitwise tests are not vacuous: with the cache on, the graph holds both passes and the merge."""
+    r = subprocess.run([str(patched_build.binary("llama-eval-callback")), "-m", str(cache_models["qwen3moe"]),
+                        "--moe-cache-profile", str(profiles["qwen3moe"]), "--moe-cache-slots", "3",
+                        "-p", "hello world", "-n", "1", "-t", "2"],
+                       capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-2000:]
+    for name in ("ffn_moe_ids_src-0", "ffn_moe_ids_slot-0", "ffn_moe_experts_merged-0"):
+        assert name in out, name
+    assert "blk.0.ffn_down_exps.weight.slots" in out
+
+
+def test_every_moe_architecture_mock_is_bitwise(patched_build) -> None:
+    """llama.cpp's own mock model of every MoE architecture, cache on (half and all experts
+    resident) vs off, logits bitwise (test-llama-archs --moe-cache, our extension)."""
+    r = subprocess.run([str(patched_build.binary("test-llama-archs")), "--moe-cache", "-s", "42"],
+                       capture_output=True, text=True, timeout=900)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    m = re.search(r"Summary: (\d+) moe-cache test\(s\) executed, (\d+) failed", out)
+    assert m and int(m[2]) == 0 and int(m[1]) >= 100, out[-3000:]
+    assert "| FAIL" not in out
+
+
+def serve_once(build, model: Path, tmp_path: Path, name: str, extra: list[str]) -> tuple[list[int], str]:
+    """Greedy tokens of one completion and the server's log."""
+    log = tmp_path / f"{name}.log"
+    with start_server(build.binary("llama-server"), model, log, extra_args=extra, ctx=512, threads=2) as srv:
+        srv.wait_healthy(timeout=120)
+        tokens = srv.complete("def fibonacci(n):", n_predict=32, ignore_eos=True)["tokens"]
+    return tokens, log.read_text(errors="replace")
+
+
+def test_server_engages_and_matches_stock(patched_build, cache_models, profiles, slots_on_cpu, tmp_path: Path) -> None:
+    model, profile = cache_models["gpt-oss"], profiles["gpt-oss"]
+    stock_tokens, stock_log = serve_once(patched_build, model, tmp_path, "stock", [])
+    assert "moe-cache:" not in stock_log
+    tokens, log = serve_once(patched_build, model, tmp_path, "cached",
+                             ["--moe-cache-profile", str(profile), "--moe-cache-slots", "5"])
+    engaged = [line for line in log.splitlines() if "moe-cache:" in line]
+    assert len(engaged) == 1 and ENGAGED_RE.search(engaged[0]), engaged
+    m = ENGAGED_RE.search(engaged[0])
+    assert m and (int(m[1]), int(m[2]), m[4]) == (3, 5, "CPU")
+    assert tokens == stock_tokens
+
+
+def test_server_flags_from_environment(patched_build, cache_models, profiles, slots_on_cpu, tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLAMA_ARG_MOE_CACHE_PROFILE", str(profiles["qwen3moe"]))
+    monkeypatch.setenv("LLAMA_ARG_MOE_CACHE_SLOTS", "2")
+    _, log = serve_once(patched_build, cache_models["qwen3moe"], tmp_path, "env", [])
+    m = ENGAGED_RE.search(log)
+    assert m and int(m[2]) == 2, log[-2000:]
+
+
+def truncated(profile: Path, dest: Path) -> Path:
+    data = profile.read_bytes()
+    dest.write_bytes(data[: len(data) // 2])
+    return dest
+
+
+BAD_CASES = {
+    "other model": (lambda p, tmp: p["hy_v3"], 3, "is of another model"),
+    "truncated": (lambda p, tmp: truncated(p["qwen3moe"], tmp / "half.gguf"), 3, "cannot read the profile"),
+    "missing": (lambda p, tmp: tmp / "nope.gguf", 3, "cannot read the profile"),
+    "too many slots": (lambda p, tmp: p["qwen3moe"], N_EXPERT + 1, "the model has 8 experts per layer"),
+    "zero slots": (lambda p, tmp: p["qwen3moe"], 0, "give at least 1 slot per layer"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CASES))
+def test_bad_profile_warns_once_and_runs_baseline(patched_build, cache_models, profiles, slots_on_cpu,
+                                                  tmp_path: Path, case: str) -> None:
+    make_profile, slots, reason = BAD_CASES[case]
+    model = cache_models["qwen3moe"]
+    stock_tokens, _ = serve_once(patched_build, model, tmp_path, "stock", [])
+    tokens, log = serve_once(patched_build, model, tmp_path, "bad",
+                             ["--moe-cache-profile", str(make_profile(profiles, tmp_path)), "--moe-cache-slots", str(slots)])
+    lines = [line for line in log.splitlines() if "moe-cache:" in line]
+    assert len(lines) == 1 and NOT_ENGAGED in lines[0] and reason in lines[0], lines
+    assert tokens == stock_tokens
+
+
+def test_no_gpu_layer_means_no_cache(patched_build, cache_models, profiles, tmp_path: Path,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the debug switch a CPU build has no device to hold slots: a warning, a baseline run."""
+    monkeypatch.delenv("LLAMA_MOE_CACHE_DEVICE", raising=False)
+    _, log = serve_once(patched_build, cache_models["qwen3moe"], tmp_path, "cpu",
+                        ["--moe-cache-profile", str(profiles["qwen3moe"]), "--moe-cache-slots", "3"])
+    lines = [line for line in log.splitlines() if "moe-cache:" in line]
+    assert len(lines) == 1 and NOT_ENGAGED in lines[0] and "the layer runs on the CPU" in lines[0], lines
