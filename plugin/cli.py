@@ -216,13 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_make_model(dev)
 
-    from moeplug.demo import add_demo_command
+    from moeplug.install_cli import add_install_commands
     from moeplug.native.cli import add_native_commands
     from moeplug.profile.cli import add_profile_command
 
+    add_install_commands(sub)
     add_profile_command(sub)
     add_native_commands(sub)
-    add_demo_command(sub)
     return parser
 
 

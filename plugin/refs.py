@@ -240,7 +240,7 @@ def resolve_ref(text: str) -> ResolvedModel:
 
         path = demo_model_path()
         if not path.exists():
-            raise MoeplugError("the demo model is not generated yet: run 'moeplug demo'")
+            raise MoeplugError("the demo model is not generated yet: run 'moeplug install demo'")
         return ResolvedModel(ref=ref, path=path, files=[path], source="demo")
     if ref.kind == "local":
         assert ref.path is not None

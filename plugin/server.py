@@ -37,6 +37,18 @@ def log_tail(path: Path, lines: int = 5) -> str:
         return "(no log)"
 
 
+def health(port: int) -> dict[str, Any] | None:
+    """llama-server's /health answer on 127.0.0.1:port, or None when nothing answers."""
+    try:
+        r = requests.get(f"http://{HOST}:{port}/health", timeout=2)
+    except requests.RequestException:
+        return None
+    try:
+        return {"http_status": r.status_code, **r.json()}
+    except ValueError:
+        return {"http_status": r.status_code}
+
+
 @dataclass
 class Server:
     proc: subprocess.Popen[bytes]
@@ -49,14 +61,7 @@ class Server:
         return f"http://{HOST}:{self.port}"
 
     def health(self) -> dict[str, Any] | None:
-        try:
-            r = requests.get(f"{self.url}/health", timeout=2)
-        except requests.RequestException:
-            return None
-        try:
-            return {"http_status": r.status_code, **r.json()}
-        except ValueError:
-            return {"http_status": r.status_code}
+        return health(self.port)
 
     def wait_healthy(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
@@ -72,7 +77,7 @@ class Server:
         self.stop()
         raise MoeplugError(f"llama-server did not become healthy in {timeout:.0f} s (log: {self.log_path})")
 
-    def complete(self, prompt: str, n_predict: int = 16, seed: int = 42, **params: Any) -> dict[str, Any]:
+    def complete(self, prompt: str | list[int], n_predict: int = 16, seed: int = 42, **params: Any) -> dict[str, Any]:
         """A greedy /completion; the reply includes the generated token ids."""
         body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "seed": seed,
                 "cache_prompt": False, "return_tokens": True, **params}

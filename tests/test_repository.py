@@ -17,7 +17,7 @@ def readme_commands() -> list[str]:
 def test_readme_opens_with_two_commands() -> None:
     commands = readme_commands()
     assert len(commands) == 2
-    assert commands[0].endswith("moeplug demo")
+    assert commands[0].endswith("moeplug install demo")
     assert "pytest" in commands[1]
 
 

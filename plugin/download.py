@@ -1,0 +1,68 @@
+"""Downloads from Hugging Face into the shared cache, so llama.cpp's -hf and other tools reuse them.
+
+Files are pinned to the commit the Hub names when the download starts; split GGUFs come complete;
+huggingface_hub resumes an interrupted download where it stopped; free disk space is checked
+before the first byte. With HF_HUB_OFFLINE=1 only the cache is used.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from moeplug.errors import MoeplugError
+from moeplug.output import human_bytes, note
+from moeplug.refs import ModelRef, ResolvedModel, _pick_quant_files, _resolve_hf_cached, _shard_set, hf_cache_dir
+
+DISK_HEADROOM = 1.02  # a little room for the cache's own files
+
+
+def offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def fetch_hf(ref: ModelRef) -> ResolvedModel:
+    """The model's files from the cache, downloading what is missing unless offline."""
+    try:
+        return _resolve_hf_cached(ref)
+    except MoeplugError as cached_error:
+        if offline():
+            raise MoeplugError(f"HF_HUB_OFFLINE is set and {cached_error}") from None
+    return _download(ref)
+
+
+def check_disk(repo: str, need: int, folder: Path) -> None:
+    """Refuse before the first byte when the files cannot fit."""
+    folder.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(folder).free
+    if need * DISK_HEADROOM > free:
+        raise MoeplugError(f"{repo}: {human_bytes(need)} to download but {human_bytes(free)} free in {folder}")
+
+
+def _download(ref: ModelRef) -> ResolvedModel:
+    assert ref.repo is not None
+    from huggingface_hub import HfApi, hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        info = HfApi().model_info(ref.repo, files_metadata=True)
+    except HfHubHTTPError as exc:
+        raise MoeplugError(f"{ref.repo}: the Hugging Face Hub refused: {str(exc).splitlines()[0]}") from None
+    except OSError as exc:
+        raise MoeplugError(f"{ref.repo}: cannot reach the Hugging Face Hub ({exc})") from None
+    sizes = {s.rfilename: s.size or 0 for s in info.siblings or []}
+    where = f"{ref.repo}@{(info.sha or '')[:12]} on the Hub"
+    files = _shard_set(ref.filename, set(sizes), where) if ref.filename else \
+        _pick_quant_files(list(sizes), str(ref.quant), where)
+    need = sum(sizes[f] for f in files)
+    cache = hf_cache_dir()
+    check_disk(ref.repo, need, cache)
+    note(f"downloading {len(files)} file(s), {human_bytes(need)}, from {where} into {cache}")
+    paths = []
+    for f in files:
+        try:
+            paths.append(Path(hf_hub_download(ref.repo, f, revision=info.sha, cache_dir=cache)))
+        except (HfHubHTTPError, OSError) as exc:
+            raise MoeplugError(f"{ref.repo}/{f}: download failed ({exc}); run again to resume") from None
+    return ResolvedModel(ref=ref, path=paths[0], files=paths, source="hf-download", revision=info.sha)

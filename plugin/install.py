@@ -1,0 +1,172 @@
+"""`moeplug install MODEL`: reference -> files -> inspection -> native build -> profile -> plan ->
+a running, verified llama-server. Installed models are records under the user data dir
+(~/.local/share/moeplug/installed/NAME.json) that `serve`, `list` and `plan` reuse.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moeplug.errors import MoeplugError, NotApplicableError
+from moeplug.fsutil import write_text_atomic
+from moeplug.model_inspect import ModelInfo, inspect_model
+from moeplug.output import human_bytes, note
+from moeplug.paths import data_dir
+from moeplug.plan import Plan, available_ram_bytes, free_vram_bytes, make_plan
+from moeplug.refs import ModelRef, ResolvedModel, parse_ref, resolve_ref
+
+DEMO_PROFILE_TOKENS = 32
+SLOTS_ON_CPU_ENV = {"LLAMA_MOE_CACHE_DEVICE": "CPU"}
+
+
+@dataclass
+class InstalledModel:
+    name: str
+    ref: str
+    path: str
+    profile: str | None
+    build_id: str
+    ctx: int
+    plan: dict[str, Any]
+    slots_on_cpu: bool = False  # the demo's stand-in for a GPU: slots in RAM, same results, no speedup
+    installed_at: float = field(default_factory=time.time)
+
+    def server_env(self) -> dict[str, str]:
+        return dict(SLOTS_ON_CPU_ENV) if self.slots_on_cpu else {}
+
+
+def installed_dir() -> Path:
+    return data_dir() / "installed"
+
+
+def model_name(ref: ModelRef) -> str:
+    """A short, file-safe name: the recipe, 'demo', the repo and quant, or the file's stem."""
+    if ref.recipe:
+        raw = ref.recipe.name
+    elif ref.kind == "demo":
+        raw = "demo"
+    elif ref.kind == "hf":
+        raw = f"{str(ref.repo).split('/')[-1]}-{ref.filename or ref.quant}".removesuffix(".gguf")
+    elif ref.kind == "ollama":
+        raw = f"{ref.ollama_name}-{ref.ollama_tag}"
+    else:
+        raw = Path(str(ref.path)).stem
+    return re.sub(r"[^a-z0-9._-]+", "-", raw.lower()).strip("-") or "model"
+
+
+def read_installed(name: str) -> InstalledModel:
+    path = installed_dir() / f"{name}.json"
+    if not path.exists():
+        known = ", ".join(m.name for m in list_installed()) or "none"
+        raise MoeplugError(f"'{name}' is not installed (installed: {known}); run 'moeplug install {name}'")
+    return InstalledModel(**json.loads(path.read_text()))
+
+
+def list_installed() -> list[InstalledModel]:
+    folder = installed_dir()
+    out = []
+    for p in sorted(folder.glob("*.json")) if folder.exists() else []:
+        try:
+            out.append(InstalledModel(**json.loads(p.read_text())))
+        except (ValueError, TypeError):
+            continue
+    return out
+
+
+def locate(text: str, download: bool = True) -> ResolvedModel:
+    """The model's local files: generated (demo), found, or downloaded."""
+    ref = parse_ref(text)
+    if ref.kind == "demo":
+        from moeplug.demo import ensure_demo_model
+
+        ensure_demo_model()
+        return resolve_ref(text)
+    if ref.kind == "hf" and download:
+        from moeplug.download import fetch_hf
+
+        return fetch_hf(ref)
+    return resolve_ref(text)
+
+
+def require_moe(info: ModelInfo) -> None:
+    if not info.layers:
+        raise NotApplicableError(f"{info.path}: a dense model (no routed-expert tensors): moeplug has nothing to "
+                                 f"offload; run it with stock llama.cpp")
+
+
+def ensure_profile(model: Path, tool: Path, n_predict: int, prompt_sets: list[str]) -> Path:
+    """The model's stored profile, made with the bundled prompts when there is none yet."""
+    from moeplug.profile.format import model_fingerprint
+    from moeplug.profile.runner import ProfileRun, default_profile_path, run_profile
+
+    dest = default_profile_path(model_fingerprint(model))
+    if dest.exists():
+        note(f"profile: {dest} (already made; 'moeplug profile' re-makes it)")
+        return dest
+    run = ProfileRun(tool=tool, model=model, n_predict=n_predict, ctx=2048)
+    path, _ = run_profile(run, prompt_sets, dest)
+    return path
+
+
+def plan_for(info: ModelInfo, ctx: int, vram_budget: int | None, profile: Path | None,
+             slots_on_cpu: bool) -> Plan:
+    budget = vram_budget if vram_budget is not None else free_vram_bytes()
+    if budget is None and slots_on_cpu:
+        return demo_cpu_plan(info, ctx, profile)
+    return make_plan(info, ctx, budget, profile, available_ram_bytes())
+
+
+def demo_cpu_plan(info: ModelInfo, ctx: int, profile: Path | None) -> Plan:
+    """No GPU: a quarter of the experts as slots in RAM, to show the cache engage end to end."""
+    plan = make_plan(info, ctx, None, profile, available_ram_bytes())
+    slots = max(1, info.n_expert // 4)
+    plan.slots_per_layer = slots
+    plan.fit_fraction = slots / info.n_expert
+    plan.expert_vram_bytes = 0
+    plan.server_args = [*plan.server_args, "--moe-cache-slots", str(slots)]
+    if profile:
+        plan.server_args += ["--moe-cache-profile", str(profile)]
+        from moeplug.plan import _profile_counts, predicted_hit_rate
+
+        plan.predicted_hit_rate = predicted_hit_rate(*_profile_counts(profile), slots)
+    plan.notes = [f"no NVIDIA GPU: {slots} slots per layer held in RAM (LLAMA_MOE_CACHE_DEVICE=CPU) to show "
+                  f"the cache engage: same results as stock, no speedup"]
+    return plan
+
+
+def install(text: str, *, ctx: int, vram_budget: int | None, backend: str | None, jobs: int,
+            profile_tokens: int | None, prompt_sets: list[str], serve: bool, port: int | None,
+            allow_fallback: bool) -> dict[str, Any]:
+    from moeplug.native.build import build, resolve_options
+    from moeplug.serving import launch, model_lock
+
+    ref = parse_ref(text)
+    name = model_name(ref)
+    is_demo = ref.kind == "demo"
+    with model_lock(name):
+        resolved = locate(text)
+        info = inspect_model(resolved.path)
+        require_moe(info)
+        note(f"{name}: {info.arch}, {len(info.layers)} MoE layers x {info.n_expert} experts "
+             f"({info.n_expert_used} used), {human_bytes(info.total_bytes)} at {resolved.path}")
+        result = build(resolve_options(backend, stock=False, jobs=jobs, cuda_arch=None))
+        n_predict = profile_tokens or (DEMO_PROFILE_TOKENS if is_demo else 256)
+        profile = ensure_profile(resolved.path, result.binary("llama-moe-profile"), n_predict, prompt_sets)
+        slots_on_cpu = is_demo and result.manifest.get("backend") == "cpu"
+        plan = plan_for(info, ctx, vram_budget, profile, slots_on_cpu)
+        record = InstalledModel(name=name, ref=text, path=str(resolved.path), profile=str(profile),
+                                build_id=result.build_id, ctx=ctx, plan=plan.to_json(),
+                                slots_on_cpu=slots_on_cpu and plan.backend == "cpu")
+        write_text_atomic(installed_dir() / f"{name}.json", json.dumps(asdict(record), indent=2) + "\n")
+        doc: dict[str, Any] = {"name": name, "model": str(resolved.path), "profile": str(profile),
+                               "build_id": result.build_id, "plan": plan.to_json(), "server": None}
+        if serve:
+            srv = launch(name, resolved.path, result.binary("llama-server"), result.build_id, plan.server_args,
+                         ctx, port=port, allow_fallback=allow_fallback, env=record.server_env())
+            doc["server"] = asdict(srv) | {"url": srv.url}
+    return doc

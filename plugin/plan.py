@@ -1,0 +1,216 @@
+"""The slot planner: how many experts of every MoE layer fit in the GPU budget, and the flags to run.
+
+VRAM budget (NVML free memory, or --vram-budget) minus what llama.cpp puts on the GPU anyway
+(non-expert weights, the KV cache at the context size, the compute buffer and CUDA pool
+headroom, a safety margin) leaves room for slots; one slot costs one expert in every MoE layer.
+The same budget also gives stock llama.cpp's best placement (`-ncmoe K`), shown beside it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moeplug.errors import MoeplugError
+from moeplug.model_inspect import ModelInfo, scalar_or_max
+
+MIB = 1 << 20
+GIB = 1 << 30
+SAFETY_MARGIN = 512 * MIB
+CUDA_POOL_HEADROOM = 256 * MIB
+WARN_FIT = 0.20
+WARN_FIT_STRONG = 0.15
+DEFAULT_UBATCH = 512
+
+_SIZE_RE = re.compile(r"^\s*([\d.]+)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": MIB, "G": GIB, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'12GiB', '12G', '12 GB' (binary units, as GPU tools report them) or bytes."""
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise MoeplugError(f"'{text}' is not a size (use e.g. 12GiB or 8000MiB)")
+    unit = (m[2] or "").upper()[:1]
+    return int(float(m[1]) * _UNITS[unit])
+
+
+def kv_cache_bytes(info: ModelInfo, ctx: int, bytes_per_value: int = 2) -> int:
+    """f16 K and V for every attention layer at ctx tokens (an upper bound for SWA/hybrid models)."""
+    md, arch = info.metadata, info.arch
+    n_head = scalar_or_max(md.get(f"{arch}.attention.head_count")) or 1
+    n_head_kv = scalar_or_max(md.get(f"{arch}.attention.head_count_kv")) or n_head
+    n_embd = scalar_or_max(md.get(f"{arch}.embedding_length")) or 0
+    k_len = scalar_or_max(md.get(f"{arch}.attention.key_length")) or n_embd // n_head
+    v_len = scalar_or_max(md.get(f"{arch}.attention.value_length")) or k_len
+    n_nextn = scalar_or_max(md.get(f"{arch}.nextn_predict_layers")) or 0
+    return ctx * (info.n_layer - n_nextn) * n_head_kv * (k_len + v_len) * bytes_per_value
+
+
+def compute_buffer_bytes(info: ModelInfo, ubatch: int = DEFAULT_UBATCH) -> int:
+    """The graph's scratch memory for one ubatch: its largest live tensors are the logits and the
+    expert activations. An estimate on the high side of what llama-server logs as its compute
+    buffer size (checked in tests/test_plan.py)."""
+    md, arch = info.metadata, info.arch
+    n_vocab = len(md.get("tokenizer.ggml.tokens") or []) or 32000
+    n_embd = scalar_or_max(md.get(f"{arch}.embedding_length")) or 0
+    n_ff = info.expert_ff or scalar_or_max(md.get(f"{arch}.feed_forward_length")) or 4 * n_embd
+    per_token = n_vocab + 4 * n_embd + 3 * info.n_expert_used * n_ff + info.n_expert
+    return 4 * ubatch * per_token
+
+
+def _bytes_per_slot(info: ModelInfo) -> int:
+    """One expert of every MoE layer."""
+    return sum(layer.bytes_per_expert for layer in info.layers)
+
+
+def stock_ncmoe(info: ModelInfo, room: int) -> int:
+    """The lowest -ncmoe K (experts of blocks < K in RAM) whose GPU experts fit in room bytes."""
+    for k in range(info.n_layer + 1):
+        if sum(layer.expert_bytes for layer in info.layers if layer.block >= k) <= room:
+            return k
+    return info.n_layer
+
+
+def predicted_hit_rate(counts_decode: np.ndarray, counts_prefill: np.ndarray, slots: int) -> float | None:
+    """Share of the profile's expert selections that the top-N of each layer serves."""
+    counts = counts_decode if counts_decode.sum() > 0 else counts_prefill
+    total = counts.sum()
+    if total == 0 or slots <= 0:
+        return 0.0 if total else None
+    top = np.sort(counts, axis=1)[:, ::-1][:, :slots]
+    return float(top.sum() / total)
+
+
+@dataclass
+class Plan:
+    model: str
+    backend: str  # "cuda" or "cpu"
+    ctx: int
+    vram_budget_bytes: int | None
+    non_expert_vram_bytes: int
+    kv_cache_bytes: int
+    compute_bytes: int
+    margin_bytes: int
+    bytes_per_slot: int
+    n_expert: int
+    n_moe_layers: int
+    slots_per_layer: int
+    expert_vram_bytes: int
+    fit_fraction: float
+    predicted_hit_rate: float | None
+    stock_ncmoe: int | None
+    load_mode: str
+    profile: str | None
+    server_args: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _fit_warnings(fit: float, hit: float | None) -> list[str]:
+    pct = f"{fit:.0%}"
+    expect = f"the profile predicts {hit:.0%} of expert selections served from VRAM" if hit is not None else \
+        "no profile to predict the hit rate"
+    if fit < WARN_FIT_STRONG:
+        return [f"only {pct} of the experts fit in VRAM (below 15%): {expect}; expect decode close to "
+                f"--cpu-moe speed, bound by the CPU. A smaller quant or a larger GPU helps more than the cache."]
+    if fit < WARN_FIT:
+        return [f"only {pct} of the experts fit in VRAM (below 20%): {expect}; most experts run on the CPU."]
+    return []
+
+
+def make_plan(info: ModelInfo, ctx: int, vram_budget: int | None, profile_path: Path | None = None,
+              ram_available: int | None = None) -> Plan:
+    if not info.layers:
+        raise MoeplugError(f"{info.path}: no routed-expert tensors: a dense model, nothing for moeplug to plan")
+    per_slot = _bytes_per_slot(info)
+    kv = kv_cache_bytes(info, ctx)
+    compute = compute_buffer_bytes(info) + CUDA_POOL_HEADROOM
+    counts = _profile_counts(profile_path) if profile_path else None
+    load_mode, load_notes = choose_load_mode(info, ram_available)
+    base = dict(model=str(info.path), ctx=ctx, non_expert_vram_bytes=info.non_expert_bytes, kv_cache_bytes=kv,
+                compute_bytes=compute, margin_bytes=SAFETY_MARGIN, bytes_per_slot=per_slot,
+                n_expert=info.n_expert, n_moe_layers=len(info.layers), load_mode=load_mode,
+                profile=str(profile_path) if profile_path else None)
+    lm_args = ["-lm", "none"] if load_mode == "pinned" else []
+
+    if vram_budget is None:
+        # pinned memory only speeds up copies to a GPU: without one, mmap
+        return Plan(backend="cpu", vram_budget_bytes=None, slots_per_layer=0, expert_vram_bytes=0, fit_fraction=0.0,
+                    predicted_hit_rate=0.0 if counts else None, stock_ncmoe=None,
+                    server_args=["-c", str(ctx), "-ngl", "0"],
+                    notes=["no NVIDIA GPU found: a CPU plan, every expert on the CPU, no slots"],
+                    **(base | {"load_mode": "mmap"}))
+
+    room = vram_budget - info.non_expert_bytes - kv - compute - SAFETY_MARGIN
+    if room < 0:
+        raise MoeplugError(f"the budget of {vram_budget / GIB:.2f} GiB does not hold the model's other weights, "
+                           f"KV cache and buffers ({(vram_budget - room) / GIB:.2f} GiB): lower --ctx or use a "
+                           f"smaller quant")
+    slots = min(info.n_expert, room // per_slot)
+    fit = slots / info.n_expert
+    hit = predicted_hit_rate(*counts, slots) if counts else None
+    ncmoe = stock_ncmoe(info, room)
+    args = ["-c", str(ctx), "-ngl", "99", "-fit", "off", *lm_args]
+    notes = list(load_notes)
+    if slots == info.n_expert:
+        notes.append("every expert fits in VRAM: full offload, no cache needed")
+    elif slots == 0:
+        args += ["--cpu-moe"]
+        notes.append("no room for even one slot per layer: every expert on the CPU (--cpu-moe)")
+    else:
+        args += ["--cpu-moe", "--moe-cache-slots", str(slots)]
+        if profile_path:
+            args += ["--moe-cache-profile", str(profile_path)]
+    return Plan(backend="cuda", vram_budget_bytes=vram_budget, slots_per_layer=int(slots),
+                expert_vram_bytes=int(slots * per_slot), fit_fraction=fit, predicted_hit_rate=hit,
+                stock_ncmoe=ncmoe, server_args=args, warnings=_fit_warnings(fit, hit), notes=notes, **base)
+
+
+def choose_load_mode(info: ModelInfo, ram_available: int | None) -> tuple[str, list[str]]:
+    """Pinned host memory (-lm none) made stock prefill 7x faster than mmap with experts in RAM on
+    the GPU machine (shared/reference/baseline-h200.md); it needs the experts to fit in free RAM."""
+    if ram_available is None:
+        return "mmap", ["free RAM unknown: loading with mmap"]
+    if ram_available > 1.1 * info.total_bytes:
+        return "pinned", []
+    return "mmap", [f"{ram_available / GIB:.1f} GiB RAM free for a {info.total_bytes / GIB:.1f} GiB model: "
+                    f"mmap (pinned memory would make prefill much faster)"]
+
+
+def _profile_counts(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    from moeplug.profile.format import read_profile
+
+    p = read_profile(path)
+    return np.asarray(p.counts_decode), np.asarray(p.counts_prefill)
+
+
+def free_vram_bytes() -> int | None:
+    """Free memory of GPU 0 through NVML, or None without an NVIDIA GPU."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).free)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return None
+
+
+def available_ram_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -1,0 +1,206 @@
+"""Launching the patched llama-server for an installed model, checking it, and keeping track of it.
+
+A running server is a record in ~/.local/state/moeplug/servers/NAME.json (pid, port, log, the
+argument list, what its log said about the expert cache and its buffers); `moeplug status` and
+`moeplug stop` read those records. The server runs in its own session, so it outlives moeplug.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moeplug.errors import MoeplugError, NotApplicableError
+from moeplug.fsutil import write_text_atomic
+from moeplug.paths import logs_dir, state_dir
+from moeplug.server import HOST, Server, free_port, log_tail, port_in_use
+
+ENGAGED_RE = re.compile(r"moe-cache: (\d+) layers x (\d+) slots, ([\d.]+) MiB uploaded to (\S+) in ([\d.]+) s")
+NOT_ENGAGED_RE = re.compile(r"moe-cache: not engaged, running without it: (.*)")
+BUFFER_RE = re.compile(r"(\S+) (model|KV|compute) buffer size =\s+([\d.]+) MiB")
+
+
+@dataclass
+class CacheStatus:
+    engaged: bool
+    layers: int = 0
+    slots: int = 0
+    mib_uploaded: float = 0.0
+    device: str = ""
+    seconds: float = 0.0
+    reason: str = ""
+
+
+def parse_cache_line(log: str) -> CacheStatus | None:
+    """What the server's log says about the expert cache, or None when it was not asked for."""
+    m = ENGAGED_RE.search(log)
+    if m:
+        return CacheStatus(True, int(m[1]), int(m[2]), float(m[3]), m[4], float(m[5]))
+    m = NOT_ENGAGED_RE.search(log)
+    if m:
+        return CacheStatus(False, reason=m[1].strip())
+    return None
+
+
+def parse_buffers(log: str) -> dict[str, dict[str, float]]:
+    """{'model': {'CPU': MiB, ...}, 'KV': {...}, 'compute': {...}} as llama-server logs them."""
+    out: dict[str, dict[str, float]] = {}
+    for m in BUFFER_RE.finditer(log):
+        kind = out.setdefault(m[2], {})
+        kind[m[1]] = kind.get(m[1], 0.0) + float(m[3])
+    return out
+
+
+@dataclass
+class ServerRecord:
+    name: str
+    model: str
+    pid: int
+    port: int
+    log: str
+    args: list[str]
+    started: float
+    build_id: str
+    cache: dict[str, Any] | None = None
+    buffers: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def alive(self) -> bool:
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return _cmdline(self.pid).startswith(self.args[0])
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def servers_dir() -> Path:
+    return state_dir() / "servers"
+
+
+def record_path(name: str) -> Path:
+    return servers_dir() / f"{name}.json"
+
+
+def read_records() -> list[ServerRecord]:
+    out = []
+    for p in sorted(servers_dir().glob("*.json")) if servers_dir().exists() else []:
+        try:
+            out.append(ServerRecord(**json.loads(p.read_text())))
+        except (ValueError, TypeError):
+            continue  # a record from another version: ignored, not fatal
+    return out
+
+
+def find_record(name: str) -> ServerRecord | None:
+    p = record_path(name)
+    return ServerRecord(**json.loads(p.read_text())) if p.exists() else None
+
+
+@contextlib.contextmanager
+def model_lock(name: str) -> Iterator[None]:
+    """One install or launch per model at a time."""
+    path = state_dir() / "locks" / f"{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise MoeplugError(f"another moeplug is installing or launching '{name}'") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def launch(name: str, model: Path, binary: Path, build_id: str, server_args: list[str], ctx: int,
+           port: int | None = None, allow_fallback: bool = False, env: dict[str, str] | None = None,
+           timeout: float = 300) -> ServerRecord:
+    """Start llama-server detached, wait for /health, check the cache engaged, probe the context."""
+    existing = find_record(name)
+    if existing and existing.alive():
+        raise MoeplugError(f"'{name}' is already served at {existing.url} (pid {existing.pid}); "
+                           f"'moeplug stop {name}' first")
+    if not binary.exists():
+        raise MoeplugError(f"{binary}: no llama-server there (run 'moeplug native build')")
+    port = port or free_port()
+    if port_in_use(port):
+        raise MoeplugError(f"port {port} on {HOST} is already in use; pick another with --port")
+    # -lv 4: the log then holds the buffer sizes (about 20 lines per request)
+    args = [str(binary), "-m", str(model), "--host", HOST, "--port", str(port), "--no-webui", "-lv", "4",
+            *server_args]
+    log_path = logs_dir() / f"server-{name}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env={**os.environ, **(env or {})})
+    server = Server(proc=proc, port=port, log_path=log_path, args=args)
+    try:
+        server.wait_healthy(timeout=timeout)
+        text = log_path.read_text(errors="replace")
+        cache = parse_cache_line(text)
+        if "--moe-cache-slots" in server_args and not (cache and cache.engaged) and not allow_fallback:
+            why = cache.reason if cache else "the server did not report on the cache"
+            raise NotApplicableError(f"the expert cache did not engage: {why}. Re-plan with a smaller --vram-budget "
+                                     f"or --ctx, or pass --allow-fallback to serve without it (log: {log_path})")
+        _probe_context(server, ctx)
+    except BaseException:
+        server.stop()
+        raise
+    record = ServerRecord(name=name, model=str(model), pid=proc.pid, port=port, log=str(log_path), args=args,
+                          started=time.time(), build_id=build_id, cache=asdict(cache) if cache else None,
+                          buffers=parse_buffers(text))
+    write_text_atomic(record_path(name), json.dumps(asdict(record), indent=2) + "\n")
+    return record
+
+
+def _probe_context(server: Server, ctx: int) -> None:
+    """A request that fills the context, so an out-of-memory shows now, not on the first big prompt."""
+    import requests
+
+    try:
+        props = requests.get(f"{server.url}/props", timeout=10).json()
+        n_ctx = int(props.get("default_generation_settings", {}).get("n_ctx") or ctx)
+        token = requests.post(f"{server.url}/tokenize", json={"content": "a"}, timeout=10).json()["tokens"][-1]
+        server.complete([token] * (min(ctx, n_ctx) - 8), n_predict=1)  # type: ignore[arg-type]
+    except (MoeplugError, requests.RequestException, ValueError, KeyError, IndexError) as exc:
+        raise MoeplugError(f"the server failed a {ctx}-token context probe: {exc}; "
+                           f"{log_tail(server.log_path, 2)}") from None
+
+
+def stop(name: str, timeout: float = 15) -> bool:
+    """Stop a served model; False when it was not running."""
+    record = find_record(name)
+    if record is None:
+        return False
+    running = record.alive()
+    if running:
+        os.killpg(record.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while record.alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if record.alive():
+            os.killpg(record.pid, signal.SIGKILL)
+    record_path(name).unlink(missing_ok=True)
+    return running

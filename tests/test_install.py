@@ -1,0 +1,154 @@
+"""`moeplug install demo` -> serve -> a completion -> stop, end to end, and the errors around it.
+
+Each test gets its own XDG data/state/config homes (nothing of the user's is touched); the
+native builds, slow to make, are shared through a link to the real builds folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+
+from moeplug.download import check_disk
+from moeplug.errors import MoeplugError
+from moeplug.paths import builds_dir
+
+pytestmark = pytest.mark.native
+
+
+@pytest.fixture
+def home(patched_build, tmp_path: Path) -> dict[str, str]:
+    """Fresh XDG homes sharing the built binaries."""
+    env = dict(os.environ)
+    for var in ("XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CONFIG_HOME"):
+        env[var] = str(tmp_path / var.lower())
+    shared = Path(env["XDG_DATA_HOME"]) / "moeplug" / "builds"
+    shared.parent.mkdir(parents=True)
+    shared.symlink_to(builds_dir())
+    return env
+
+
+def moeplug(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "moeplug", *args], capture_output=True, text=True, env=env,
+                          timeout=900)
+
+
+def complete(url: str) -> list[int]:
+    r = requests.post(f"{url}/completion", json={"prompt": "def main():", "n_predict": 12, "temperature": 0,
+                                                  "return_tokens": True, "cache_prompt": False}, timeout=120)
+    r.raise_for_status()
+    return list(r.json()["tokens"])
+
+
+def test_install_demo_serve_complete_stop(home: dict[str, str]) -> None:
+    r = moeplug(home, "install", "demo", "--ctx", "1024", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    srv = doc["server"]
+    try:
+        assert srv["cache"]["engaged"] and srv["cache"]["slots"] == doc["plan"]["slots_per_layer"] == 8
+        assert srv["cache"]["layers"] == 4
+        first = complete(srv["url"])
+        assert len(first) == 12
+
+        status = json.loads(moeplug(home, "status", "--json").stdout)["servers"]
+        assert [(s["name"], s["alive"], s["healthy"]) for s in status] == [("demo", True, True)]
+        listed = json.loads(moeplug(home, "list", "--json").stdout)["models"]
+        assert [m["name"] for m in listed] == ["demo"] and Path(listed[0]["profile"]).exists()
+    finally:
+        assert moeplug(home, "stop", "demo").returncode == 0
+    assert json.loads(moeplug(home, "status", "--json").stdout)["servers"] == []
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"{srv['url']}/health", timeout=2)
+
+    # serve again from the installed record: same profile, same plan, same tokens
+    r = moeplug(home, "serve", "demo", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    again = json.loads(r.stdout)["server"]
+    try:
+        assert again["cache"]["engaged"]
+        assert complete(again["url"]) == first
+        r2 = moeplug(home, "serve", "demo")
+        assert r2.returncode == 1 and "already served" in r2.stderr
+    finally:
+        moeplug(home, "stop", "--all")
+
+
+def test_human_output_says_how_to_query(home: dict[str, str]) -> None:
+    r = moeplug(home, "install", "demo", "--ctx", "1024")
+    try:
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "expert cache: 4 layers x 8 slots" in r.stdout
+        assert "curl http://127.0.0.1:" in r.stdout and "moeplug stop demo" in r.stdout
+    finally:
+        moeplug(home, "stop", "--all")
+
+
+def one_line_error(r: subprocess.CompletedProcess[str], code: int, text: str) -> None:
+    assert r.returncode == code, (r.returncode, r.stderr)
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr and text in r.stderr, r.stderr
+
+
+def test_unknown_model(home: dict[str, str]) -> None:
+    one_line_error(moeplug(home, "install", "not a model!"), 1, "unknown model reference")
+    one_line_error(moeplug(home, "install", "./missing.gguf"), 1, "no such file")
+
+
+def test_dense_model_installs_nothing(home: dict[str, str], tmp_path: Path) -> None:
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "dense.gguf"
+    w = gguf.GGUFWriter(path, "qwen3")
+    w.add_uint32("qwen3.block_count", 1)
+    w.add_tensor("blk.0.ffn_up.weight", np.zeros((64, 16), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    one_line_error(moeplug(home, "install", str(path)), 3, "dense model")
+    assert not (Path(home["XDG_DATA_HOME"]) / "moeplug" / "installed").exists()
+
+
+def test_offline_with_nothing_cached(home: dict[str, str], tmp_path: Path) -> None:
+    env = {**home, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "empty-hub")}
+    one_line_error(moeplug(env, "install", "someone/Some-MoE-GGUF:Q4_K_M"), 1, "HF_HUB_OFFLINE is set")
+    assert not (Path(home["XDG_DATA_HOME"]) / "moeplug" / "installed").exists()
+
+
+def test_too_little_disk(tmp_path: Path) -> None:
+    with pytest.raises(MoeplugError, match="to download but .* free in"):
+        check_disk("some/repo", 1 << 60, tmp_path)
+    check_disk("some/repo", 1024, tmp_path)  # fits: no error
+
+
+def test_port_in_use(home: dict[str, str]) -> None:
+    assert moeplug(home, "install", "demo", "--ctx", "1024", "--no-serve").returncode == 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        one_line_error(moeplug(home, "serve", "demo", "--port", str(port)), 1, "already in use")
+    assert json.loads(moeplug(home, "status", "--json").stdout)["servers"] == []
+
+
+def test_serve_needs_its_build_and_an_install(home: dict[str, str]) -> None:
+    one_line_error(moeplug(home, "serve", "demo"), 1, "is not installed")
+    assert moeplug(home, "install", "demo", "--ctx", "1024", "--no-serve").returncode == 0
+    record = Path(home["XDG_DATA_HOME"]) / "moeplug" / "installed" / "demo.json"
+    doc = json.loads(record.read_text())
+    doc["build_id"] = "b11434-cpu-moeplug-000000000000"
+    record.write_text(json.dumps(doc))
+    one_line_error(moeplug(home, "serve", "demo"), 1, "is gone")
+
+
+def test_stop_unknown(home: dict[str, str]) -> None:
+    r = moeplug(home, "stop", "nothing")
+    assert r.returncode == 1 and "was not running" in r.stdout
