@@ -190,8 +190,9 @@ std::string moe_plan_layer(const llama_model & model, const llama_moe_cache_laye
         if (t->buffer == nullptr) {
             return std::string("expert tensor ") + t->name + " is not loaded";
         }
+        // host memory: pinned host buffers (CUDA_Host) belong to a GPU device but live in RAM
         ggml_backend_buffer_type_t src_buft = ggml_backend_buffer_get_type(t->buffer);
-        if (!moe_is_cpu_dev(ggml_backend_buft_get_device(src_buft))) {
+        if (!ggml_backend_buft_is_host(src_buft) && !moe_is_cpu_dev(ggml_backend_buft_get_device(src_buft))) {
             return "its experts are on a GPU already";
         }
         // debug: the source's own buffer type, so that the same CPU kernels run (repack included)

@@ -8,6 +8,9 @@
 // step must be bitwise equal, and so every token. Run it with LLAMA_MOE_CACHE_DEVICE=CPU on a CPU
 // build (the slots then live on the CPU with the source's buffer type), and with
 // LLAMA_MOE_CACHE_NO_RESIDENT=1 for a cache whose maps keep every expert on the source weights.
+//
+// --ref-full-offload: the reference model keeps every expert on the GPU (no -ot/--cpu-moe), for
+// "all experts resident == stock full offload" on a GPU build.
 
 #include "arg.h"
 #include "common.h"
@@ -31,8 +34,12 @@ struct run_state {
     }
 };
 
-static bool load(run_state & st, common_params & params, bool with_cache) {
-    st.model = llama_model_load_from_file(params.model.path.c_str(), common_model_params_to_llama(params));
+static bool load(run_state & st, common_params & params, bool with_cache, bool full_offload = false) {
+    llama_model_params mparams = common_model_params_to_llama(params);
+    if (full_offload) {
+        mparams.tensor_buft_overrides = nullptr;
+    }
+    st.model = llama_model_load_from_file(params.model.path.c_str(), mparams);
     if (st.model == nullptr) {
         return false;
     }
@@ -86,6 +93,17 @@ static llama_token argmax_last(const std::vector<float> & logits, int n_vocab) {
 }
 
 int main(int argc, char ** argv) {
+    bool ref_full_offload = false;
+    int n_args = 0;
+    for (int i = 0; i < argc; ++i) {
+        if (strcmp(argv[i], "--ref-full-offload") == 0) {
+            ref_full_offload = true;
+        } else {
+            argv[n_args++] = argv[i];
+        }
+    }
+    argc = n_args;
+
     common_params params;
     params.n_predict = 128;
     params.n_ctx     = 512;
@@ -99,7 +117,7 @@ int main(int argc, char ** argv) {
 
     run_state stock;
     run_state cached;
-    if (!load(stock, params, false) || !load(cached, params, true)) {
+    if (!load(stock, params, false, ref_full_offload) || !load(cached, params, true)) {
         LOG_ERR("test-moe-cache: cannot load %s\n", params.model.path.c_str());
         return 1;
     }

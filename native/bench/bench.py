@@ -1,0 +1,152 @@
+"""Side-by-side benchmark of the expert slot cache against stock llama.cpp at emulated VRAM budgets.
+
+Run on a machine with an NVIDIA GPU (one run, under 10 minutes once the builds exist):
+
+    python native/bench/bench.py [--budgets 8,12,16] [--pp 512] [--tg 128] [--reps 2]
+
+It builds stock and patched llama.cpp (CUDA), writes the Qwen3-30B-A3B-shaped Q4_K model (16 GiB,
+random weights: a near-uniform router, the worst case for any cache), profiles it briefly, and
+runs llama-bench for every row, in both load modes (mmap and pinned `-lm none`), keeping each
+row's best. At each budget B:
+
+  stock --fit        llama-bench -fitt (free VRAM - B): what a user runs today
+  stock -ncmoe K     the lowest K whose GPU experts fit B (moeplug's planner)
+  moeplug cache      -ngl 99 --cpu-moe and the slots per layer the planner gives for B
+
+plus the bounds: every expert on the CPU (--cpu-moe) and full offload. It prints one markdown
+table, pp and tg in tokens/s with the ratio to the best stock row of the same budget, all
+measured in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # needs moeplug importable: `pip install -e .` in this checkout
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+@dataclass
+class Row:
+    budget: str
+    config: str
+    args: list[str]
+    stock: bool
+    pp: float = 0.0
+    tg: float = 0.0
+    load: str = ""
+
+
+def llama_bench(binary: Path, model: Path, args: list[str], pp: int, tg: int, reps: int) -> tuple[float, float]:
+    cmd = [str(binary), "-m", str(model), "-p", str(pp), "-n", str(tg), "-r", str(reps), "-fa", "1", "-o", "json", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        print(f"# failed: {' '.join(cmd)}\n# {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ''}",
+              file=sys.stderr)
+        return 0.0, 0.0
+    results = json.loads(r.stdout)
+    pp_ts = next((x["avg_ts"] for x in results if x["n_prompt"] > 0 and x["n_gen"] == 0), 0.0)
+    tg_ts = next((x["avg_ts"] for x in results if x["n_gen"] > 0 and x["n_prompt"] == 0), 0.0)
+    if "--moe-cache-slots" in args and "moe-cache: " in r.stderr:
+        print("# " + next(line for line in r.stderr.splitlines() if "moe-cache: " in line), file=sys.stderr)
+    return pp_ts, tg_ts
+
+
+LOAD_MODES = {"mmap": [], "pinned": ["-lm", "none"]}
+
+
+def best_load_mode(binary: Path, model: Path, row: Row, pp: int, tg: int, reps: int, modes: list[str]) -> None:
+    for load in modes:
+        extra = LOAD_MODES[load]
+        p, t = llama_bench(binary, model, row.args + extra, pp, tg, reps)
+        print(f"# {row.budget:>6} {row.config:<28} {load:<6} pp {p:9.1f}  tg {t:7.1f}", file=sys.stderr)
+        if t > row.tg:
+            row.pp, row.tg, row.load = p, t, load
+        row.pp = max(row.pp, p)
+
+
+def main() -> int:
+    from moeplug.model_inspect import inspect_model
+    from moeplug.native.build import build, resolve_options
+    from moeplug.plan import free_vram_bytes, make_plan
+    from moeplug.synth import benchmark_spec, make_model
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--budgets", default="8,12,16", help="emulated card sizes in GiB")
+    ap.add_argument("--pp", type=int, default=512)
+    ap.add_argument("--tg", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--ctx", type=int, default=4096, help="context the budgets are planned for")
+    ap.add_argument("--model", type=Path, default=Path("/tmp/moeplug-bench/qwen3-30b-a3b-shape-q4_k.gguf"))
+    ap.add_argument("--no-stock-build", action="store_true",
+                    help="run the stock rows on the patched build without cache flags (the patches are opt-in)")
+    ap.add_argument("--jobs", type=int, default=0)
+    ap.add_argument("--load-modes", default="mmap,pinned", help="load modes to try per row; the best is kept")
+    a = ap.parse_args()
+
+    t0 = time.time()
+    patched = build(resolve_options("cuda", stock=False, jobs=a.jobs, cuda_arch=None))
+    stock = patched if a.no_stock_build else build(resolve_options("cuda", stock=True, jobs=a.jobs, cuda_arch=None))
+    print(f"# builds ready in {time.time() - t0:.0f} s: {patched.build_id}, {stock.build_id}", file=sys.stderr)
+
+    if not a.model.exists():
+        a.model.parent.mkdir(parents=True, exist_ok=True)
+        make_model(benchmark_spec(), a.model)
+    info = inspect_model(a.model)
+
+    profile = a.model.with_suffix(".profile.gguf")
+    if not profile.exists():
+        prompts = ROOT / "profiles" / "codeish.txt"
+        subprocess.run([str(patched.binary("llama-moe-profile")), "-m", str(a.model), "--prompts", str(prompts),
+                        "--out", str(profile), "-n", "32", "-ngl", "99"], check=True, capture_output=True)
+
+    free = free_vram_bytes()
+    if free is None:
+        print("no NVIDIA GPU: this benchmark needs one", file=sys.stderr)
+        return 1
+    rows: list[Row] = []
+    for b in [float(x) for x in a.budgets.split(",")]:
+        budget = int(b * GIB)
+        label = f"{b:g} GiB"
+        plan = make_plan(info, a.ctx, budget)
+        margin_mib = max(0, (free - budget) // MIB)
+        rows.append(Row(label, "stock --fit", ["-fitt", str(margin_mib), "-fitc", str(a.ctx)], True))
+        rows.append(Row(label, f"stock -ncmoe {plan.stock_ncmoe}", ["-ngl", "99", "-ncmoe", str(plan.stock_ncmoe)], True))
+        rows.append(Row(label, f"cache {plan.slots_per_layer}/{info.n_expert} slots",
+                        ["-ngl", "99", "-ncmoe", str(info.n_layer), "--moe-cache-profile", str(profile),
+                         "--moe-cache-slots", str(plan.slots_per_layer)], False))
+    rows.append(Row("bound", "stock --cpu-moe", ["-ngl", "99", "-ncmoe", str(info.n_layer)], True))
+    rows.append(Row("bound", "stock full offload", ["-ngl", "99"], True))
+    rows.append(Row("bound", f"cache {info.n_expert}/{info.n_expert} slots",
+                    ["-ngl", "99", "-ncmoe", str(info.n_layer), "--moe-cache-profile", str(profile),
+                     "--moe-cache-slots", str(info.n_expert)], False))
+
+    for row in rows:
+        binary = (stock if row.stock else patched).binary("llama-bench")
+        best_load_mode(binary, a.model, row, a.pp, a.tg, a.reps, a.load_modes.split(","))
+
+    print(f"\n| budget | configuration | load | pp{a.pp} t/s | tg{a.tg} t/s | pp vs best stock | tg vs best stock |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    for row in rows:
+        peers = [r for r in rows if r.budget == row.budget and r.stock]
+        best_pp = max((r.pp for r in peers), default=0.0)
+        best_tg = max((r.tg for r in peers), default=0.0)
+        rp = f"{row.pp / best_pp:.2f}x" if best_pp else "-"
+        rt = f"{row.tg / best_tg:.2f}x" if best_tg else "-"
+        print(f"| {row.budget} | {row.config} | {row.load} | {row.pp:.1f} | {row.tg:.1f} | {rp} | {rt} |")
+    print(f"\n{info.n_layer} layers x {info.n_expert} experts, {inspect_model(a.model).total_bytes / GIB:.2f} GiB; "
+          f"free VRAM {free / GIB:.1f} GiB; stock build {stock.build_id}, patched {patched.build_id}; "
+          f"{time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
