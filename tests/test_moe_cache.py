@@ -187,3 +187,37 @@ def test_no_gpu_layer_means_no_cache(patched_build, cache_models, profiles, tmp_
                         ["--moe-cache-profile", str(profiles["qwen3moe"]), "--moe-cache-slots", "3"])
     lines = [line for line in log.splitlines() if "moe-cache:" in line]
     assert len(lines) == 1 and NOT_ENGAGED in lines[0] and "the layer runs on the CPU" in lines[0], lines
+
+
+def metrics_of(build, model: Path, profile: Path, slots: int, tmp_path: Path, name: str) -> dict[str, int]:
+    """The moe_cache counters of llama-server's /metrics after one completion."""
+    import requests
+
+    log = tmp_path / f"{name}.log"
+    args = ["--metrics", "--moe-cache-profile", str(profile), "--moe-cache-slots", str(slots)]
+    with start_server(build.binary("llama-server"), model, log, extra_args=args, ctx=512, threads=2) as srv:
+        srv.wait_healthy(timeout=120)
+        srv.complete("def fibonacci(n):", n_predict=16, ignore_eos=True)
+        text = requests.get(f"{srv.url}/metrics", timeout=10).text
+    return {line.split()[0].removeprefix("llamacpp:moe_cache_"): int(line.split()[1])
+            for line in text.splitlines() if line.startswith("llamacpp:moe_cache_")}
+
+
+@pytest.mark.parametrize("case", ["all", "some", "none"])
+def test_server_metrics_count_slot_hits(patched_build, cache_models, profiles, slots_on_cpu, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """/metrics: selections, slot hits, experts computed from host memory and their bytes, per layer."""
+    if case == "none":
+        monkeypatch.setenv("LLAMA_MOE_CACHE_NO_RESIDENT", "1")
+    m = metrics_of(patched_build, cache_models["qwen3moe"], profiles["qwen3moe"], N_EXPERT if case == "all" else 3,
+                   tmp_path, case)
+    layers = [k for k in m if k.startswith("layer_selections_total")]
+    assert len(layers) == 3 and m["selections_total"] == sum(m[k] for k in layers) > 0
+    assert m["hits_total"] == sum(m[k] for k in m if k.startswith("layer_hits_total"))
+    assert m["hits_total"] + m["cpu_experts_total"] == m["selections_total"]
+    if case == "all":
+        assert m["hits_total"] == m["selections_total"] and m["cpu_bytes_total"] == 0
+    elif case == "none":
+        assert m["hits_total"] == 0 and m["cpu_bytes_total"] > 0
+    else:
+        assert 0 < m["hits_total"] < m["selections_total"] and m["cpu_bytes_total"] > 0

@@ -254,7 +254,7 @@ std::vector<common_moe_cache_choice> common_moe_cache_choose(
 }
 
 bool common_moe_cache_enable(llama_model * model, const std::string & model_path, const std::string & profile_path,
-        int32_t n_slots, int32_t max_batch, int32_t margin_mib) {
+        int32_t n_slots, int32_t max_batch, int32_t margin_mib, bool count) {
     llama_moe_cache_result result = {};
     try {
         const auto choice = common_moe_cache_choose(profile_path, model_path, n_slots);
@@ -269,6 +269,7 @@ bool common_moe_cache_enable(llama_model * model, const std::string & model_path
         mp.n_layers   = layers.size();
         mp.max_batch  = max_batch;
         mp.margin     = (size_t) std::max(margin_mib, 0) * 1024 * 1024;
+        mp.count      = count;
         if (!llama_model_moe_cache_init(model, &mp, &result)) {
             throw std::runtime_error(result.reason);
         }
@@ -290,5 +291,35 @@ bool common_moe_cache_init(llama_model * model, const common_params & params) {
         return false;
     }
     return common_moe_cache_enable(model, params.model.path, params.moe_cache_profile, params.moe_cache_slots,
-        params.moe_cache_max_batch, params.moe_cache_margin_mib);
+        params.moe_cache_max_batch, params.moe_cache_margin_mib, params.endpoint_metrics);
+}
+
+std::string common_moe_cache_metrics(const llama_model * model) {
+    std::vector<llama_moe_cache_layer_stats> stats(llama_model_moe_cache_stats(model, nullptr, 0));
+    if (stats.empty()) {
+        return "";
+    }
+    llama_model_moe_cache_stats(model, stats.data(), stats.size());
+
+    uint64_t selected = 0, resident = 0, cpu_bytes = 0;
+    std::string layers_selected, layers_resident;
+    for (const auto & s : stats) {
+        selected  += s.n_selected;
+        resident  += s.n_resident;
+        cpu_bytes += (s.n_selected - s.n_resident) * s.bytes_per_expert;
+        layers_selected += string_format("llamacpp:moe_cache_layer_selections_total{layer=\"%d\"} %llu\n", s.il, (unsigned long long) s.n_selected);
+        layers_resident += string_format("llamacpp:moe_cache_layer_hits_total{layer=\"%d\"} %llu\n", s.il, (unsigned long long) s.n_resident);
+    }
+    auto counter = [](const char * name, const char * help, uint64_t value) {
+        return string_format("# HELP llamacpp:%s %s\n# TYPE llamacpp:%s counter\nllamacpp:%s %llu\n",
+            name, help, name, name, (unsigned long long) value);
+    };
+    return counter("moe_cache_selections_total", "Expert selections in batches that ran the expert cache.", selected) +
+           counter("moe_cache_hits_total", "Of them, experts computed from resident slots.", resident) +
+           counter("moe_cache_cpu_experts_total", "Of them, experts computed from host memory.", selected - resident) +
+           counter("moe_cache_cpu_bytes_total", "Expert bytes read from host memory for them.", cpu_bytes) +
+           "# HELP llamacpp:moe_cache_layer_selections_total Expert selections per MoE layer.\n"
+           "# TYPE llamacpp:moe_cache_layer_selections_total counter\n" + layers_selected +
+           "# HELP llamacpp:moe_cache_layer_hits_total Resident-slot hits per MoE layer.\n"
+           "# TYPE llamacpp:moe_cache_layer_hits_total counter\n" + layers_resident;
 }

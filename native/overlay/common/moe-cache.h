@@ -50,7 +50,11 @@ std::vector<common_moe_cache_choice> common_moe_cache_choose(
 //   moe-cache: not engaged, running without it: REASON
 // returns whether it engaged
 bool common_moe_cache_enable(llama_model * model, const std::string & model_path, const std::string & profile_path,
-        int32_t n_slots, int32_t max_batch, int32_t margin_mib);
+        int32_t n_slots, int32_t max_batch, int32_t margin_mib, bool count = false);
 
-// common_moe_cache_enable from params.moe_cache_*, when a profile is given
+// common_moe_cache_enable from params.moe_cache_*, when a profile is given; counts slot hits
+// when the server's metrics endpoint is on
 bool common_moe_cache_init(llama_model * model, const common_params & params);
+
+// the cache's counters in the Prometheus text format of llama-server's /metrics ("" without a cache)
+std::string common_moe_cache_metrics(const llama_model * model);

@@ -33,6 +33,41 @@ const llama_moe_cache_layer * llama_moe_cache::find(const ggml_tensor * down_exp
     return it == layers.end() ? nullptr : it->second.get();
 }
 
+void llama_moe_cache_count(const llama_moe_cache & cache, ggml_cgraph * gf) {
+    std::vector<int32_t> ids;
+    for (const auto & [down, layer] : cache.layers) {
+        char name[GGML_MAX_NAME];
+        snprintf(name, sizeof(name), "ffn_moe_ids_slot-%d", layer->il);
+        ggml_tensor * t = ggml_graph_get_tensor(gf, name);
+        if (t == nullptr) {
+            continue; // this batch ran the stock graph
+        }
+        ids.resize(ggml_nelements(t));
+        ggml_backend_tensor_get(t, ids.data(), 0, ggml_nbytes(t));
+        uint64_t resident = 0;
+        for (int32_t id : ids) {
+            resident += id >= 0;
+        }
+        layer->n_selected += ids.size();
+        layer->n_resident += resident;
+    }
+}
+
+size_t llama_model_moe_cache_stats(const llama_model * model, llama_moe_cache_layer_stats * out, size_t n_max) {
+    if (!model->moe_cache) {
+        return 0;
+    }
+    std::vector<const llama_moe_cache_layer *> layers;
+    for (const auto & [down, layer] : model->moe_cache->layers) {
+        layers.push_back(layer.get());
+    }
+    std::sort(layers.begin(), layers.end(), [](auto * a, auto * b) { return a->il < b->il; });
+    for (size_t i = 0; i < layers.size() && i < n_max; ++i) {
+        out[i] = { layers[i]->il, layers[i]->n_selected.load(), layers[i]->n_resident.load(), layers[i]->bytes_per_expert };
+    }
+    return layers.size();
+}
+
 uint32_t llama_moe_cache::n_extra_nodes() const {
     // the remaps, a second expert pass and the merge: well under 64 nodes per layer
     return 64u * (uint32_t) layers.size();
@@ -295,6 +330,7 @@ bool llama_moe_cache_build(llama_model & model, const llama_moe_cache_params & p
 
     auto cache = std::make_unique<llama_moe_cache>();
     cache->max_batch = params.max_batch;
+    cache->count     = params.count;
 
     // one context per buffer type: the slots, and the maps beside them
     std::map<ggml_backend_buffer_type_t, ggml_context *> ctx_of;
@@ -317,6 +353,9 @@ bool llama_moe_cache_build(llama_model & model, const llama_moe_cache_params & p
         layer->il       = plan.il;
         layer->n_expert = plan.down->ne[2];
         layer->experts  = plan.experts;
+        for (const ggml_tensor * src : plan.sources) {
+            layer->bytes_per_expert += src->nb[moe_expert_dim(src)];
+        }
 
         for (size_t i = 0; i < plan.sources.size(); ++i) {
             const ggml_tensor * src = plan.sources[i];

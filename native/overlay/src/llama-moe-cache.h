@@ -36,12 +36,19 @@ struct llama_moe_cache_layer {
 
     mutable std::atomic<bool> warned { false }; // the layer already logged why a graph ran it stock
 
+    // runtime counters (when counting is on): expert selections in two-pass batches, and how many
+    // of them a slot served
+    mutable std::atomic<uint64_t> n_selected { 0 };
+    mutable std::atomic<uint64_t> n_resident { 0 };
+    size_t bytes_per_expert = 0; // of the source tensors: what the CPU reads per non-resident selection
+
     // the slot copy of a source tensor; nullptr for nullptr and for a tensor without a copy
     ggml_tensor * slot(const ggml_tensor * src) const;
 };
 
 struct llama_moe_cache {
     int32_t max_batch = 31; // larger batches run the stock graph
+    bool    count     = false; // keep the slot ids of each batch and count hits (costs a read per layer)
 
     // key: the layer's source expert down-projection weight
     std::unordered_map<const ggml_tensor *, std::unique_ptr<llama_moe_cache_layer>> layers;
@@ -55,6 +62,9 @@ struct llama_moe_cache {
     // graph nodes the two-pass path adds, for the graph size
     uint32_t n_extra_nodes() const;
 };
+
+// adds the slot hits of a computed graph to the counters
+void llama_moe_cache_count(const llama_moe_cache & cache, ggml_cgraph * gf);
 
 // builds model.moe_cache; on failure the model is unchanged and result.reason says why
 bool llama_moe_cache_build(llama_model & model, const llama_moe_cache_params & params, llama_moe_cache_result & result);
