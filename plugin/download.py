@@ -13,7 +13,7 @@ from pathlib import Path
 
 from moeplug.errors import MoeplugError
 from moeplug.output import human_bytes, note
-from moeplug.refs import ModelRef, ResolvedModel, _pick_quant_files, _resolve_hf_cached, _shard_set, hf_cache_dir
+from moeplug.refs import ModelRef, ResolvedModel, pick_quant_files, resolve_hf_cached, shard_set, hf_cache_dir
 
 DISK_HEADROOM = 1.02  # a little room for the cache's own files
 
@@ -25,7 +25,7 @@ def offline() -> bool:
 def fetch_hf(ref: ModelRef) -> ResolvedModel:
     """The model's files from the cache, downloading what is missing unless offline."""
     try:
-        return _resolve_hf_cached(ref)
+        return resolve_hf_cached(ref)
     except MoeplugError as cached_error:
         if offline():
             raise MoeplugError(f"HF_HUB_OFFLINE is set and {cached_error}") from None
@@ -53,8 +53,8 @@ def _download(ref: ModelRef) -> ResolvedModel:
         raise MoeplugError(f"{ref.repo}: cannot reach the Hugging Face Hub ({exc})") from None
     sizes = {s.rfilename: s.size or 0 for s in info.siblings or []}
     where = f"{ref.repo}@{(info.sha or '')[:12]} on the Hub"
-    files = _shard_set(ref.filename, set(sizes), where) if ref.filename else \
-        _pick_quant_files(list(sizes), str(ref.quant), where)
+    files = shard_set(ref.filename, set(sizes), where) if ref.filename else \
+        pick_quant_files(list(sizes), str(ref.quant), where)
     need = sum(sizes[f] for f in files)
     cache = hf_cache_dir()
     check_disk(ref.repo, need, cache)

@@ -116,27 +116,8 @@ def ensure_profile(model: Path, tool: Path, n_predict: int, prompt_sets: list[st
 def plan_for(info: ModelInfo, ctx: int, vram_budget: int | None, profile: Path | None,
              slots_on_cpu: bool) -> Plan:
     budget = vram_budget if vram_budget is not None else free_vram_bytes()
-    if budget is None and slots_on_cpu:
-        return demo_cpu_plan(info, ctx, profile)
-    return make_plan(info, ctx, budget, profile, available_ram_bytes())
-
-
-def demo_cpu_plan(info: ModelInfo, ctx: int, profile: Path | None) -> Plan:
-    """No GPU: a quarter of the experts as slots in RAM, to show the cache engage end to end."""
-    plan = make_plan(info, ctx, None, profile, available_ram_bytes())
-    slots = max(1, info.n_expert // 4)
-    plan.slots_per_layer = slots
-    plan.fit_fraction = slots / info.n_expert
-    plan.expert_vram_bytes = 0
-    plan.server_args = [*plan.server_args, "--moe-cache-slots", str(slots)]
-    if profile:
-        plan.server_args += ["--moe-cache-profile", str(profile)]
-        from moeplug.plan import _profile_counts, predicted_hit_rate
-
-        plan.predicted_hit_rate = predicted_hit_rate(*_profile_counts(profile), slots)
-    plan.notes = [f"no NVIDIA GPU: {slots} slots per layer held in RAM (LLAMA_MOE_CACHE_DEVICE=CPU) to show "
-                  f"the cache engage: same results as stock, no speedup"]
-    return plan
+    slots_in_ram = max(1, info.n_expert // 4) if slots_on_cpu else 0  # the demo without a GPU
+    return make_plan(info, ctx, budget, profile, available_ram_bytes(), slots_in_ram)
 
 
 def install(text: str, *, ctx: int, vram_budget: int | None, backend: str | None, jobs: int,

@@ -127,13 +127,15 @@ def _fit_warnings(fit: float, hit: float | None) -> list[str]:
 
 
 def make_plan(info: ModelInfo, ctx: int, vram_budget: int | None, profile_path: Path | None = None,
-              ram_available: int | None = None) -> Plan:
+              ram_available: int | None = None, slots_in_ram: int = 0) -> Plan:
+    """slots_in_ram: without a GPU, hold that many slots per layer in RAM anyway (the demo's
+    stand-in for a GPU, LLAMA_MOE_CACHE_DEVICE=CPU: same results as stock, no speedup)."""
     if not info.layers:
         raise MoeplugError(f"{info.path}: no routed-expert tensors: a dense model, nothing for moeplug to plan")
     per_slot = _bytes_per_slot(info)
     kv = kv_cache_bytes(info, ctx)
     compute = compute_buffer_bytes(info) + CUDA_POOL_HEADROOM
-    counts = _profile_counts(profile_path) if profile_path else None
+    counts = profile_counts(profile_path) if profile_path else None
     load_mode, load_notes = choose_load_mode(info, ram_available)
     base = dict(model=str(info.path), ctx=ctx, non_expert_vram_bytes=info.non_expert_bytes, kv_cache_bytes=kv,
                 compute_bytes=compute, margin_bytes=SAFETY_MARGIN, bytes_per_slot=per_slot,
@@ -143,11 +145,18 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | None, profile_path: 
 
     if vram_budget is None:
         # pinned memory only speeds up copies to a GPU: without one, mmap
-        return Plan(backend="cpu", vram_budget_bytes=None, slots_per_layer=0, expert_vram_bytes=0, fit_fraction=0.0,
-                    predicted_hit_rate=0.0 if counts else None, stock_ncmoe=None,
-                    server_args=["-c", str(ctx), "-ngl", "0"],
-                    notes=["no NVIDIA GPU found: a CPU plan, every expert on the CPU, no slots"],
-                    **(base | {"load_mode": "mmap"}))
+        slots = min(slots_in_ram, info.n_expert)
+        args = ["-c", str(ctx), "-ngl", "0"]
+        note = "no NVIDIA GPU found: a CPU plan, every expert on the CPU, no slots"
+        if slots:
+            args += ["--moe-cache-slots", str(slots)]
+            args += ["--moe-cache-profile", str(profile_path)] if profile_path else []
+            note = (f"no NVIDIA GPU: {slots} slots per layer held in RAM (LLAMA_MOE_CACHE_DEVICE=CPU) to show the "
+                    f"cache engage: same results as stock, no speedup")
+        return Plan(backend="cpu", vram_budget_bytes=None, slots_per_layer=slots, expert_vram_bytes=0,
+                    fit_fraction=slots / info.n_expert, stock_ncmoe=None,
+                    predicted_hit_rate=predicted_hit_rate(*counts, slots) if counts else None,
+                    server_args=args, notes=[note], **(base | {"load_mode": "mmap"}))
 
     room = vram_budget - info.non_expert_bytes - kv - compute - SAFETY_MARGIN
     if room < 0:
@@ -185,7 +194,7 @@ def choose_load_mode(info: ModelInfo, ram_available: int | None) -> tuple[str, l
                     f"mmap (pinned memory would make prefill much faster)"]
 
 
-def _profile_counts(path: Path) -> tuple[np.ndarray, np.ndarray]:
+def profile_counts(path: Path) -> tuple[np.ndarray, np.ndarray]:
     from moeplug.profile.format import read_profile
 
     p = read_profile(path)

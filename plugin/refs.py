@@ -186,7 +186,7 @@ def _quant_matches(path: str, quant: str) -> bool:
     return re.search(rf"(^|[-_./]){re.escape(quant)}([-_./]|$)", path, re.IGNORECASE) is not None
 
 
-def _shard_set(name: str, present: set[str], where: str) -> list[str]:
+def shard_set(name: str, present: set[str], where: str) -> list[str]:
     """[name], or every shard of the split model `name` belongs to (all of them must be there)."""
     folder, _, base = name.rpartition("/")
     names = shard_names(base)
@@ -199,19 +199,19 @@ def _shard_set(name: str, present: set[str], where: str) -> list[str]:
     return shards
 
 
-def _pick_quant_files(files: list[str], quant: str, where: str) -> list[str]:
+def pick_quant_files(files: list[str], quant: str, where: str) -> list[str]:
     """The single file, or the complete set of shards, that carries the quant."""
     matches = sorted(f for f in files if f.lower().endswith(".gguf") and _quant_matches(f, quant)
                      and "mmproj" not in f.lower())
     if not matches:
         raise MoeplugError(f"{where}: no {quant} GGUF (files: {', '.join(sorted(files)) or 'none'})")
-    models = sorted({_shard_set(f, set(files), where)[0] for f in matches})
+    models = sorted({shard_set(f, set(files), where)[0] for f in matches})
     if len(models) > 1:
         raise MoeplugError(f"{where}: {quant} is ambiguous ({', '.join(models)}); name the file: user/repo/FILE.gguf")
-    return _shard_set(models[0], set(files), where)
+    return shard_set(models[0], set(files), where)
 
 
-def _resolve_hf_cached(ref: ModelRef) -> ResolvedModel:
+def resolve_hf_cached(ref: ModelRef) -> ResolvedModel:
     assert ref.repo is not None
     cache = hf_cache_dir()
     repo_dir = cache / f"models--{ref.repo.replace('/', '--')}"
@@ -225,9 +225,9 @@ def _resolve_hf_cached(ref: ModelRef) -> ResolvedModel:
     if ref.filename:
         if ref.filename not in files:
             raise MoeplugError(f"{where}: no file {ref.filename}")
-        chosen = _shard_set(ref.filename, set(files), where)
+        chosen = shard_set(ref.filename, set(files), where)
     else:
-        chosen = _pick_quant_files(files, str(ref.quant), where)
+        chosen = pick_quant_files(files, str(ref.quant), where)
     paths = [snapshot / f for f in chosen]
     return ResolvedModel(ref=ref, path=paths[0], files=paths, source="hf-cache", revision=revision)
 
@@ -250,4 +250,4 @@ def resolve_ref(text: str) -> ResolvedModel:
         return ResolvedModel(ref=ref, path=files[0], files=files, source="local")
     if ref.kind == "ollama":
         return _resolve_ollama(ref)
-    return _resolve_hf_cached(ref)
+    return resolve_hf_cached(ref)

@@ -93,6 +93,7 @@ common_moe_fingerprint common_moe_fingerprint_of(const std::string & path) {
         }
     }
 
+    fp.files = paths;
     for (const auto & p : paths) {
         struct stat st;
         if (stat(p.c_str(), &st) == 0) {
@@ -122,7 +123,7 @@ common_moe_fingerprint common_moe_fingerprint_of(const std::string & path) {
     return fp;
 }
 
-static void moe_set_arr_str(gguf_context * g, const char * key, const std::vector<std::string> & v) {
+void common_moe_set_arr_str(gguf_context * g, const char * key, const std::vector<std::string> & v) {
     std::vector<const char *> ptrs;
     for (const auto & s : v) {
         ptrs.push_back(s.c_str());
@@ -137,7 +138,7 @@ void common_moe_fingerprint_write(gguf_context * g, const common_moe_fingerprint
     gguf_set_val_u32(g, "moe_profile.model.n_expert_used", fp.n_expert_used);
     gguf_set_val_u64(g, "moe_profile.model.size", fp.size);
     gguf_set_val_str(g, "moe_profile.model.meta_hash", fp.meta_hash.c_str());
-    moe_set_arr_str(g, "moe_profile.model.expert_tensors", fp.expert_tensors);
+    common_moe_set_arr_str(g, "moe_profile.model.expert_tensors", fp.expert_tensors);
     gguf_set_arr_data(g, "moe_profile.model.expert_shapes", GGUF_TYPE_INT64, fp.expert_shapes.data(), fp.expert_shapes.size());
     gguf_set_arr_data(g, "moe_profile.model.expert_types", GGUF_TYPE_INT32, fp.expert_types.data(), fp.expert_types.size());
 }
@@ -198,7 +199,7 @@ std::string common_moe_fingerprint_diff(const gguf_context * g, const common_moe
 }
 
 std::vector<common_moe_cache_choice> common_moe_cache_choose(
-        const std::string & profile_path, const std::string & model_path, int32_t n_slots) {
+        const std::string & profile_path, const common_moe_fingerprint & model, int32_t n_slots) {
     ggml_context * ctx = nullptr;
     gguf_init_params ip = { /*.no_alloc =*/ false, /*.ctx =*/ &ctx };
     gguf_context * g = gguf_init_from_file(profile_path.c_str(), ip);
@@ -218,7 +219,7 @@ std::vector<common_moe_cache_choice> common_moe_cache_choose(
         throw std::runtime_error(string_format("%s is a version %u moe profile; this build reads version %u",
             profile_path.c_str(), version, MOE_PROFILE_VERSION));
     }
-    const std::string diff = common_moe_fingerprint_diff(g, common_moe_fingerprint_of(model_path));
+    const std::string diff = common_moe_fingerprint_diff(g, model);
     if (!diff.empty()) {
         throw std::runtime_error("the profile " + profile_path + " is of another model (" + diff + " differ)");
     }
@@ -257,14 +258,20 @@ bool common_moe_cache_enable(llama_model * model, const std::string & model_path
         int32_t n_slots, int32_t max_batch, int32_t margin_mib, bool count) {
     llama_moe_cache_result result = {};
     try {
-        const auto choice = common_moe_cache_choose(profile_path, model_path, n_slots);
+        const common_moe_fingerprint fp = common_moe_fingerprint_of(model_path);
+        const auto choice = common_moe_cache_choose(profile_path, fp, n_slots);
+        std::vector<const char *> files;
+        for (const auto & f : fp.files) {
+            files.push_back(f.c_str());
+        }
 
         std::vector<llama_moe_cache_layer_experts> layers;
         for (const auto & c : choice) {
             layers.push_back({ c.tensor.c_str(), c.experts.data(), (int32_t) c.experts.size() });
         }
         llama_moe_cache_params mp = {};
-        mp.model_path = model_path.c_str();
+        mp.model_files   = files.data();
+        mp.n_model_files = files.size();
         mp.layers     = layers.data();
         mp.n_layers   = layers.size();
         mp.max_batch  = max_batch;

@@ -24,6 +24,7 @@ struct common_moe_fingerprint {
     std::vector<std::string> expert_tensors;     // every routed-expert tensor, in file order
     std::vector<int64_t>     expert_shapes;      // 4 ne per tensor
     std::vector<int32_t>     expert_types;       // ggml_type per tensor
+    std::vector<std::string> files;              // the model's files, first shard first (not part of the match)
 };
 
 // reads the fingerprint of the model whose (first) file is path; throws std::runtime_error
@@ -32,17 +33,20 @@ common_moe_fingerprint common_moe_fingerprint_of(const std::string & path);
 // writes the fingerprint keys (moe_profile.model.*) into a profile
 void common_moe_fingerprint_write(gguf_context * profile, const common_moe_fingerprint & fp);
 
+// gguf_set_arr_str for a vector of strings
+void common_moe_set_arr_str(gguf_context * g, const char * key, const std::vector<std::string> & v);
+
 // "" when the profile's fingerprint is fp, else which key differs
 std::string common_moe_fingerprint_diff(const gguf_context * profile, const common_moe_fingerprint & fp);
 
-// reads the profile, checks it against the model and picks the slots of each layer: the experts
-// with the most decode selections (then prefill, then the lower id); throws std::runtime_error
+// reads the profile, checks it against the model's fingerprint and picks the slots of each layer:
+// the experts with the most decode selections (then prefill, then the lower id); throws std::runtime_error
 struct common_moe_cache_choice {
     std::string          tensor;  // the layer's expert down weight
     std::vector<int32_t> experts; // hottest first
 };
 std::vector<common_moe_cache_choice> common_moe_cache_choose(
-        const std::string & profile_path, const std::string & model_path, int32_t n_slots);
+        const std::string & profile_path, const common_moe_fingerprint & model, int32_t n_slots);
 
 // sets up the cache with the n_slots hottest experts of each layer from the profile; logs one line:
 //   moe-cache: L layers x N slots, X MiB uploaded to DEV in T s

@@ -106,30 +106,7 @@ int moe_expert_dim(const ggml_tensor * t) {
 }
 
 // where each tensor's data is in the model's files, for buffers that cannot be read back
-std::unordered_map<std::string, moe_file_slice> moe_file_slices(const std::string & path) {
-    std::vector<std::string> paths = { path };
-    {
-        gguf_init_params ip = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
-        gguf_context * g = gguf_init_from_file(path.c_str(), ip);
-        if (g == nullptr) {
-            throw std::runtime_error("cannot read the GGUF header of " + path);
-        }
-        const int64_t kid = gguf_find_key(g, "split.count");
-        const int n_split = kid < 0 ? 1 : (int) gguf_get_val_u16(g, kid);
-        gguf_free(g);
-        if (n_split > 1) {
-            char prefix[4096];
-            if (llama_split_prefix(prefix, sizeof(prefix), path.c_str(), 0, n_split) == 0) {
-                throw std::runtime_error("split model: name its first file, not " + path);
-            }
-            for (int i = 1; i < n_split; ++i) {
-                char split[4096];
-                llama_split_path(split, sizeof(split), prefix, i, n_split);
-                paths.push_back(split);
-            }
-        }
-    }
-
+std::unordered_map<std::string, moe_file_slice> moe_file_slices(const std::vector<std::string> & paths) {
     std::unordered_map<std::string, moe_file_slice> slices;
     for (const auto & p : paths) {
         gguf_init_params ip = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
@@ -183,7 +160,10 @@ std::vector<const ggml_tensor *> moe_layer_sources(const llama_model & model, co
 }
 
 // fills plan from one layer of the request; returns "" or why the layer is left stock
-std::string moe_plan_layer(const llama_model & model, const llama_moe_cache_layer_experts & req, bool debug_cpu, moe_layer_plan & plan) {
+using moe_support_cache = std::map<std::pair<ggml_backend_buffer_type_t, ggml_type>, bool>;
+
+std::string moe_plan_layer(const llama_model & model, const llama_moe_cache_layer_experts & req, bool debug_cpu,
+        moe_support_cache & supported, moe_layer_plan & plan) {
     const std::string name = req.tensor ? req.tensor : "";
     const ggml_tensor * down = model.get_tensor(name.c_str());
     if (down == nullptr || name.rfind("blk.", 0) != 0) {
@@ -233,8 +213,14 @@ std::string moe_plan_layer(const llama_model & model, const llama_moe_cache_laye
         // debug: the source's own buffer type, so that the same CPU kernels run (repack included)
         ggml_backend_buffer_type_t buft = !debug_cpu ? ggml_backend_dev_buffer_type(plan.dev) :
             ggml_backend_buffer_is_host(t->buffer) ? ggml_backend_dev_buffer_type(plan.dev) : src_buft;
-        if (ggml_n_dims(t) == 3 && !moe_dev_supports_skip_neg(plan.dev, buft, t)) {
-            return std::string(ggml_backend_dev_name(plan.dev)) + " cannot compute a MUL_MAT_ID with ids < 0 on " + ggml_type_name(t->type);
+        if (ggml_n_dims(t) == 3) {
+            auto it = supported.find({ buft, t->type });
+            if (it == supported.end()) {
+                it = supported.emplace(std::make_pair(buft, t->type), moe_dev_supports_skip_neg(plan.dev, buft, t)).first;
+            }
+            if (!it->second) {
+                return std::string(ggml_backend_dev_name(plan.dev)) + " cannot compute a MUL_MAT_ID with ids < 0 on " + ggml_type_name(t->type);
+            }
         }
         plan.bufts.push_back(buft);
     }
@@ -262,7 +248,7 @@ ggml_tensor * moe_new_map(ggml_context * ctx, int64_t n_expert, const char * nam
 
 // copies the chosen experts of src into dst, reading memory when it can and the file otherwise
 void moe_fill_slot(ggml_tensor * dst, const ggml_tensor * src, const std::vector<int32_t> & experts,
-        const std::string & model_path, std::unordered_map<std::string, moe_file_slice> & file_slices) {
+        const std::vector<std::string> & model_files, std::unordered_map<std::string, moe_file_slice> & file_slices) {
     const size_t slice = src->nb[moe_expert_dim(src)];
     std::vector<uint8_t> staging(ggml_nbytes(dst), 0); // a padding slot stays zero
 
@@ -272,11 +258,11 @@ void moe_fill_slot(ggml_tensor * dst, const ggml_tensor * src, const std::vector
         }
     } else {
         if (file_slices.empty()) {
-            file_slices = moe_file_slices(model_path);
+            file_slices = moe_file_slices(model_files);
         }
         const auto it = file_slices.find(src->name);
         if (it == file_slices.end()) {
-            throw std::runtime_error(std::string("tensor ") + src->name + " is not in " + model_path);
+            throw std::runtime_error(std::string("tensor ") + src->name + " is in none of the model's files");
         }
         std::ifstream f(it->second.path, std::ios::binary);
         for (size_t s = 0; s < experts.size(); ++s) {
@@ -311,9 +297,10 @@ bool llama_moe_cache_build(llama_model & model, const llama_moe_cache_params & p
 
     std::vector<moe_layer_plan> plans;
     std::map<std::string, int> skipped;
+    moe_support_cache supported; // one probe per buffer type and weight type
     for (size_t i = 0; i < params.n_layers; ++i) {
         moe_layer_plan plan;
-        const std::string why = moe_plan_layer(model, params.layers[i], debug_cpu, plan);
+        const std::string why = moe_plan_layer(model, params.layers[i], debug_cpu, supported, plan);
         if (!why.empty()) {
             skipped[why]++;
             continue;
@@ -401,11 +388,12 @@ bool llama_moe_cache_build(llama_model & model, const llama_moe_cache_params & p
     }
 
     const bool no_resident = moe_debug_no_resident();
+    const std::vector<std::string> model_files(params.model_files, params.model_files + params.n_model_files);
     std::unordered_map<std::string, moe_file_slice> file_slices;
     uint64_t n_bytes = 0;
     for (auto & [down, layer] : cache->layers) {
         for (auto & [src, dst] : layer->slots) {
-            moe_fill_slot(dst, src, layer->experts, params.model_path ? params.model_path : "", file_slices);
+            moe_fill_slot(dst, src, layer->experts, model_files, file_slices);
             n_bytes += ggml_nbytes(dst);
         }
 

@@ -171,14 +171,6 @@ struct moe_token_meta {
     int32_t phase;
 };
 
-static void moe_set_arr_str(gguf_context * g, const char * key, const std::vector<std::string> & v) {
-    std::vector<const char *> ptrs;
-    for (const auto & s : v) {
-        ptrs.push_back(s.c_str());
-    }
-    gguf_set_arr_str(g, key, ptrs.data(), ptrs.size());
-}
-
 static bool moe_write_profile(const std::string & out, const common_moe_fingerprint & fp, const moe_profiler & prof,
         const std::vector<moe_token_meta> & tokens, const std::vector<std::string> & prompt_labels,
         const std::string & source, const common_params & params) {
@@ -201,11 +193,11 @@ static bool moe_write_profile(const std::string & out, const common_moe_fingerpr
     gguf_set_val_str(g, "general.type", "moe-profile");
     gguf_set_val_u32(g, "moe_profile.version", MOE_PROFILE_VERSION);
     common_moe_fingerprint_write(g, fp);
-    moe_set_arr_str(g, "moe_profile.tensors", prof.order);
+    common_moe_set_arr_str(g, "moe_profile.tensors", prof.order);
     gguf_set_val_u64(g, "moe_profile.tokens.prefill", (uint64_t) n_prefill);
     gguf_set_val_u64(g, "moe_profile.tokens.decode", (uint64_t) (n_steps - n_prefill));
-    moe_set_arr_str(g, "moe_profile.sources", { source });
-    moe_set_arr_str(g, "moe_profile.source.0.prompt_labels", prompt_labels);
+    common_moe_set_arr_str(g, "moe_profile.sources", { source });
+    common_moe_set_arr_str(g, "moe_profile.source.0.prompt_labels", prompt_labels);
     gguf_set_val_u32(g, "moe_profile.source.0.n_predict", (uint32_t) params.n_predict);
     gguf_set_val_u32(g, "moe_profile.source.0.seed", params.sampling.seed);
     gguf_set_val_f32(g, "moe_profile.source.0.temp", params.sampling.temp);
