@@ -10,7 +10,7 @@ from typing import Any
 
 from moeplug.errors import EXIT_ERROR, EXIT_OK, MoeplugError
 from moeplug.output import human_bytes, print_json, table
-from moeplug.plan import Plan, parse_size
+from moeplug.plan import Plan, describe_slots, parse_size
 
 
 def _budget(args: argparse.Namespace) -> int | None:
@@ -26,10 +26,11 @@ def print_plan(plan: dict[str, Any]) -> None:
         ["compute buffer + CUDA pool", human_bytes(p["compute_bytes"])],
         ["safety margin", human_bytes(p["margin_bytes"])],
         ["one slot (all MoE layers)", human_bytes(p["bytes_per_slot"])],
-        ["slots per layer", f"{p['slots_per_layer']} of {p['n_expert']} ({p['fit_fraction']:.0%})"],
+        ["slots", f"{describe_slots(p['slots_per_layer'], p['n_expert'])}, {p['fit_fraction']:.0%} of experts"],
         ["experts in VRAM", human_bytes(p["expert_vram_bytes"])],
         ["predicted hit rate", f"{p['predicted_hit_rate']:.1%}" if p["predicted_hit_rate"] is not None else "no profile"],
         ["stock -ncmoe for this budget", str(p["stock_ncmoe"]) if p["stock_ncmoe"] is not None else "-"],
+        ["modelled CPU time per token", _host_ms(p)],
         ["load mode", p["load_mode"]],
     ]
     print(table(["plan", ""], rows, "lr"))
@@ -38,6 +39,12 @@ def print_plan(plan: dict[str, Any]) -> None:
         print(f"note: {n}")
     for w in p["warnings"]:
         print(f"WARNING: {w}")
+
+
+def _host_ms(p: dict[str, Any]) -> str:
+    if p.get("modelled_host_ms") is None:
+        return "-"
+    return f"{p['modelled_host_ms']:.2f} ms (stock -ncmoe: {p['stock_modelled_host_ms']:.2f} ms)"
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -66,7 +73,10 @@ def _print_served(doc: dict[str, Any]) -> None:
     srv = doc["server"]
     cache = srv.get("cache") or {}
     if cache.get("engaged"):
-        print(f"expert cache: {cache['layers']} layers x {cache['slots']} slots, {cache['mib_uploaded']:.2f} MiB "
+        lo, hi = cache.get("slots_min") or cache["slots"], cache["slots"]
+        slots = f"{hi}" if lo == hi else f"{lo}-{hi}"
+        whole = f" ({cache['whole_layers']} whole)" if cache.get("whole_layers") else ""
+        print(f"expert cache: {cache['layers']} layers x {slots} slots{whole}, {cache['mib_uploaded']:.2f} MiB "
               f"on {cache['device']} in {cache['seconds']:.2f} s")
     elif cache:
         print(f"expert cache: not engaged ({cache['reason']})")
@@ -171,9 +181,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     if not models:
         print("no model installed ('moeplug install demo' makes one)")
         return EXIT_OK
-    rows = [[m.name, m.plan["slots_per_layer"], f"{m.plan['fit_fraction']:.0%}", m.plan["backend"], m.path]
-            for m in models]
-    print(table(["name", "slots/layer", "fit", "plan", "model"], rows, "lrrll"))
+    rows = [[m.name, describe_slots(m.plan["slots_per_layer"], m.plan["n_expert"]), f"{m.plan['fit_fraction']:.0%}",
+             m.plan["backend"], m.path] for m in models]
+    print(table(["name", "slots", "fit", "plan", "model"], rows, "llrll"))
     return EXIT_OK
 
 

@@ -1,9 +1,10 @@
-"""The slot planner: how many experts of every MoE layer fit in the GPU budget, and the flags to run.
+"""The slot planner: how many experts of each MoE layer fit in the GPU budget, and the flags to run.
 
 VRAM budget (NVML free memory, or --vram-budget) minus what llama.cpp puts on the GPU anyway
 (non-expert weights, the KV cache at the context size, the compute buffer and CUDA pool
-headroom, a safety margin) leaves room for slots; one slot costs one expert in every MoE layer.
-The same budget also gives stock llama.cpp's best placement (`-ncmoe K`), shown beside it.
+headroom, a safety margin) leaves room for slots, which allocate.py spreads over the layers
+from the profile's hit curves. The same budget also gives stock llama.cpp's best placement
+(`-ncmoe K`), shown beside it.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from moeplug.allocate import LayerCost, allocate, hit_curves, modelled_seconds
 from moeplug.errors import MoeplugError
 from moeplug.model_inspect import ModelInfo, scalar_or_max
+from moeplug.profile.format import Profile
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -76,14 +79,19 @@ def stock_ncmoe(info: ModelInfo, room: int) -> int:
     return info.n_layer
 
 
-def predicted_hit_rate(counts_decode: np.ndarray, counts_prefill: np.ndarray, slots: int) -> float | None:
-    """Share of the profile's expert selections that the top-N of each layer serves."""
-    counts = counts_decode if counts_decode.sum() > 0 else counts_prefill
-    total = counts.sum()
-    if total == 0 or slots <= 0:
-        return 0.0 if total else None
-    top = np.sort(counts, axis=1)[:, ::-1][:, :slots]
-    return float(top.sum() / total)
+def _layer_costs(info: ModelInfo, profile: Profile | None) -> list[LayerCost]:
+    curves = hit_curves(profile, len(info.layers), info.n_expert)
+    return [LayerCost(layer.bytes_per_expert, layer.n_expert, info.n_expert_used, curve)
+            for layer, curve in zip(info.layers, curves)]
+
+
+def _slots_arg(info: ModelInfo, profile: Profile | None, slots: list[int]) -> str:
+    """--moe-cache-slots: one count, or one per layer in the profile's layer order."""
+    if len(set(slots)) == 1:
+        return str(slots[0])
+    by_block = {layer.block: n for layer, n in zip(info.layers, slots)}
+    order = [int(t.split(".")[1]) for t in profile.tensors] if profile else [layer.block for layer in info.layers]
+    return ",".join(str(by_block.get(block, 0)) for block in order)
 
 
 @dataclass
@@ -99,11 +107,15 @@ class Plan:
     bytes_per_slot: int
     n_expert: int
     n_moe_layers: int
-    slots_per_layer: int
+    slots_per_layer: list[int]  # per MoE layer, in block order
+    slots_total: int
+    whole_layers: int  # layers with every expert resident: no CPU pass
     expert_vram_bytes: int
     fit_fraction: float
     predicted_hit_rate: float | None
     stock_ncmoe: int | None
+    modelled_host_ms: float | None  # CPU-side time per decoded token (allocate.py's model)
+    stock_modelled_host_ms: float | None  # the same for stock -ncmoe at this budget
     load_mode: str
     profile: str | None
     server_args: list[str] = field(default_factory=list)
@@ -135,52 +147,89 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | None, profile_path: 
     per_slot = _bytes_per_slot(info)
     kv = kv_cache_bytes(info, ctx)
     compute = compute_buffer_bytes(info) + CUDA_POOL_HEADROOM
-    counts = profile_counts(profile_path) if profile_path else None
+    profile = _read_profile(profile_path) if profile_path else None
+    costs = _layer_costs(info, profile)
     load_mode, load_notes = choose_load_mode(info, ram_available)
+    n_layers = len(info.layers)
     base = dict(model=str(info.path), ctx=ctx, non_expert_vram_bytes=info.non_expert_bytes, kv_cache_bytes=kv,
                 compute_bytes=compute, margin_bytes=SAFETY_MARGIN, bytes_per_slot=per_slot,
-                n_expert=info.n_expert, n_moe_layers=len(info.layers), load_mode=load_mode,
+                n_expert=info.n_expert, n_moe_layers=n_layers, load_mode=load_mode,
                 profile=str(profile_path) if profile_path else None)
     lm_args = ["-lm", "none"] if load_mode == "pinned" else []
 
+    def summary(slots: list[int], room: int | None = None) -> dict[str, Any]:
+        """room: VRAM for experts; fit_fraction is the share of all expert bytes it holds"""
+        total = sum(slots)
+        all_experts = sum(layer.expert_bytes for layer in info.layers)
+        fit = min(room, all_experts) / all_experts if room is not None else total / (info.n_expert * n_layers)
+        hit = _predicted_hit(costs, slots) if profile else None
+        return dict(slots_per_layer=slots, slots_total=total, whole_layers=sum(n >= info.n_expert for n in slots),
+                    fit_fraction=fit, predicted_hit_rate=hit,
+                    expert_vram_bytes=sum(n * layer.bytes_per_expert for n, layer in zip(slots, info.layers)))
+
     if vram_budget is None:
         # pinned memory only speeds up copies to a GPU: without one, mmap
-        slots = min(slots_in_ram, info.n_expert)
+        slots = [min(slots_in_ram, info.n_expert)] * n_layers
         args = ["-c", str(ctx), "-ngl", "0"]
         note = "no NVIDIA GPU found: a CPU plan, every expert on the CPU, no slots"
-        if slots:
-            args += ["--moe-cache-slots", str(slots)]
+        if slots[0]:
+            args += ["--moe-cache-slots", str(slots[0])]
             args += ["--moe-cache-profile", str(profile_path)] if profile_path else []
-            note = (f"no NVIDIA GPU: {slots} slots per layer held in RAM (LLAMA_MOE_CACHE_DEVICE=CPU) to show the "
+            note = (f"no NVIDIA GPU: {slots[0]} slots per layer held in RAM (LLAMA_MOE_CACHE_DEVICE=CPU) to show the "
                     f"cache engage: same results as stock, no speedup")
-        return Plan(backend="cpu", vram_budget_bytes=None, slots_per_layer=slots, expert_vram_bytes=0,
-                    fit_fraction=slots / info.n_expert, stock_ncmoe=None,
-                    predicted_hit_rate=predicted_hit_rate(*counts, slots) if counts else None,
-                    server_args=args, notes=[note], **(base | {"load_mode": "mmap"}))
+        return Plan(backend="cpu", vram_budget_bytes=None, stock_ncmoe=None, modelled_host_ms=None,
+                    stock_modelled_host_ms=None, server_args=args, notes=[note],
+                    **(base | summary(slots) | {"load_mode": "mmap", "expert_vram_bytes": 0}))
 
     room = vram_budget - info.non_expert_bytes - kv - compute - SAFETY_MARGIN
     if room < 0:
         raise MoeplugError(f"the budget of {vram_budget / GIB:.2f} GiB does not hold the model's other weights, "
                            f"KV cache and buffers ({(vram_budget - room) / GIB:.2f} GiB): lower --ctx or use a "
                            f"smaller quant")
-    slots = min(info.n_expert, room // per_slot)
-    fit = slots / info.n_expert
-    hit = predicted_hit_rate(*counts, slots) if counts else None
     ncmoe = stock_ncmoe(info, room)
+    stock_slots = [info.n_expert if layer.block >= ncmoe else 0 for layer in info.layers]
+    slots = allocate(costs, room) if profile else stock_slots
+    s = summary(slots, room)
     args = ["-c", str(ctx), "-ngl", "99", "-fit", "off", *lm_args]
     notes = list(load_notes)
-    if slots == info.n_expert:
+    if s["whole_layers"] == n_layers:
         notes.append("every expert fits in VRAM: full offload, no cache needed")
-    elif slots == 0:
+    elif s["slots_total"] == 0:
         args += ["--cpu-moe"]
-        notes.append("no room for even one slot per layer: every expert on the CPU (--cpu-moe)")
+        notes.append("no room for one slot: every expert on the CPU (--cpu-moe)")
+    elif not profile:
+        args += ["-ncmoe", str(ncmoe)]
+        notes.append(f"no profile to choose slots: stock placement, the experts of layers below {ncmoe} on the CPU")
     else:
-        args += ["--cpu-moe", "--moe-cache-slots", str(slots)]
-        if profile_path:
-            args += ["--moe-cache-profile", str(profile_path)]
-    return Plan(backend="cuda", vram_budget_bytes=vram_budget, slots_per_layer=int(slots),
-                expert_vram_bytes=int(slots * per_slot), fit_fraction=fit, predicted_hit_rate=hit,
-                stock_ncmoe=ncmoe, server_args=args, warnings=_fit_warnings(fit, hit), notes=notes, **base)
+        args += ["--cpu-moe", "--moe-cache-slots", _slots_arg(info, profile, slots),
+                 "--moe-cache-profile", str(profile_path)]
+        if s["whole_layers"]:
+            notes.append(f"{s['whole_layers']} whole layers resident (no CPU pass): the profile's hit curves "
+                         f"make them worth more than spreading their slots")
+    return Plan(backend="cuda", vram_budget_bytes=vram_budget, stock_ncmoe=ncmoe,
+                modelled_host_ms=1e3 * modelled_seconds(costs, slots),
+                stock_modelled_host_ms=1e3 * modelled_seconds(costs, stock_slots), server_args=args,
+                warnings=_fit_warnings(s["fit_fraction"], s["predicted_hit_rate"]), notes=notes, **(base | s))
+
+
+def describe_slots(slots_per_layer: list[int] | int, n_expert: int) -> str:
+    """'8 of 8 per layer', or '0-128 of 128 per layer (31 whole layers)' (an int: older plans)."""
+    slots = [slots_per_layer] if isinstance(slots_per_layer, int) else slots_per_layer
+    lo, hi = min(slots, default=0), max(slots, default=0)
+    span = f"{hi}" if lo == hi else f"{lo}-{hi}"
+    whole = sum(n >= n_expert for n in slots)
+    return f"{span} of {n_expert} per layer" + (f" ({whole} whole layers)" if whole and lo != hi else "")
+
+
+def _predicted_hit(costs: list[LayerCost], slots: list[int]) -> float:
+    """Share of all selections served by the planned slots, from the hit curves."""
+    return float(np.mean([c.hits[min(n, c.n_expert)] for c, n in zip(costs, slots)]))
+
+
+def _read_profile(path: Path) -> Profile:
+    from moeplug.profile.format import read_profile
+
+    return read_profile(path)
 
 
 def choose_load_mode(info: ModelInfo, ram_available: int | None) -> tuple[str, list[str]]:
@@ -192,13 +241,6 @@ def choose_load_mode(info: ModelInfo, ram_available: int | None) -> tuple[str, l
         return "pinned", []
     return "mmap", [f"{ram_available / GIB:.1f} GiB RAM free for a {info.total_bytes / GIB:.1f} GiB model: "
                     f"mmap (pinned memory would make prefill much faster)"]
-
-
-def profile_counts(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    from moeplug.profile.format import read_profile
-
-    p = read_profile(path)
-    return np.asarray(p.counts_decode), np.asarray(p.counts_prefill)
 
 
 def free_vram_bytes() -> int | None:

@@ -25,7 +25,10 @@ from moeplug.fsutil import write_text_atomic
 from moeplug.paths import logs_dir, state_dir
 from moeplug.server import HOST, Server, free_port, log_tail, port_in_use
 
-ENGAGED_RE = re.compile(r"moe-cache: (\d+) layers x (\d+) slots, ([\d.]+) MiB uploaded to (\S+) in ([\d.]+) s")
+# "L layers x N slots, ..."; with whole layers or layers that differ,
+# "L layers x N0-N1 slots (S in all, F whole layers), ..." (N0- only when they differ)
+ENGAGED_RE = re.compile(r"moe-cache: (\d+) layers x (?:(\d+)-)?(\d+) slots(?: \((\d+) in all, (\d+) whole layers\))?, "
+                        r"([\d.]+) MiB uploaded to (\S+) in ([\d.]+) s")
 NOT_ENGAGED_RE = re.compile(r"moe-cache: not engaged, running without it: (.*)")
 BUFFER_RE = re.compile(r"(\S+) (model|KV|compute) buffer size =\s+([\d.]+) MiB")
 
@@ -34,7 +37,10 @@ BUFFER_RE = re.compile(r"(\S+) (model|KV|compute) buffer size =\s+([\d.]+) MiB")
 class CacheStatus:
     engaged: bool
     layers: int = 0
-    slots: int = 0
+    slots: int = 0  # per layer, the most
+    slots_min: int = 0
+    slots_total: int = 0
+    whole_layers: int = 0  # every expert resident: no CPU pass
     mib_uploaded: float = 0.0
     device: str = ""
     seconds: float = 0.0
@@ -45,7 +51,11 @@ def parse_cache_line(log: str) -> CacheStatus | None:
     """What the server's log says about the expert cache, or None when it was not asked for."""
     m = ENGAGED_RE.search(log)
     if m:
-        return CacheStatus(True, int(m[1]), int(m[2]), float(m[3]), m[4], float(m[5]))
+        layers, most = int(m[1]), int(m[3])
+        least = int(m[2]) if m[2] else most
+        total = int(m[4]) if m[4] else layers * most
+        whole = int(m[5]) if m[5] else 0
+        return CacheStatus(True, layers, most, least, total, whole, float(m[6]), m[7], float(m[8]))
     m = NOT_ENGAGED_RE.search(log)
     if m:
         return CacheStatus(False, reason=m[1].strip())

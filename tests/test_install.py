@@ -53,8 +53,9 @@ def test_install_demo_serve_complete_stop(home: dict[str, str]) -> None:
     doc = json.loads(r.stdout)
     srv = doc["server"]
     try:
-        assert srv["cache"]["engaged"] and srv["cache"]["slots"] == doc["plan"]["slots_per_layer"] == 8
-        assert srv["cache"]["layers"] == 4
+        assert srv["cache"]["engaged"] and doc["plan"]["slots_per_layer"] == [8] * 4
+        assert srv["cache"]["layers"] == 4 and srv["cache"]["slots"] == srv["cache"]["slots_min"] == 8
+        assert srv["cache"]["slots_total"] == 32 and srv["cache"]["whole_layers"] == 0
         first = complete(srv["url"])
         assert len(first) == 12
 

@@ -14,11 +14,11 @@ import pytest
 
 from conftest import fixture_spec
 from moeplug.server import start_server
+from moeplug.serving import parse_cache_line
 from moeplug.synth import make_model
 
 pytestmark = pytest.mark.native
 
-ENGAGED_RE = re.compile(r"moe-cache: (\d+) layers x (\d+) slots, ([\d.]+) MiB uploaded to (\S+) in ([\d.]+) s")
 NOT_ENGAGED = "moe-cache: not engaged, running without it: "
 N_EXPERT = 8  # conftest.FIXTURE_SHAPE
 
@@ -54,18 +54,26 @@ def slots_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LLAMA_MOE_CACHE_DEVICE", "CPU")
 
 
-def run_cache_test(build, model: Path, profile: Path, slots: int, ubatch: int, env: dict[str, str] | None = None,
+def run_cache_test(build, model: Path, profile: Path, slots: int | str, ubatch: int, env: dict[str, str] | None = None,
                    n_predict: int = 128) -> subprocess.CompletedProcess[str]:
     cmd = [str(build.binary("test-moe-cache")), "-m", str(model), "--moe-cache-profile", str(profile),
            "--moe-cache-slots", str(slots), "-ub", str(ubatch), "-n", str(n_predict), "-t", "2"]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
 
 
-def assert_bitwise(r: subprocess.CompletedProcess[str], slots: int) -> None:
+def assert_bitwise(r: subprocess.CompletedProcess[str], slots: int | str) -> None:
+    """slots: the count of every layer, or one per layer ("8,0,3")"""
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert r.stdout.strip().endswith("logits bitwise equal"), r.stdout
-    m = ENGAGED_RE.search(r.stderr)
-    assert m and int(m[2]) == slots and m[4] == "CPU", r.stderr[-2000:]
+    cache = parse_cache_line(r.stderr)
+    counts = [n for n in map(int, str(slots).split(",")) if n > 0]
+    assert cache and cache.engaged and cache.device == "CPU", r.stderr[-2000:]
+    assert (cache.slots_min, cache.slots) == (min(counts), max(counts))
+    if "," not in str(slots):
+        counts = counts * cache.layers
+    assert cache.layers == len(counts)
+    if "," in str(slots) or max(counts) == N_EXPERT:
+        assert cache.slots_total == sum(counts) and cache.whole_layers == counts.count(N_EXPERT)
 
 
 MODELS = ["qwen3moe", "hy_v3", "gpt-oss", "hy_v3-mtp", "qwen3moe-f16-scales", "qwen3moe-q4_k-scales"]
@@ -88,6 +96,25 @@ def test_cache_without_resident_experts_is_bitwise_stock(patched_build, cache_mo
     assert_bitwise(r, 3)
 
 
+def per_layer(pattern: str, n_layers: int) -> str:
+    """'whole first': a whole layer, layers left out, a partial one; 'partial first': then whole ones"""
+    counts = [N_EXPERT] + [0] * (n_layers - 2) + [3] if pattern == "whole first" else [1] + [N_EXPERT] * (n_layers - 1)
+    return ",".join(map(str, counts))
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("pattern", ["whole first", "partial first"])
+def test_slots_per_layer_are_bitwise_stock(patched_build, cache_models, profiles, slots_on_cpu, name: str,
+                                           pattern: str) -> None:
+    """One count per layer: a whole layer (every expert resident, no host pass), layers left out,
+    partial layers; ubatch 7 and 64 (whole layers take the slots above the max batch too)."""
+    from moeplug.profile.format import read_profile
+
+    slots = per_layer(pattern, len(read_profile(profiles[name]).tensors))
+    for ubatch in (7, 64):
+        assert_bitwise(run_cache_test(patched_build, cache_models[name], profiles[name], slots, ubatch=ubatch), slots)
+
+
 @pytest.mark.parametrize("name", ["qwen3moe", "gpt-oss"])
 def test_batches_above_max_batch_are_bitwise_stock(patched_build, cache_models, profiles, slots_on_cpu, name: str) -> None:
     """Prefill ubatches of 64 tokens (above the default max batch of 31) take the stock graph;
@@ -95,17 +122,25 @@ def test_batches_above_max_batch_are_bitwise_stock(patched_build, cache_models, 
     assert_bitwise(run_cache_test(patched_build, cache_models[name], profiles[name], 3, ubatch=64), 3)
 
 
-def test_two_pass_graph_is_built(patched_build, cache_models, profiles, slots_on_cpu, tmp_path: Path) -> None:
-    """The bitwise tests are not vacuous: with the cache on, the graph holds both passes and the merge."""
-    r = subprocess.run([str(patched_build.binary("llama-eval-callback")), "-m", str(cache_models["qwen3moe"]),
-                        "--moe-cache-profile", str(profiles["qwen3moe"]), "--moe-cache-slots", "3",
-                        "-p", "hello world", "-n", "1", "-t", "2"],
+def graph_of(build, model: Path, profile: Path, slots: str) -> str:
+    r = subprocess.run([str(build.binary("llama-eval-callback")), "-m", str(model), "--moe-cache-profile", str(profile),
+                        "--moe-cache-slots", slots, "-p", "hello world", "-n", "1", "-t", "2"],
                        capture_output=True, text=True, timeout=300)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-2000:]
+    assert r.returncode == 0, (r.stdout + r.stderr)[-2000:]
+    return r.stdout + r.stderr
+
+
+def test_two_pass_graph_is_built(patched_build, cache_models, profiles, slots_on_cpu) -> None:
+    """The bitwise tests are not vacuous: with the cache on, the graph holds both passes and the
+    merge; a whole layer runs on its slots alone, with no host pass."""
+    out = graph_of(patched_build, cache_models["qwen3moe"], profiles["qwen3moe"], "3")
     for name in ("ffn_moe_ids_src-0", "ffn_moe_ids_slot-0", "ffn_moe_experts_merged-0"):
         assert name in out, name
     assert "blk.0.ffn_down_exps.weight.slots" in out
+
+    out = graph_of(patched_build, cache_models["qwen3moe"], profiles["qwen3moe"], f"{N_EXPERT},3,0")
+    assert "blk.0.ffn_down_exps.weight.slots" in out and "ffn_moe_ids_src-0" not in out
+    assert "ffn_moe_experts_merged-1" in out and "blk.2.ffn_down_exps.weight.slots" not in out
 
 
 def test_every_moe_architecture_mock_is_bitwise(patched_build) -> None:
@@ -136,19 +171,19 @@ def test_server_engages_and_matches_stock(patched_build, cache_models, profiles,
     tokens, log = serve_once(patched_build, model, tmp_path, "cached",
                              ["--moe-cache-profile", str(profile), "--moe-cache-slots", "5"])
     engaged = [line for line in log.splitlines() if "moe-cache:" in line]
-    assert len(engaged) == 1 and ENGAGED_RE.search(engaged[0]), engaged
-    m = ENGAGED_RE.search(engaged[0])
-    assert m and (int(m[1]), int(m[2]), m[4]) == (3, 5, "CPU")
+    cache = parse_cache_line(engaged[0]) if len(engaged) == 1 else None
+    assert cache and cache.engaged and (cache.layers, cache.slots, cache.device) == (3, 5, "CPU"), engaged
     assert tokens == stock_tokens
 
 
 def test_server_flags_from_environment(patched_build, cache_models, profiles, slots_on_cpu, tmp_path: Path,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LLAMA_ARG_MOE_CACHE_PROFILE", str(profiles["qwen3moe"]))
-    monkeypatch.setenv("LLAMA_ARG_MOE_CACHE_SLOTS", "2")
+    monkeypatch.setenv("LLAMA_ARG_MOE_CACHE_SLOTS", "2,8,0")
     _, log = serve_once(patched_build, cache_models["qwen3moe"], tmp_path, "env", [])
-    m = ENGAGED_RE.search(log)
-    assert m and int(m[2]) == 2, log[-2000:]
+    cache = parse_cache_line(log)
+    assert cache and cache.engaged and (cache.layers, cache.slots_min, cache.slots, cache.whole_layers) == (2, 2, 8, 1), \
+        log[-2000:]
 
 
 def truncated(profile: Path, dest: Path) -> Path:
@@ -163,6 +198,8 @@ BAD_CASES = {
     "missing": (lambda p, tmp: tmp / "nope.gguf", 3, "cannot read the profile"),
     "too many slots": (lambda p, tmp: p["qwen3moe"], N_EXPERT + 1, "the model has 8 experts per layer"),
     "zero slots": (lambda p, tmp: p["qwen3moe"], 0, "give at least 1 slot per layer"),
+    "no layer": (lambda p, tmp: p["qwen3moe"], "0,0,0", "gives no layer a slot"),
+    "list too short": (lambda p, tmp: p["qwen3moe"], "3,3", "2 counts given, the profile has 3 layers"),
 }
 
 
@@ -177,6 +214,13 @@ def test_bad_profile_warns_once_and_runs_baseline(patched_build, cache_models, p
     lines = [line for line in log.splitlines() if "moe-cache:" in line]
     assert len(lines) == 1 and NOT_ENGAGED in lines[0] and reason in lines[0], lines
     assert tokens == stock_tokens
+
+
+def test_malformed_slot_list_is_a_usage_error(patched_build, cache_models, profiles, tmp_path: Path) -> None:
+    r = subprocess.run([str(patched_build.binary("llama-server")), "-m", str(cache_models["qwen3moe"]),
+                        "--moe-cache-profile", str(profiles["qwen3moe"]), "--moe-cache-slots", "3,x"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "--moe-cache-slots 3,x: give N or one N per layer" in r.stderr, r.stderr[-2000:]
 
 
 def test_no_gpu_layer_means_no_cache(patched_build, cache_models, profiles, tmp_path: Path,

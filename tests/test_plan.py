@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from conftest import run_cli
+from moeplug.allocate import LayerCost, allocate, hit_curves, modelled_seconds, uniform_hits
 from moeplug.errors import MoeplugError
 from moeplug.model_inspect import inspect_model
 from moeplug.plan import (CUDA_POOL_HEADROOM, SAFETY_MARGIN, compute_buffer_bytes, kv_cache_bytes, make_plan,
-                          parse_size, predicted_hit_rate, stock_ncmoe)
+                          parse_size, stock_ncmoe)
+from moeplug.profile.format import Profile, ProfileSource
 from moeplug.serving import parse_buffers
 from moeplug.server import start_server
 
 MIB = 1 << 20
+PROMPTS = Path(__file__).parents[1] / "profiles" / "codeish.txt"
 
 
 @pytest.mark.parametrize("text,value", [("12GiB", 12 << 30), ("12G", 12 << 30), ("8000MiB", 8000 << 20),
@@ -36,18 +42,90 @@ def fixed_bytes(info, ctx: int) -> int:
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "hy_v3", "gpt-oss"])
-def test_slots_fill_the_budget(fixture_models, arch: str) -> None:
+def test_plan_without_profile_is_stock_placement(fixture_models, arch: str) -> None:
+    """No profile to choose slots: whole layers on the GPU, the lower ones in RAM (stock -ncmoe)."""
     info = inspect_model(fixture_models[arch])
-    per_slot = sum(layer.bytes_per_expert for layer in info.layers)
-    for n in (1, 3, 5):
-        budget = fixed_bytes(info, 2048) + n * per_slot + per_slot // 2
-        plan = make_plan(info, 2048, budget)
-        assert plan.slots_per_layer == n
-        assert plan.expert_vram_bytes == n * per_slot
-        args = plan.server_args
-        assert "--cpu-moe" in args and args[args.index("--moe-cache-slots") + 1] == str(n)
-    full = make_plan(info, 2048, fixed_bytes(info, 2048) + 100 * per_slot)
-    assert full.slots_per_layer == info.n_expert and "--cpu-moe" not in full.server_args
+    layer = info.layers[0].expert_bytes
+    plan = make_plan(info, 2048, fixed_bytes(info, 2048) + layer + layer // 2)
+    assert plan.whole_layers == 1 and plan.slots_per_layer[-1] == info.n_expert and sum(plan.slots_per_layer) == info.n_expert
+    args = plan.server_args
+    assert args[args.index("-ncmoe") + 1] == str(plan.stock_ncmoe) and "--moe-cache-slots" not in args
+    full = make_plan(info, 2048, fixed_bytes(info, 2048) + 100 * layer)
+    assert full.slots_per_layer == [info.n_expert] * len(info.layers) and "--cpu-moe" not in full.server_args
+
+
+def test_plan_with_profile_spends_the_budget_on_slots(patched_build, fixture_models, tmp_path: Path) -> None:
+    """With a real profile the per-layer slots fit the budget and reach llama-server's flags in the
+    profile's layer order."""
+    from moeplug.profile.format import read_profile
+
+    model = fixture_models["qwen3moe"]
+    profile = tmp_path / "p.gguf"
+    r = subprocess.run([str(patched_build.binary("llama-moe-profile")), "-m", str(model), "--prompts",
+                        str(PROMPTS), "--out", str(profile), "-n", "16", "-t", "2"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    info = inspect_model(model)
+    layer = info.layers[0].expert_bytes
+    for k in (1.5, 2.5):
+        room = int(k * layer)
+        plan = make_plan(info, 2048, fixed_bytes(info, 2048) + room, profile)
+        # tiny experts: the CPU round trip outweighs any partial layer, whole layers win
+        assert plan.whole_layers == int(k) and plan.expert_vram_bytes <= room
+        arg = plan.server_args[plan.server_args.index("--moe-cache-slots") + 1]
+        by_block = {layer.block: n for layer, n in zip(info.layers, plan.slots_per_layer)}
+        order = [int(t.split(".")[1]) for t in read_profile(profile).tensors]
+        assert [int(x) for x in arg.split(",")] == [by_block[b] for b in order]
+        assert plan.modelled_host_ms <= plan.stock_modelled_host_ms
+
+
+def cost(hits: np.ndarray, bytes_per_expert: int = 2_654_208, used: int = 8) -> LayerCost:
+    return LayerCost(bytes_per_expert, len(hits) - 1, used, hits)
+
+
+def test_allocation_is_optimal_against_brute_force() -> None:
+    """Every way to spread the slots over three small layers: the dynamic programme finds the least
+    modelled time."""
+    rng = np.random.default_rng(5)
+    for trial in range(20):
+        layers = []
+        for _ in range(3):
+            p = np.sort(rng.dirichlet(np.full(6, rng.uniform(0.2, 3))))[::-1]
+            layers.append(cost(np.concatenate([[0.0], np.cumsum(p)]), used=2))
+        room = int(rng.integers(0, 19)) * 2_654_208
+        got = allocate(layers, room)
+        assert sum(got) * 2_654_208 <= room
+        best = min(modelled_seconds(layers, list(c)) for c in itertools.product(range(7), repeat=3)
+                   if sum(c) * 2_654_208 <= room)
+        assert modelled_seconds(layers, got) == pytest.approx(best), (trial, got)
+
+
+def test_uniform_router_gets_whole_layers_skewed_router_gets_spread() -> None:
+    uniform = [cost(uniform_hits(128)) for _ in range(48)]
+    slots = allocate(uniform, int(31.5 * 128) * 2_654_208)
+    assert sum(n == 128 for n in slots) == 31 and sum(slots) <= int(31.5 * 128)
+    assert sum(0 < n < 128 for n in slots) <= 1  # the rest in one layer, not spread
+    zipf = 1 / np.arange(1, 129) ** 1.2
+    skewed = [cost(np.concatenate([[0.0], np.cumsum(zipf / zipf.sum())])) for _ in range(48)]
+    slots = allocate(skewed, 40 * 48 * 2_654_208)
+    assert all(n > 0 for n in slots) and sum(0 < n < 128 for n in slots) >= 40 and sum(slots) <= 40 * 48
+
+
+def test_hit_curves_do_not_trust_lucky_experts() -> None:
+    """A short profile of a uniform router makes its top experts look hot; ranking on half of the
+    tokens and scoring on the other half gives back a near-linear curve."""
+    rng = np.random.default_rng(1)
+    n_steps, n_layers, n_expert, k = 200, 4, 128, 8
+    seq = np.stack([np.stack([rng.choice(n_expert, k, replace=False) for _ in range(n_layers)])
+                    for _ in range(n_steps)]).astype(np.int16)
+    counts = np.stack([np.bincount(seq[:, i].ravel(), minlength=n_expert) for i in range(n_layers)])
+    prof = Profile(fingerprint=None, tensors=[f"blk.{i}.ffn_down_exps.weight" for i in range(n_layers)],  # type: ignore[arg-type]
+                   counts_prefill=counts * 0, counts_decode=counts,
+                   sources=[ProfileSource("t", ["p"], seq, np.zeros((n_steps, 3), np.int32))])
+    cv = hit_curves(prof, n_layers, n_expert)
+    naive = hit_curves(replace(prof, sources=[]), n_layers, n_expert)
+    assert naive[:, 32].mean() > 0.33  # top quarter looks like a third of the traffic
+    assert abs(cv[:, 32].mean() - 0.25) < 0.03
+    assert np.all(np.diff(cv, axis=1) >= 0) and np.all(cv[:, -1] == 1.0)
 
 
 def test_warnings_at_20_and_15_percent(tmp_path: Path) -> None:
@@ -67,13 +145,6 @@ def test_warnings_at_20_and_15_percent(tmp_path: Path) -> None:
     assert len(w) == 1 and "below 20%" in w[0]
     w = plan_with(2).warnings  # 10%
     assert len(w) == 1 and "below 15%" in w[0] and "--cpu-moe speed" in w[0]
-
-
-def test_predicted_hit_rate_reads_the_profile() -> None:
-    decode = np.array([[10, 5, 1, 0], [0, 0, 8, 8]])
-    assert predicted_hit_rate(decode, decode, 1) == pytest.approx((10 + 8) / 32)
-    assert predicted_hit_rate(decode, decode, 2) == pytest.approx((15 + 16) / 32)
-    assert predicted_hit_rate(np.zeros((2, 4)), decode, 1) == pytest.approx(18 / 32)  # no decode: prefill
 
 
 def test_stock_ncmoe_keeps_the_last_layers_on_the_gpu(fixture_models) -> None:
@@ -116,10 +187,10 @@ def test_cli_plan_json(fixture_models) -> None:
     r = run_cli("plan", str(fixture_models["qwen3moe"]), "--vram-budget", "2GiB", "--ctx", "2048", "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
-    for key in ("slots_per_layer", "fit_fraction", "vram_budget_bytes", "expert_vram_bytes", "predicted_hit_rate",
-                "warnings", "stock_ncmoe", "server_args"):
+    for key in ("slots_per_layer", "slots_total", "whole_layers", "fit_fraction", "vram_budget_bytes",
+                "expert_vram_bytes", "predicted_hit_rate", "warnings", "stock_ncmoe", "modelled_host_ms", "server_args"):
         assert key in doc, key
-    assert doc["vram_budget_bytes"] == 2 << 30 and doc["slots_per_layer"] == 8
+    assert doc["vram_budget_bytes"] == 2 << 30 and doc["slots_per_layer"] == [8, 8, 8] and doc["whole_layers"] == 3
 
 
 def test_cli_plan_without_gpu_is_a_cpu_plan(fixture_models) -> None:
@@ -127,7 +198,7 @@ def test_cli_plan_without_gpu_is_a_cpu_plan(fixture_models) -> None:
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     if doc["backend"] == "cpu":  # this machine has no NVIDIA GPU
-        assert doc["slots_per_layer"] == 0 and any("no NVIDIA GPU" in n for n in doc["notes"])
+        assert doc["slots_per_layer"] == [0, 0, 0] and any("no NVIDIA GPU" in n for n in doc["notes"])
 
 
 def test_cli_plan_bad_budget(fixture_models) -> None:

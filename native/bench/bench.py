@@ -1,6 +1,7 @@
 """Side-by-side benchmark of the expert slot cache against stock llama.cpp at emulated VRAM budgets.
 
-Run on a machine with an NVIDIA GPU (one run, under 10 minutes once the builds exist):
+Run on a machine with an NVIDIA GPU (one run, under 10 minutes once the builds exist; builds are
+cached under ~/.cache/moeplug/build, and each takes about 4 minutes with 16 cores the first time):
 
     python native/bench/bench.py [--budgets 8,12,16] [--pp 512] [--tg 128] [--reps 2]
 
@@ -11,7 +12,8 @@ row's best. At each budget B:
 
   stock --fit        llama-bench -fitt (free VRAM - B): what a user runs today
   stock -ncmoe K     the lowest K whose GPU experts fit B (moeplug's planner)
-  moeplug cache      -ngl 99 --cpu-moe and the slots per layer the planner gives for B
+  moeplug cache      -ngl 99 --cpu-moe and the slots per layer the planner gives for B from the
+                     profile: whole layers where the router is flat, hot experts where it is not
 
 plus the bounds: every expert on the CPU (--cpu-moe) and full offload. It prints one markdown
 table, pp and tg in tokens/s with the ratio to the best stock row of the same budget, all
@@ -21,6 +23,7 @@ measured in this run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -93,8 +96,12 @@ def main() -> int:
     a = ap.parse_args()
 
     t0 = time.time()
-    patched = build(resolve_options("cuda", stock=False, jobs=a.jobs, cuda_arch=None))
-    stock = patched if a.no_stock_build else build(resolve_options("cuda", stock=True, jobs=a.jobs, cuda_arch=None))
+
+    def options(stock: bool, targets: tuple[str, ...]):
+        return dataclasses.replace(resolve_options("cuda", stock=stock, jobs=a.jobs, cuda_arch=None), targets=targets)
+
+    patched = build(options(False, ("llama-bench", "llama-moe-profile")))
+    stock = patched if a.no_stock_build else build(options(True, ("llama-bench",)))
     print(f"# builds ready in {time.time() - t0:.0f} s: {patched.build_id}, {stock.build_id}", file=sys.stderr)
 
     if not a.model.exists():
@@ -116,16 +123,19 @@ def main() -> int:
     for b in [float(x) for x in a.budgets.split(",")]:
         budget = int(b * GIB)
         label = f"{b:g} GiB"
-        plan = make_plan(info, a.ctx, budget)
+        plan = make_plan(info, a.ctx, budget, profile)
         margin_mib = max(0, (free - budget) // MIB)
         rows.append(Row(label, "stock --fit", ["-fitt", str(margin_mib), "-fitc", str(a.ctx)], True))
         rows.append(Row(label, f"stock -ncmoe {plan.stock_ncmoe}", ["-ngl", "99", "-ncmoe", str(plan.stock_ncmoe)], True))
-        rows.append(Row(label, f"cache {plan.slots_per_layer}/{info.n_expert} slots",
+        args = plan.server_args
+        slots = args[args.index("--moe-cache-slots") + 1] if "--moe-cache-slots" in args else str(info.n_expert)
+        print(f"# {label}: cache slots {slots}", file=sys.stderr)
+        rows.append(Row(label, f"cache {plan.slots_total} slots, {plan.whole_layers} whole layers",
                         ["-ngl", "99", "-ncmoe", str(info.n_layer), "--moe-cache-profile", str(profile),
-                         "--moe-cache-slots", str(plan.slots_per_layer)], False))
+                         "--moe-cache-slots", slots], False))
     rows.append(Row("bound", "stock --cpu-moe", ["-ngl", "99", "-ncmoe", str(info.n_layer)], True))
     rows.append(Row("bound", "stock full offload", ["-ngl", "99"], True))
-    rows.append(Row("bound", f"cache {info.n_expert}/{info.n_expert} slots",
+    rows.append(Row("bound", f"cache {info.n_expert}/{info.n_expert} slots (all whole)",
                     ["-ngl", "99", "-ncmoe", str(info.n_layer), "--moe-cache-profile", str(profile),
                      "--moe-cache-slots", str(info.n_expert)], False))
 

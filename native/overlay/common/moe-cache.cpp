@@ -198,8 +198,26 @@ std::string common_moe_fingerprint_diff(const gguf_context * g, const common_moe
     return res;
 }
 
+std::vector<int32_t> common_moe_parse_slots(const std::string & spec) {
+    std::vector<int32_t> res;
+    for (const std::string & item : string_split<std::string>(spec, ',')) {
+        size_t end = 0;
+        int value = -1;
+        try {
+            value = std::stoi(item, &end);
+        } catch (const std::exception &) {
+            end = 0;
+        }
+        if (item.empty() || end != item.size() || value < 0) {
+            throw std::invalid_argument("--moe-cache-slots " + spec + ": give N or one N per layer, comma-separated");
+        }
+        res.push_back(value);
+    }
+    return res;
+}
+
 std::vector<common_moe_cache_choice> common_moe_cache_choose(
-        const std::string & profile_path, const common_moe_fingerprint & model, int32_t n_slots) {
+        const std::string & profile_path, const common_moe_fingerprint & model, const std::vector<int32_t> & n_slots) {
     ggml_context * ctx = nullptr;
     gguf_init_params ip = { /*.no_alloc =*/ false, /*.ctx =*/ &ctx };
     gguf_context * g = gguf_init_from_file(profile_path.c_str(), ip);
@@ -232,11 +250,17 @@ std::vector<common_moe_cache_choice> common_moe_cache_choose(
         throw std::runtime_error("the profile " + profile_path + " has no usable expert counts");
     }
     const int64_t n_expert = decode->ne[0];
-    if (n_slots < 1) {
-        throw std::runtime_error(string_format("--moe-cache-slots %d: give at least 1 slot per layer", n_slots));
+    if (n_slots.size() != 1 && n_slots.size() != tensors.size()) {
+        throw std::runtime_error(string_format("--moe-cache-slots: %zu counts given, the profile has %zu layers (give one, or one per layer)",
+            n_slots.size(), tensors.size()));
     }
-    if (n_slots > n_expert) {
-        throw std::runtime_error(string_format("--moe-cache-slots %d: the model has %lld experts per layer", n_slots, (long long) n_expert));
+    if (n_slots.size() == 1 && n_slots[0] < 1) {
+        throw std::runtime_error(string_format("--moe-cache-slots %d: give at least 1 slot per layer", n_slots[0]));
+    }
+    for (int32_t n : n_slots) {
+        if (n > n_expert) {
+            throw std::runtime_error(string_format("--moe-cache-slots %d: the model has %lld experts per layer", n, (long long) n_expert));
+        }
     }
 
     std::vector<common_moe_cache_choice> res;
@@ -248,18 +272,25 @@ std::vector<common_moe_cache_choice> common_moe_cache_choose(
         std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
             return nd[a] != nd[b] ? nd[a] > nd[b] : np[a] > np[b];
         });
-        order.resize(n_slots);
+        const int32_t n = n_slots.size() == 1 ? n_slots[0] : n_slots[it];
+        if (n == 0) {
+            continue; // left out
+        }
+        order.resize(n);
         res.push_back({ tensors[it], order });
     }
     return res;
 }
 
 bool common_moe_cache_enable(llama_model * model, const std::string & model_path, const std::string & profile_path,
-        int32_t n_slots, int32_t max_batch, int32_t margin_mib, bool count) {
+        const std::string & slots, int32_t max_batch, int32_t margin_mib, bool count) {
     llama_moe_cache_result result = {};
     try {
         const common_moe_fingerprint fp = common_moe_fingerprint_of(model_path);
-        const auto choice = common_moe_cache_choose(profile_path, fp, n_slots);
+        const auto choice = common_moe_cache_choose(profile_path, fp, common_moe_parse_slots(slots));
+        if (choice.empty()) {
+            throw std::runtime_error("--moe-cache-slots " + slots + " gives no layer a slot");
+        }
         std::vector<const char *> files;
         for (const auto & f : fp.files) {
             files.push_back(f.c_str());
@@ -285,14 +316,21 @@ bool common_moe_cache_enable(llama_model * model, const std::string & model_path
         return false;
     }
 
-    LOG_INF("moe-cache: %d layers x %d slots, %.2f MiB uploaded to %s in %.2f s\n",
-        result.n_layers, result.n_slots, result.n_bytes / (1024.0 * 1024.0), result.device, result.t_upload_s);
+    std::string slots_desc = std::to_string(result.n_slots) + " slots";
+    if (result.n_slots_min != result.n_slots) {
+        slots_desc = std::to_string(result.n_slots_min) + "-" + slots_desc;
+    }
+    if (result.n_slots_min != result.n_slots || result.n_layers_full > 0) {
+        slots_desc += string_format(" (%lld in all, %d whole layers)", (long long) result.n_slots_total, result.n_layers_full);
+    }
+    LOG_INF("moe-cache: %d layers x %s, %.2f MiB uploaded to %s in %.2f s\n",
+        result.n_layers, slots_desc.c_str(), result.n_bytes / (1024.0 * 1024.0), result.device, result.t_upload_s);
     return true;
 }
 
 bool common_moe_cache_init(llama_model * model, const common_params & params) {
     if (params.moe_cache_profile.empty()) {
-        if (params.moe_cache_slots != 0) {
+        if (!params.moe_cache_slots.empty()) {
             LOG_WRN("moe-cache: not engaged, running without it: --moe-cache-slots needs --moe-cache-profile\n");
         }
         return false;

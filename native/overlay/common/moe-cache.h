@@ -39,22 +39,30 @@ void common_moe_set_arr_str(gguf_context * g, const char * key, const std::vecto
 // "" when the profile's fingerprint is fp, else which key differs
 std::string common_moe_fingerprint_diff(const gguf_context * profile, const common_moe_fingerprint & fp);
 
+// the slots each profiled layer asks for: "N" (every layer) or "N0,N1,..." (one per layer of the
+// profile, in its order; 0 leaves a layer out); throws std::invalid_argument
+std::vector<int32_t> common_moe_parse_slots(const std::string & spec);
+
 // reads the profile, checks it against the model's fingerprint and picks the slots of each layer:
-// the experts with the most decode selections (then prefill, then the lower id); throws std::runtime_error
+// the experts with the most decode selections (then prefill, then the lower id); n_slots holds one
+// count for every layer or one per layer (common_moe_parse_slots); throws std::runtime_error
 struct common_moe_cache_choice {
     std::string          tensor;  // the layer's expert down weight
     std::vector<int32_t> experts; // hottest first
 };
 std::vector<common_moe_cache_choice> common_moe_cache_choose(
-        const std::string & profile_path, const common_moe_fingerprint & model, int32_t n_slots);
+        const std::string & profile_path, const common_moe_fingerprint & model, const std::vector<int32_t> & n_slots);
 
-// sets up the cache with the n_slots hottest experts of each layer from the profile; logs one line:
+// sets up the cache with the hottest experts of each layer from the profile (slots: as
+// common_moe_parse_slots reads it); logs one line:
 //   moe-cache: L layers x N slots, X MiB uploaded to DEV in T s
+//   moe-cache: L layers x N0-N1 slots (S in all, F whole layers), X MiB uploaded to DEV in T s
+// (the part in parentheses when layers differ or some hold every expert, N0- when they differ)
 // or, when it cannot engage (the model then runs without it):
 //   moe-cache: not engaged, running without it: REASON
 // returns whether it engaged
 bool common_moe_cache_enable(llama_model * model, const std::string & model_path, const std::string & profile_path,
-        int32_t n_slots, int32_t max_batch, int32_t margin_mib, bool count = false);
+        const std::string & slots, int32_t max_batch, int32_t margin_mib, bool count = false);
 
 // common_moe_cache_enable from params.moe_cache_*, when a profile is given; counts slot hits
 // when the server's metrics endpoint is on

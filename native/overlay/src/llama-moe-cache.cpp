@@ -26,17 +26,27 @@ ggml_tensor * llama_moe_cache_layer::slot(const ggml_tensor * src) const {
 }
 
 const llama_moe_cache_layer * llama_moe_cache::find(const ggml_tensor * down_exps, int64_t n_tokens) const {
-    if (n_tokens > max_batch) {
+    const auto it = layers.find(down_exps);
+    if (it == layers.end() || (n_tokens > max_batch && !it->second->full)) {
         return nullptr;
     }
-    const auto it = layers.find(down_exps);
-    return it == layers.end() ? nullptr : it->second.get();
+    return it->second.get();
 }
 
 void llama_moe_cache_count(const llama_moe_cache & cache, ggml_cgraph * gf) {
     std::vector<int32_t> ids;
     for (const auto & [down, layer] : cache.layers) {
         char name[GGML_MAX_NAME];
+        if (layer->full) {
+            // every selection is a hit; no ids to read
+            snprintf(name, sizeof(name), "ffn_moe_topk-%d", layer->il);
+            const ggml_tensor * topk = ggml_graph_get_tensor(gf, name);
+            if (topk != nullptr) {
+                layer->n_selected += ggml_nelements(topk);
+                layer->n_resident += ggml_nelements(topk);
+            }
+            continue;
+        }
         snprintf(name, sizeof(name), "ffn_moe_ids_slot-%d", layer->il);
         ggml_tensor * t = ggml_graph_get_tensor(gf, name);
         if (t == nullptr) {
@@ -186,6 +196,9 @@ std::string moe_plan_layer(const llama_model & model, const llama_moe_cache_laye
             throw std::runtime_error(format("%s: expert %d is out of range or repeated", name.c_str(), e));
         }
         plan.experts.push_back(e);
+    }
+    if (req.n_experts == n_expert) {
+        std::sort(plan.experts.begin(), plan.experts.end()); // slot i = expert i: no remapping
     }
 
     if (debug_cpu) {
@@ -388,6 +401,9 @@ bool llama_moe_cache_build(llama_model & model, const llama_moe_cache_params & p
     }
 
     const bool no_resident = moe_debug_no_resident();
+    for (auto & [down, layer] : cache->layers) {
+        layer->full = !no_resident && (int64_t) layer->experts.size() == layer->n_expert;
+    }
     const std::vector<std::string> model_files(params.model_files, params.model_files + params.n_model_files);
     std::unordered_map<std::string, moe_file_slice> file_slices;
     uint64_t n_bytes = 0;
@@ -430,12 +446,15 @@ bool llama_moe_cache_build(llama_model & model, const llama_moe_cache_params & p
         }
     }
 
-    int32_t n_slots = 0;
+    result.n_slots_min = INT32_MAX;
     for (const auto & plan : plans) {
-        n_slots = std::max(n_slots, (int32_t) plan.experts.size());
+        const int32_t n = (int32_t) plan.experts.size();
+        result.n_slots        = std::max(result.n_slots, n);
+        result.n_slots_min    = std::min(result.n_slots_min, n);
+        result.n_slots_total += n;
+        result.n_layers_full += n == plan.down->ne[2];
     }
     result.n_layers   = (int32_t) plans.size();
-    result.n_slots    = n_slots;
     result.n_bytes    = n_bytes;
     result.t_upload_s = (ggml_time_us() - t_start) / 1e6;
     snprintf(result.device, sizeof(result.device), "%s", ggml_backend_dev_name(plans[0].dev));

@@ -27,6 +27,10 @@ struct llama_moe_cache_layer {
 
     std::vector<int32_t> experts; // the expert held by each slot
 
+    // every expert resident, slot i holding expert i: the layer runs on the slots alone, like a
+    // layer whose experts were loaded on the device, at any batch size
+    bool full = false;
+
     // source expert tensor (gate, up, gate_up, down, their biases and scales) -> slot copy
     std::unordered_map<const ggml_tensor *, ggml_tensor *> slots;
 

@@ -1,0 +1,128 @@
+"""Spreading a VRAM budget of expert slots over the MoE layers.
+
+Per decoded token, a MoE layer whose experts stay in host memory costs a round trip to the CPU
+(activations down, expert pass, result up) plus the CPU time of each picked expert without a
+slot; a layer with every expert resident (a "whole" layer) runs on the GPU alone, like a layer
+stock llama.cpp offloads. So a slot is worth the share of the layer's selections it serves times
+the CPU time of one expert, and the last slot of a layer also saves the round trip.
+
+With a skewed router (real models) the hottest experts of every layer win; with a near-uniform
+one (the random-weight benchmark model) spreading buys almost nothing per slot and whole layers
+win, as in stock `-ncmoe`. The allocation minimises the modelled CPU time per token over all
+layers (a small knapsack, solved exactly by dynamic programming), so it lands on whichever the
+profile supports.
+
+The hit curve of a layer (share of selections its top-N experts serve) comes from the profile. A
+profile of a few hundred tokens overstates it: the experts that ranked first were partly lucky.
+With per-token sequences in the profile, experts are ranked on half of the tokens and scored on
+the other half (two-fold cross-validation), which removes that bias.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from moeplug.profile.format import Profile
+
+# Measured on the GPU machine (shared/reference/baseline-h200.md, native/README.md): the CPU side
+# of a stock layer with 8 experts in RAM costs ~0.43 ms per token at ~2.65 MB per expert (about
+# 50 GB/s of expert bytes), and a layer's round trip with no expert to compute ~75 us.
+CPU_EXPERT_BYTES_PER_S = 50e9
+ROUND_TRIP_S = 75e-6
+# the slot pass of a partly resident layer: a few more small kernels on the GPU
+SLOT_PASS_S = 15e-6
+
+
+@dataclass
+class LayerCost:
+    bytes_per_expert: int
+    n_expert: int
+    n_expert_used: int
+    hits: np.ndarray  # [n_expert + 1]: share of selections the top-N experts serve, N = 0..n_expert
+
+    def seconds(self, n_slots: np.ndarray) -> np.ndarray:
+        """Modelled host-side time per decoded token with n_slots resident experts."""
+        cpu = self.n_expert_used * (1.0 - self.hits[n_slots]) * self.bytes_per_expert / CPU_EXPERT_BYTES_PER_S
+        t = ROUND_TRIP_S + np.where(n_slots > 0, SLOT_PASS_S, 0.0) + cpu
+        return np.where(n_slots >= self.n_expert, 0.0, t)
+
+
+def uniform_hits(n_expert: int) -> np.ndarray:
+    return np.arange(n_expert + 1, dtype=np.float64) / n_expert
+
+
+def _curve(rank_counts: np.ndarray, score_counts: np.ndarray) -> np.ndarray:
+    """Share of score_counts' selections served by the experts ranked first by rank_counts."""
+    order = np.lexsort((np.arange(len(rank_counts)), -rank_counts))  # most selected first, then lower id
+    total = score_counts.sum()
+    if total == 0:
+        return uniform_hits(len(rank_counts))
+    return np.concatenate([[0.0], np.cumsum(score_counts[order]) / total])
+
+
+def _layer_counts(seq: np.ndarray, n_layers: int, n_expert: int) -> np.ndarray:
+    """int64 [n_layers, n_expert] selection counts of seq [n_steps, n_layers, n_expert_used]."""
+    counts = np.zeros((n_layers, n_expert), dtype=np.int64)
+    for layer in range(n_layers):
+        ids = seq[:, layer, :].ravel()
+        ids = ids[(ids >= 0) & (ids < n_expert)]
+        counts[layer] = np.bincount(ids, minlength=n_expert)
+    return counts
+
+
+def hit_curves(profile: Profile | None, n_layers: int, n_expert: int) -> np.ndarray:
+    """float [n_layers, n_expert + 1]: each layer's expected share of selections its top-N serve."""
+    if profile is None:
+        return np.tile(uniform_hits(n_expert), (n_layers, 1))
+    seqs = [s.seq for s in profile.sources if len(s.seq)]
+    if seqs:
+        seq = np.concatenate(seqs).astype(np.int64)
+        halves = [_layer_counts(seq[0::2], n_layers, n_expert), _layer_counts(seq[1::2], n_layers, n_expert)]
+        curves = np.stack([(_curve(halves[0][i], halves[1][i]) + _curve(halves[1][i], halves[0][i])) / 2
+                           for i in range(n_layers)])
+    else:
+        counts = profile.counts_decode if profile.counts_decode.sum() > 0 else profile.counts_prefill
+        curves = np.stack([_curve(c, c) for c in np.asarray(counts, dtype=np.int64)])
+    curves = np.maximum.accumulate(np.clip(curves, 0.0, 1.0), axis=1)
+    curves[:, -1] = 1.0
+    return curves
+
+
+def allocate(layers: list[LayerCost], room: int) -> list[int]:
+    """Slots per layer whose bytes fit in room and minimise the modelled host time per token."""
+    unit = min(layer.bytes_per_expert for layer in layers)
+    weights = [max(1, round(layer.bytes_per_expert / unit)) for layer in layers]
+    budget = int(min(room // unit, sum(w * layer.n_expert for w, layer in zip(weights, layers))))
+    if budget <= 0:
+        return [0] * len(layers)
+
+    best = np.zeros(budget + 1)  # best[b]: least time of the layers so far within b units
+    choices = []
+    for w, layer in zip(weights, layers):
+        n = np.arange(layer.n_expert + 1)
+        cost = layer.seconds(n)
+        nxt = np.full(budget + 1, np.inf)
+        pick = np.zeros(budget + 1, dtype=np.int32)
+        for slots in n:
+            used = slots * w
+            if used > budget:
+                break
+            cand = best[: budget + 1 - used] + cost[slots]
+            better = cand < nxt[used:]
+            nxt[used:][better] = cand[better]
+            pick[used:][better] = slots
+        best = nxt
+        choices.append(pick)
+
+    slots_per_layer = [0] * len(layers)
+    b = budget
+    for i in range(len(layers) - 1, -1, -1):
+        slots_per_layer[i] = int(choices[i][b])
+        b -= slots_per_layer[i] * weights[i]
+    return slots_per_layer
+
+
+def modelled_seconds(layers: list[LayerCost], slots_per_layer: list[int]) -> float:
+    return float(sum(layer.seconds(np.array(n)) for layer, n in zip(layers, slots_per_layer)))
