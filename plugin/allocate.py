@@ -33,6 +33,7 @@ CPU_EXPERT_BYTES_PER_S = 50e9
 ROUND_TRIP_S = 75e-6
 # the slot pass of a partly resident layer: a few more small kernels on the GPU
 SLOT_PASS_S = 15e-6
+TIE_BREAK_S = 1e-12
 
 
 @dataclass
@@ -100,9 +101,10 @@ def allocate(layers: list[LayerCost], room: int) -> list[int]:
 
     best = np.zeros(budget + 1)  # best[b]: least time of the layers so far within b units
     choices = []
-    for w, layer in zip(weights, layers):
+    for i, (w, layer) in enumerate(zip(weights, layers)):
         n = np.arange(layer.n_expert + 1)
-        cost = layer.seconds(n)
+        # between equal plans, keep the host layers last, where stock --fit puts them
+        cost = layer.seconds(n) + np.where(n < layer.n_expert, TIE_BREAK_S * (len(layers) - i), 0.0)
         nxt = np.full(budget + 1, np.inf)
         pick = np.zeros(budget + 1, dtype=np.int32)
         for slots in n:

@@ -139,9 +139,11 @@ def _fit_warnings(fit: float, hit: float | None) -> list[str]:
 
 
 def make_plan(info: ModelInfo, ctx: int, vram_budget: int | None, profile_path: Path | None = None,
-              ram_available: int | None = None, slots_in_ram: int = 0) -> Plan:
+              ram_available: int | None = None, slots_in_ram: int = 0, expert_room: int | None = None) -> Plan:
     """slots_in_ram: without a GPU, hold that many slots per layer in RAM anyway (the demo's
-    stand-in for a GPU, LLAMA_MOE_CACHE_DEVICE=CPU: same results as stock, no speedup)."""
+    stand-in for a GPU, LLAMA_MOE_CACHE_DEVICE=CPU: same results as stock, no speedup).
+    expert_room: VRAM for experts when known better than the estimate (measured by llama.cpp's
+    own fit, as the benchmark does)."""
     if not info.layers:
         raise MoeplugError(f"{info.path}: no routed-expert tensors: a dense model, nothing for moeplug to plan")
     per_slot = _bytes_per_slot(info)
@@ -181,7 +183,7 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | None, profile_path: 
                     stock_modelled_host_ms=None, server_args=args, notes=[note],
                     **(base | summary(slots) | {"load_mode": "mmap", "expert_vram_bytes": 0}))
 
-    room = vram_budget - info.non_expert_bytes - kv - compute - SAFETY_MARGIN
+    room = vram_budget - info.non_expert_bytes - kv - compute - SAFETY_MARGIN if expert_room is None else expert_room
     if room < 0:
         raise MoeplugError(f"the budget of {vram_budget / GIB:.2f} GiB does not hold the model's other weights, "
                            f"KV cache and buffers ({(vram_budget - room) / GIB:.2f} GiB): lower --ctx or use a "

@@ -12,8 +12,11 @@ row's best. At each budget B:
 
   stock --fit        llama-bench -fitt (free VRAM - B): what a user runs today
   stock -ncmoe K     the lowest K whose GPU experts fit B (moeplug's planner)
-  moeplug cache      -ngl 99 --cpu-moe and the slots per layer the planner gives for B from the
-                     profile: whole layers where the router is flat, hot experts where it is not
+  moeplug cache      -ngl 99 --cpu-moe and the slots per layer the planner gives from the
+                     profile for the expert VRAM that stock --fit uses at B (llama-fit-params):
+                     whole layers where the router is flat, hot experts where it is not
+
+The profile is made from random tokens, the workload llama-bench runs.
 
 plus the bounds: every expert on the CPU (--cpu-moe) and full offload. It prints one markdown
 table, pp and tg in tokens/s with the ratio to the best stock row of the same budget, all
@@ -25,6 +28,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import random
+import re
 import subprocess
 import sys
 import time
@@ -66,6 +71,32 @@ def llama_bench(binary: Path, model: Path, args: list[str], pp: int, tg: int, re
 LOAD_MODES = {"mmap": [], "pinned": ["-lm", "none"]}
 
 
+def random_prompts(model: Path, dest: Path, n_prompts: int = 16, n_tokens: int = 256, seed: int = 0) -> Path:
+    """Prompts of random vocabulary entries: the routing llama-bench's random tokens see."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(model))
+    field = reader.fields["tokenizer.ggml.tokens"]
+    vocab = [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]
+    words = [w.replace("\u0120", " ").replace("\u010a", "\n") for w in vocab if not w.startswith("<")]
+    rng = random.Random(seed)
+    text = "\n---\n".join("".join(rng.choice(words) for _ in range(n_tokens)).replace("---", "-") for _ in range(n_prompts))
+    dest.write_text(text + "\n")
+    return dest
+
+
+def fit_expert_bytes(fit_params: Path, model: Path, info, margin_mib: int, ctx: int) -> int:
+    """Bytes of routed-expert weights that stock --fit keeps on the GPU at this margin."""
+    r = subprocess.run([str(fit_params), "-m", str(model), "-fitt", str(margin_mib), "-fitc", str(ctx)],
+                       capture_output=True, text=True, timeout=300, check=True)
+    line = r.stdout.strip().splitlines()[-1]
+    m = re.search(r'-ot "?([^"]+)"?', line)
+    on_cpu = [re.compile(p.rsplit("=", 1)[0]) for p in m[1].split(",")] if m else []
+    print(f"# fit at margin {margin_mib} MiB: {line[:160]}{'...' if len(line) > 160 else ''}", file=sys.stderr)
+    return sum(t.n_bytes for layer in info.layers for name, t in layer.tensors.items()
+               if not any(p.search(f"blk.{layer.block}.{name}") for p in on_cpu))
+
+
 def best_load_mode(binary: Path, model: Path, row: Row, pp: int, tg: int, reps: int, modes: list[str]) -> None:
     for load in modes:
         extra = LOAD_MODES[load]
@@ -100,7 +131,7 @@ def main() -> int:
     def options(stock: bool, targets: tuple[str, ...]):
         return dataclasses.replace(resolve_options("cuda", stock=stock, jobs=a.jobs, cuda_arch=None), targets=targets)
 
-    patched = build(options(False, ("llama-bench", "llama-moe-profile")))
+    patched = build(options(False, ("llama-bench", "llama-moe-profile", "llama-fit-params")))
     stock = patched if a.no_stock_build else build(options(True, ("llama-bench",)))
     print(f"# builds ready in {time.time() - t0:.0f} s: {patched.build_id}, {stock.build_id}", file=sys.stderr)
 
@@ -109,11 +140,11 @@ def main() -> int:
         make_model(benchmark_spec(), a.model)
     info = inspect_model(a.model)
 
-    profile = a.model.with_suffix(".profile.gguf")
+    profile = a.model.with_suffix(".random.profile.gguf")
     if not profile.exists():
-        prompts = ROOT / "profiles" / "codeish.txt"
+        prompts = random_prompts(a.model, a.model.with_suffix(".random-prompts.txt"))
         subprocess.run([str(patched.binary("llama-moe-profile")), "-m", str(a.model), "--prompts", str(prompts),
-                        "--out", str(profile), "-n", "32", "-ngl", "99"], check=True, capture_output=True)
+                        "--out", str(profile), "-n", "8", "-ngl", "99"], check=True, capture_output=True)
 
     free = free_vram_bytes()
     if free is None:
@@ -123,8 +154,9 @@ def main() -> int:
     for b in [float(x) for x in a.budgets.split(",")]:
         budget = int(b * GIB)
         label = f"{b:g} GiB"
-        plan = make_plan(info, a.ctx, budget, profile)
         margin_mib = max(0, (free - budget) // MIB)
+        room = fit_expert_bytes(patched.binary("llama-fit-params"), a.model, info, margin_mib, a.ctx)
+        plan = make_plan(info, a.ctx, budget, profile, expert_room=room)
         rows.append(Row(label, "stock --fit", ["-fitt", str(margin_mib), "-fitc", str(a.ctx)], True))
         rows.append(Row(label, f"stock -ncmoe {plan.stock_ncmoe}", ["-ngl", "99", "-ncmoe", str(plan.stock_ncmoe)], True))
         args = plan.server_args

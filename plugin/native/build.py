@@ -243,7 +243,8 @@ def build(opts: BuildOptions, spec: NativeSpec | None = None) -> BuildResult:
                 "source": source_origin(),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "build_seconds": round(time.time() - started, 1),
-                "features": detect_features(tmp / "bin" / "llama-server"),
+                # the server's flags; a build of other targets only (the benchmark's) has none to read
+                "features": detect_features(tmp / "bin" / "llama-server") if "llama-server" in opts.targets else {},
             }
             write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
         note(f"installed {dest} in {manifest['build_seconds']:.0f} s")
