@@ -122,6 +122,21 @@ def test_batches_above_max_batch_are_bitwise_stock(patched_build, cache_models, 
     assert_bitwise(run_cache_test(patched_build, cache_models[name], profiles[name], 3, ubatch=64), 3)
 
 
+def test_fidelity_harness_runs_on_cpu(patched_build, cache_models, profiles, slots_on_cpu) -> None:
+    """test-moe-cache --fidelity: the harness the GPU fidelity check uses (agreement and KL of the
+    cache and of stock full offload against --cpu-moe). On a CPU build every placement computes
+    with the same kernels: 100% agreement and zero KL for both."""
+    r = subprocess.run([str(patched_build.binary("test-moe-cache")), "-m", str(cache_models["qwen3moe"]),
+                        "--moe-cache-profile", str(profiles["qwen3moe"]), "--moe-cache-slots", "3", "--cpu-moe",
+                        "--fidelity", "3", "-n", "16", "-t", "2"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert "fidelity over 3 prompts x 16 greedy tokens" in lines[0]
+    for line in lines[1:3]:
+        assert "top-token agreement 100.0000%  mean KL 0.000e+00" in line, line
+    assert lines[3].endswith("fidelity PASS: the cache is within stock's own envelope")
+
+
 def graph_of(build, model: Path, profile: Path, slots: str) -> str:
     r = subprocess.run([str(build.binary("llama-eval-callback")), "-m", str(model), "--moe-cache-profile", str(profile),
                         "--moe-cache-slots", slots, "-p", "hello world", "-n", "1", "-t", "2"],

@@ -160,6 +160,25 @@ def test_same_seed_same_profile(tmp_path: Path, patched_build, fixture_models) -
     assert not np.array_equal(s3.sources[0].phase_steps(1), s4.sources[0].phase_steps(1))
 
 
+def test_random_tokens_profile(tmp_path: Path, patched_build, fixture_models) -> None:
+    """--random K:N: K prompts of N uniform token ids and random decode tokens (llama-bench's
+    workload); seeded, so the same seed gives the same file."""
+    tool, model = str(patched_build.binary("llama-moe-profile")), str(fixture_models["qwen3moe"])
+    outs = []
+    for name, seed in (("a", "5"), ("b", "5"), ("c", "6")):
+        out = tmp_path / f"{name}.gguf"
+        r = subprocess.run([tool, "-m", model, "--random", "3:40", "-n", "8", "-s", seed, "--out", str(out), "-t", "2"],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]
+        outs.append(out)
+    p = read_profile(outs[0])
+    assert p.sources[0].label == "random" and len(p.sources[0].prompt_labels) == 3
+    assert (p.tokens(0), p.tokens(1)) == (3 * 40, 3 * 8)
+    assert outs[0].read_bytes() == outs[1].read_bytes() != outs[2].read_bytes()
+    r = subprocess.run([tool, "-m", model, "--random", "3"], capture_output=True, text=True)
+    assert r.returncode == 1 and "--random 3: give K:N" in r.stderr
+
+
 def test_tool_bad_input(tmp_path: Path, patched_build, fixture_models) -> None:
     tool = str(patched_build.binary("llama-moe-profile"))
     r = subprocess.run([tool, "-m", str(fixture_models["qwen3moe"])], capture_output=True, text=True)

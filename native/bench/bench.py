@@ -16,7 +16,9 @@ row's best. At each budget B:
                      profile for the expert VRAM that stock --fit uses at B (llama-fit-params):
                      whole layers where the router is flat, hot experts where it is not
 
-The profile is made from random tokens, the workload llama-bench runs.
+The profile is made of uniformly random token ids (llama-moe-profile --random), the workload
+llama-bench runs: the benchmark model's own text tokenizer reaches only a few hundred of its
+151936 tokens, so a text profile would route differently.
 
 plus the bounds: every expert on the CPU (--cpu-moe) and full offload. It prints one markdown
 table, pp and tg in tokens/s with the ratio to the best stock row of the same budget, all
@@ -28,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import random
 import re
 import subprocess
 import sys
@@ -71,20 +72,6 @@ def llama_bench(binary: Path, model: Path, args: list[str], pp: int, tg: int, re
 LOAD_MODES = {"mmap": [], "pinned": ["-lm", "none"]}
 
 
-def random_prompts(model: Path, dest: Path, n_prompts: int = 16, n_tokens: int = 256, seed: int = 0) -> Path:
-    """Prompts of random vocabulary entries: the routing llama-bench's random tokens see."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(model))
-    field = reader.fields["tokenizer.ggml.tokens"]
-    vocab = [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]
-    words = [w.replace("\u0120", " ").replace("\u010a", "\n") for w in vocab if not w.startswith("<")]
-    rng = random.Random(seed)
-    text = "\n---\n".join("".join(rng.choice(words) for _ in range(n_tokens)).replace("---", "-") for _ in range(n_prompts))
-    dest.write_text(text + "\n")
-    return dest
-
-
 def fit_expert_bytes(fit_params: Path, model: Path, info, margin_mib: int, ctx: int) -> int:
     """Bytes of routed-expert weights that stock --fit keeps on the GPU at this margin."""
     r = subprocess.run([str(fit_params), "-m", str(model), "-fitt", str(margin_mib), "-fitc", str(ctx)],
@@ -107,6 +94,18 @@ def best_load_mode(binary: Path, model: Path, row: Row, pp: int, tg: int, reps: 
         row.pp = max(row.pp, p)
 
 
+@dataclass
+class Prebuilt:
+    bin_dir: Path
+
+    @property
+    def build_id(self) -> str:
+        return f"prebuilt {self.bin_dir}"
+
+    def binary(self, name: str) -> Path:
+        return self.bin_dir / name
+
+
 def main() -> int:
     from moeplug.model_inspect import inspect_model
     from moeplug.native.build import build, resolve_options
@@ -123,6 +122,9 @@ def main() -> int:
     ap.add_argument("--no-stock-build", action="store_true",
                     help="run the stock rows on the patched build without cache flags (the patches are opt-in)")
     ap.add_argument("--jobs", type=int, default=0)
+    ap.add_argument("--prebuilt", type=Path, help="a bin/ folder of a patched CUDA build to use instead of building "
+                    "(llama-bench, llama-moe-profile, llama-fit-params); implies --no-stock-build")
+    ap.add_argument("--configs", default="fit,ncmoe,cache,bounds", help="rows to run: fit, ncmoe, cache, bounds")
     ap.add_argument("--load-modes", default="mmap,pinned", help="load modes to try per row; the best is kept")
     a = ap.parse_args()
 
@@ -131,8 +133,11 @@ def main() -> int:
     def options(stock: bool, targets: tuple[str, ...]):
         return dataclasses.replace(resolve_options("cuda", stock=stock, jobs=a.jobs, cuda_arch=None), targets=targets)
 
-    patched = build(options(False, ("llama-bench", "llama-moe-profile", "llama-fit-params")))
-    stock = patched if a.no_stock_build else build(options(True, ("llama-bench",)))
+    if a.prebuilt:
+        patched = stock = Prebuilt(a.prebuilt)
+    else:
+        patched = build(options(False, ("llama-bench", "llama-moe-profile", "llama-fit-params")))
+        stock = patched if a.no_stock_build else build(options(True, ("llama-bench",)))
     print(f"# builds ready in {time.time() - t0:.0f} s: {patched.build_id}, {stock.build_id}", file=sys.stderr)
 
     if not a.model.exists():
@@ -142,9 +147,8 @@ def main() -> int:
 
     profile = a.model.with_suffix(".random.profile.gguf")
     if not profile.exists():
-        prompts = random_prompts(a.model, a.model.with_suffix(".random-prompts.txt"))
-        subprocess.run([str(patched.binary("llama-moe-profile")), "-m", str(a.model), "--prompts", str(prompts),
-                        "--out", str(profile), "-n", "8", "-ngl", "99"], check=True, capture_output=True)
+        subprocess.run([str(patched.binary("llama-moe-profile")), "-m", str(a.model), "--random", "16:256",
+                        "--out", str(profile), "-n", "32", "-ngl", "99"], check=True, capture_output=True)
 
     free = free_vram_bytes()
     if free is None:
@@ -157,19 +161,25 @@ def main() -> int:
         margin_mib = max(0, (free - budget) // MIB)
         room = fit_expert_bytes(patched.binary("llama-fit-params"), a.model, info, margin_mib, a.ctx)
         plan = make_plan(info, a.ctx, budget, profile, expert_room=room)
-        rows.append(Row(label, "stock --fit", ["-fitt", str(margin_mib), "-fitc", str(a.ctx)], True))
-        rows.append(Row(label, f"stock -ncmoe {plan.stock_ncmoe}", ["-ngl", "99", "-ncmoe", str(plan.stock_ncmoe)], True))
+        configs = a.configs.split(",")
+        if "fit" in configs:
+            rows.append(Row(label, "stock --fit", ["-fitt", str(margin_mib), "-fitc", str(a.ctx)], True))
+        if "ncmoe" in configs:
+            rows.append(Row(label, f"stock -ncmoe {plan.stock_ncmoe}", ["-ngl", "99", "-ncmoe", str(plan.stock_ncmoe)],
+                            True))
         args = plan.server_args
         slots = args[args.index("--moe-cache-slots") + 1] if "--moe-cache-slots" in args else str(info.n_expert)
         print(f"# {label}: cache slots {slots}", file=sys.stderr)
-        rows.append(Row(label, f"cache {plan.slots_total} slots, {plan.whole_layers} whole layers",
+        if "cache" in configs and plan.slots_total > 0:
+            rows.append(Row(label, f"cache {plan.slots_total} slots, {plan.whole_layers} whole layers",
+                            ["-ngl", "99", "-ncmoe", str(info.n_layer), "--moe-cache-profile", str(profile),
+                             "--moe-cache-slots", slots], False))
+    if "bounds" in a.configs.split(","):
+        rows.append(Row("bound", "stock --cpu-moe", ["-ngl", "99", "-ncmoe", str(info.n_layer)], True))
+        rows.append(Row("bound", "stock full offload", ["-ngl", "99"], True))
+        rows.append(Row("bound", f"cache {info.n_expert}/{info.n_expert} slots (all whole)",
                         ["-ngl", "99", "-ncmoe", str(info.n_layer), "--moe-cache-profile", str(profile),
-                         "--moe-cache-slots", slots], False))
-    rows.append(Row("bound", "stock --cpu-moe", ["-ngl", "99", "-ncmoe", str(info.n_layer)], True))
-    rows.append(Row("bound", "stock full offload", ["-ngl", "99"], True))
-    rows.append(Row("bound", f"cache {info.n_expert}/{info.n_expert} slots (all whole)",
-                    ["-ngl", "99", "-ncmoe", str(info.n_layer), "--moe-cache-profile", str(profile),
-                     "--moe-cache-slots", str(info.n_expert)], False))
+                         "--moe-cache-slots", str(info.n_expert)], False))
 
     for row in rows:
         binary = (stock if row.stock else patched).binary("llama-bench")

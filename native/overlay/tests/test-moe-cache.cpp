@@ -11,6 +11,14 @@
 //
 // --ref-full-offload: the reference model keeps every expert on the GPU (no -ot/--cpu-moe), for
 // "all experts resident == stock full offload" on a GPU build.
+//
+// --fidelity K: where bitwise equality is not expected (slots on the GPU, other experts on the
+// CPU: two kernels), measures instead how far the cache is from the placement given (e.g.
+// --cpu-moe) and compares it with how far stock full offload is from it. For K random prompts the
+// reference generates -n tokens greedily; stock full offload and the cache are run teacher-forced
+// on the same tokens, one per batch. Prints, for both, the share of steps whose top token agrees
+// with the reference and the KL divergence of their next-token distributions from it; passes when
+// the cache is no worse than full offload on both.
 
 #include "arg.h"
 #include "common.h"
@@ -18,7 +26,9 @@
 #include "llama.h"
 #include "moe-cache.h"
 
+#include <algorithm>
 #include <cinttypes>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -92,12 +102,99 @@ static llama_token argmax_last(const std::vector<float> & logits, int n_vocab) {
     return best;
 }
 
+// KL(p_ref || p_got) of the softmax of two logit rows, in double precision
+static double kl_divergence(const float * ref, const float * got, int n) {
+    double max_r = ref[0], max_g = got[0];
+    for (int i = 1; i < n; ++i) {
+        max_r = std::max(max_r, (double) ref[i]);
+        max_g = std::max(max_g, (double) got[i]);
+    }
+    double sum_r = 0.0, sum_g = 0.0;
+    for (int i = 0; i < n; ++i) {
+        sum_r += std::exp(ref[i] - max_r);
+        sum_g += std::exp(got[i] - max_g);
+    }
+    const double log_zr = max_r + std::log(sum_r), log_zg = max_g + std::log(sum_g);
+    double kl = 0.0;
+    for (int i = 0; i < n; ++i) {
+        const double lr = ref[i] - log_zr;
+        kl += std::exp(lr) * (lr - (got[i] - log_zg));
+    }
+    return std::max(kl, 0.0);
+}
+
+struct fidelity_stats {
+    int64_t n_steps  = 0;
+    int64_t n_agree  = 0;
+    double  kl_sum   = 0.0;
+    double  kl_max   = 0.0;
+
+    void add(const std::vector<float> & ref, const std::vector<float> & got, int n_vocab) {
+        n_steps++;
+        n_agree += argmax_last(ref, n_vocab) == argmax_last(got, n_vocab);
+        const double kl = kl_divergence(ref.data() + ref.size() - n_vocab, got.data() + got.size() - n_vocab, n_vocab);
+        kl_sum += kl;
+        kl_max  = std::max(kl_max, kl);
+    }
+    double agreement() const { return n_steps ? (double) n_agree / n_steps : 1.0; }
+    double kl_mean()   const { return n_steps ? kl_sum / n_steps : 0.0; }
+};
+
+static int run_fidelity(common_params & params, int n_prompts) {
+    run_state ref, full, cached;
+    if (!load(ref, params, false) || !load(full, params, false, /*full_offload =*/ true) || !load(cached, params, true)) {
+        LOG_ERR("test-moe-cache: cannot load %s\n", params.model.path.c_str());
+        return 1;
+    }
+    const int n_vocab  = llama_vocab_n_tokens(llama_model_get_vocab(ref.model));
+    const int n_prompt = 32;
+    fidelity_stats s_full, s_cached;
+    std::mt19937 rng(42);
+    for (int ip = 0; ip < n_prompts; ++ip) {
+        std::vector<llama_token> prompt(n_prompt);
+        for (auto & t : prompt) {
+            t = (llama_token) (rng() % n_vocab);
+        }
+        for (run_state * st : { &ref, &full, &cached }) {
+            llama_memory_clear(llama_get_memory(st->ctx), true);
+        }
+        std::vector<float> r = decode(ref.ctx, prompt, 0);
+        std::vector<float> f = decode(full.ctx, prompt, 0);
+        std::vector<float> c = decode(cached.ctx, prompt, 0);
+        for (int i = 0; i <= params.n_predict; ++i) {
+            if (r.empty() || f.empty() || c.empty()) {
+                LOG_ERR("test-moe-cache: decode failed at prompt %d step %d\n", ip, i);
+                return 1;
+            }
+            s_full.add(r, f, n_vocab);
+            s_cached.add(r, c, n_vocab);
+            if (i == params.n_predict) {
+                break;
+            }
+            const llama_token next = argmax_last(r, n_vocab); // the reference's greedy token, for all three
+            r = decode(ref.ctx,    { next }, n_prompt + i);
+            f = decode(full.ctx,   { next }, n_prompt + i);
+            c = decode(cached.ctx, { next }, n_prompt + i);
+        }
+    }
+    printf("test-moe-cache: fidelity over %d prompts x %d greedy tokens of the reference placement:\n", n_prompts, params.n_predict);
+    for (const auto & [name, st] : { std::make_pair("stock full offload", &s_full), std::make_pair("expert cache      ", &s_cached) }) {
+        printf("  %s  top-token agreement %.4f%%  mean KL %.3e  max KL %.3e\n", name, 100.0 * st->agreement(), st->kl_mean(), st->kl_max);
+    }
+    const bool pass = s_cached.agreement() >= s_full.agreement() && s_cached.kl_mean() <= s_full.kl_mean();
+    printf("test-moe-cache: fidelity %s\n", pass ? "PASS: the cache is within stock's own envelope" : "FAIL: the cache is further from the reference than stock full offload");
+    return pass ? 0 : 1;
+}
+
 int main(int argc, char ** argv) {
     bool ref_full_offload = false;
+    int n_fidelity = 0;
     int n_args = 0;
     for (int i = 0; i < argc; ++i) {
         if (strcmp(argv[i], "--ref-full-offload") == 0) {
             ref_full_offload = true;
+        } else if (strcmp(argv[i], "--fidelity") == 0 && i + 1 < argc) {
+            n_fidelity = atoi(argv[++i]);
         } else {
             argv[n_args++] = argv[i];
         }
@@ -114,6 +211,9 @@ int main(int argc, char ** argv) {
     }
     common_init();
     llama_backend_init();
+    if (n_fidelity > 0) {
+        return run_fidelity(params, n_fidelity);
+    }
 
     run_state stock;
     run_state cached;

@@ -29,6 +29,7 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -298,6 +299,8 @@ struct moe_mtp_head {
 
 struct moe_args {
     std::string prompts_file;
+    int         random_prompts = 0; // --random K:N, instead of a prompts file
+    int         random_len     = 0;
     std::string out  = "moe-profile.gguf";
     std::string label;
     bool        chat   = false;
@@ -307,8 +310,10 @@ struct moe_args {
 // printed with fprintf: it can run before common_init() has set up llama.cpp's logging
 static void moe_usage(int /*argc*/, char ** argv) {
     fprintf(stderr,
-        "\nusage: %s -m MODEL --prompts FILE [--out FILE] [--label NAME] [--chat] [-n N] [llama.cpp options]\n\n"
+        "\nusage: %s -m MODEL (--prompts FILE | --random K:N) [--out FILE] [--label NAME] [--chat] [-n N] [llama.cpp options]\n\n"
         "  --prompts FILE   prompts separated by lines holding only '---'\n"
+        "  --random K:N     K prompts of N token ids drawn uniformly from the vocabulary (seeded by -s), and random\n"
+        "                   tokens in decode too: the workload llama-bench runs\n"
         "  --out FILE       profile to write (default: moe-profile.gguf)\n"
         "  --label NAME     label of this run, e.g. codeish (default: the prompts file's name)\n"
         "  --chat           wrap each prompt in the model's chat template as a user turn\n"
@@ -331,6 +336,12 @@ static bool moe_parse_own_args(int & argc, char ** argv, moe_args & a) {
         };
         if (arg == "--prompts") {
             value(a.prompts_file);
+        } else if (arg == "--random") {
+            std::string v;
+            value(v);
+            if (sscanf(v.c_str(), "%d:%d", &a.random_prompts, &a.random_len) != 2 || a.random_prompts < 1 || a.random_len < 1) {
+                throw std::invalid_argument("--random " + v + ": give K:N, K prompts of N tokens");
+            }
         } else if (arg == "--out") {
             value(a.out);
         } else if (arg == "--label") {
@@ -344,7 +355,7 @@ static bool moe_parse_own_args(int & argc, char ** argv, moe_args & a) {
         }
     }
     argc = out;
-    return !a.prompts_file.empty();
+    return !a.prompts_file.empty() || a.random_prompts > 0;
 }
 
 static std::string moe_apply_chat(const llama_model * model, const std::string & prompt) {
@@ -387,7 +398,7 @@ static int moe_profile_main(int argc, char ** argv) {
     std::vector<std::string> prompts;
     common_moe_fingerprint fp;
     try {
-        prompts = moe_read_prompts(a.prompts_file);
+        prompts = a.random_prompts > 0 ? std::vector<std::string>(a.random_prompts) : moe_read_prompts(a.prompts_file);
         fp      = common_moe_fingerprint_of(params.model.path);
     } catch (const std::exception & e) {
         LOG_ERR("%s: %s\n", __func__, e.what());
@@ -403,7 +414,7 @@ static int moe_profile_main(int argc, char ** argv) {
         return 1;
     }
     if (a.label.empty()) {
-        a.label = a.prompts_file.substr(a.prompts_file.find_last_of('/') + 1);
+        a.label = a.random_prompts > 0 ? "random" : a.prompts_file.substr(a.prompts_file.find_last_of('/') + 1);
     }
 
     llama_backend_init();
@@ -452,9 +463,19 @@ static int moe_profile_main(int argc, char ** argv) {
     common_sampler * smpl = common_sampler_init(model, params.sampling);
     llama_batch batch = llama_batch_init(std::max(n_batch, 1), 0, 1);
 
+    std::mt19937 rng(params.sampling.seed);
+    std::uniform_int_distribution<llama_token> random_token(0, llama_vocab_n_tokens(vocab) - 1);
+
     for (size_t ip = 0; ip < prompts.size() && !prof.failed; ++ip) {
-        const std::string text = a.chat ? moe_apply_chat(model, prompts[ip]) : prompts[ip];
-        std::vector<llama_token> toks = common_tokenize(ctx, text, llama_vocab_get_add_bos(vocab), true);
+        std::vector<llama_token> toks;
+        if (a.random_prompts > 0) {
+            for (int i = 0; i < a.random_len; ++i) {
+                toks.push_back(random_token(rng));
+            }
+        } else {
+            const std::string text = a.chat ? moe_apply_chat(model, prompts[ip]) : prompts[ip];
+            toks = common_tokenize(ctx, text, llama_vocab_get_add_bos(vocab), true);
+        }
         if (toks.empty()) {
             continue;
         }
@@ -489,10 +510,12 @@ static int moe_profile_main(int argc, char ** argv) {
 
         prof.phase = MOE_PHASE_DECODE;
         for (int i = 0; i < params.n_predict && !prof.failed; ++i) {
-            const llama_token tok = common_sampler_sample(smpl, ctx, batch.n_tokens - 1);
-            common_sampler_accept(smpl, tok, true);
-            if (llama_vocab_is_eog(vocab, tok) && !params.sampling.ignore_eos) {
-                break;
+            const llama_token tok = a.random_prompts > 0 ? random_token(rng) : common_sampler_sample(smpl, ctx, batch.n_tokens - 1);
+            if (a.random_prompts == 0) {
+                common_sampler_accept(smpl, tok, true);
+                if (llama_vocab_is_eog(vocab, tok) && !params.sampling.ignore_eos) {
+                    break;
+                }
             }
             batch.n_tokens = 0;
             moe_batch_add(batch, tok, pos, true);
