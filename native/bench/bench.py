@@ -126,6 +126,8 @@ def main() -> int:
                     "(llama-bench, llama-moe-profile, llama-fit-params); implies --no-stock-build")
     ap.add_argument("--configs", default="fit,ncmoe,cache,bounds", help="rows to run: fit, ncmoe, cache, bounds")
     ap.add_argument("--load-modes", default="mmap,pinned", help="load modes to try per row; the best is kept")
+    ap.add_argument("--build-only", action="store_true",
+                    help="build, write the model and its profile, then stop (a first call on a cold machine)")
     a = ap.parse_args()
 
     t0 = time.time()
@@ -136,7 +138,7 @@ def main() -> int:
     if a.prebuilt:
         patched = stock = Prebuilt(a.prebuilt)
     else:
-        patched = build(options(False, ("llama-bench", "llama-moe-profile", "llama-fit-params")))
+        patched = build(options(False, ("llama-bench", "llama-moe-profile", "llama-fit-params", "test-moe-cache")))
         stock = patched if a.no_stock_build else build(options(True, ("llama-bench",)))
     print(f"# builds ready in {time.time() - t0:.0f} s: {patched.build_id}, {stock.build_id}", file=sys.stderr)
 
@@ -150,6 +152,9 @@ def main() -> int:
         subprocess.run([str(patched.binary("llama-moe-profile")), "-m", str(a.model), "--random", "16:256",
                         "--out", str(profile), "-n", "32", "-ngl", "99"], check=True, capture_output=True)
 
+    if a.build_only:
+        print(f"# ready in {time.time() - t0:.0f} s: builds, {a.model}, {profile}", file=sys.stderr)
+        return 0
     free = free_vram_bytes()
     if free is None:
         print("no NVIDIA GPU: this benchmark needs one", file=sys.stderr)
