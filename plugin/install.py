@@ -122,7 +122,7 @@ def plan_for(info: ModelInfo, ctx: int, vram_budget: int | None, profile: Path |
 
 def install(text: str, *, ctx: int, vram_budget: int | None, backend: str | None, jobs: int,
             profile_tokens: int | None, prompt_sets: list[str], serve: bool, port: int | None,
-            allow_fallback: bool) -> dict[str, Any]:
+            allow_fallback: bool, metrics: bool = False) -> dict[str, Any]:
     from moeplug.native.build import build, resolve_options
     from moeplug.serving import launch, model_lock
 
@@ -148,6 +148,6 @@ def install(text: str, *, ctx: int, vram_budget: int | None, backend: str | None
                                "build_id": result.build_id, "plan": plan.to_json(), "server": None}
         if serve:
             srv = launch(name, resolved.path, result.binary("llama-server"), result.build_id, plan.server_args,
-                         ctx, port=port, allow_fallback=allow_fallback, env=record.server_env())
+                         ctx, port=port, allow_fallback=allow_fallback, env=record.server_env(), metrics=metrics)
             doc["server"] = asdict(srv) | {"url": srv.url}
     return doc

@@ -91,7 +91,7 @@ def cmd_install(args: argparse.Namespace) -> int:
 
     doc = install(args.model, ctx=args.ctx, vram_budget=_budget(args), backend=args.backend, jobs=args.jobs,
                   profile_tokens=args.profile_tokens, prompt_sets=[s for s in args.prompts.split(",") if s],
-                  serve=not args.no_serve, port=args.port, allow_fallback=args.allow_fallback)
+                  serve=not args.no_serve, port=args.port, allow_fallback=args.allow_fallback, metrics=args.metrics)
     if args.json:
         print_json(doc)
         return EXIT_OK
@@ -121,7 +121,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            f"run 'moeplug install {m.ref}' again")
     with model_lock(m.name):
         srv = launch(m.name, Path(m.path), builds[m.build_id].binary("llama-server"), m.build_id, plan["server_args"],
-                     plan["ctx"], port=args.port, allow_fallback=args.allow_fallback, env=m.server_env())
+                     plan["ctx"], port=args.port, allow_fallback=args.allow_fallback, env=m.server_env(),
+                     metrics=args.metrics)
     doc = {"name": m.name, "server": asdict(srv) | {"url": srv.url}}
     if args.json:
         print_json(doc)
@@ -145,7 +146,16 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return EXIT_OK if args.all or stopped else EXIT_ERROR
 
 
+def _hit_rate_text(counters: dict[str, Any] | None) -> str:
+    if counters is None:
+        return "- (serve with --metrics)"
+    if counters["hit_rate"] is None:
+        return "no selections yet"
+    return f"{counters['hit_rate']:.1%} of {counters['selections']}"
+
+
 def cmd_status(args: argparse.Namespace) -> int:
+    from moeplug.metrics import fetch_cache_counters
     from moeplug.server import health
     from moeplug.serving import read_records
 
@@ -153,8 +163,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     for r in read_records():
         alive = r.alive()
         h = health(r.port) if alive else None
+        counters = fetch_cache_counters(r.port) if alive and "--metrics" in r.args else None
         docs.append(asdict(r) | {"url": r.url, "alive": alive, "healthy": bool(h and h.get("status") == "ok"),
-                                 "uptime_s": round(time.time() - r.started, 1)})
+                                 "uptime_s": round(time.time() - r.started, 1),
+                                 "cache_counters": counters.to_json() if counters else None})
     if args.json:
         print_json({"servers": docs})
         return EXIT_OK
@@ -166,8 +178,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         c = d["cache"] or {}
         cache = f"{c['layers']}x{c['slots']} on {c['device']}" if c.get("engaged") else ("off" if not c else "not engaged")
         state = "healthy" if d["healthy"] else ("starting/unhealthy" if d["alive"] else "dead")
-        rows.append([d["name"], d["url"], d["pid"], state, cache, d["log"]])
-    print(table(["name", "url", "pid", "state", "expert cache", "log"], rows, "llrlll"))
+        rows.append([d["name"], d["url"], d["pid"], state, cache, _hit_rate_text(d["cache_counters"]), d["log"]])
+    print(table(["name", "url", "pid", "state", "expert cache", "measured hit rate", "log"], rows, "llrllrl"))
     return EXIT_OK
 
 
@@ -240,5 +252,8 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
 def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, help="port on 127.0.0.1 (default: a free one)")
     p.add_argument("--allow-fallback", action="store_true", help="serve without the cache when it cannot engage")
+    p.add_argument("--metrics", action="store_true",
+                   help="count slot hits on llama-server's /metrics ('moeplug status' shows the measured hit rate; "
+                        "costs a small read per MoE layer and batch)")
     if not any(a.dest == "json" for a in p._actions):
         p.add_argument("--json", action="store_true")

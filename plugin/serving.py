@@ -146,8 +146,9 @@ def model_lock(name: str) -> Iterator[None]:
 
 def launch(name: str, model: Path, binary: Path, build_id: str, server_args: list[str], ctx: int,
            port: int | None = None, allow_fallback: bool = False, env: dict[str, str] | None = None,
-           timeout: float = 300) -> ServerRecord:
-    """Start llama-server detached, wait for /health, check the cache engaged, probe the context."""
+           timeout: float = 300, metrics: bool = False) -> ServerRecord:
+    """Start llama-server detached, wait for /health, check the cache engaged, probe the context.
+    metrics: serve /metrics, with the cache's slot-hit counters (moeplug.metrics)."""
     existing = find_record(name)
     if existing and existing.alive():
         raise MoeplugError(f"'{name}' is already served at {existing.url} (pid {existing.pid}); "
@@ -159,7 +160,7 @@ def launch(name: str, model: Path, binary: Path, build_id: str, server_args: lis
         raise MoeplugError(f"port {port} on {HOST} is already in use; pick another with --port")
     # -lv 4: the log then holds the buffer sizes (about 20 lines per request)
     args = [str(binary), "-m", str(model), "--host", HOST, "--port", str(port), "--no-webui", "-lv", "4",
-            *server_args]
+            *(["--metrics"] if metrics else []), *server_args]
     log_path = logs_dir() / f"server-{name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:

@@ -61,6 +61,7 @@ def test_install_demo_serve_complete_stop(home: dict[str, str]) -> None:
 
         status = json.loads(moeplug(home, "status", "--json").stdout)["servers"]
         assert [(s["name"], s["alive"], s["healthy"]) for s in status] == [("demo", True, True)]
+        assert status[0]["cache_counters"] is None  # served without --metrics
         listed = json.loads(moeplug(home, "list", "--json").stdout)["models"]
         assert [m["name"] for m in listed] == ["demo"] and Path(listed[0]["profile"]).exists()
     finally:
@@ -69,13 +70,20 @@ def test_install_demo_serve_complete_stop(home: dict[str, str]) -> None:
     with pytest.raises(requests.ConnectionError):
         requests.get(f"{srv['url']}/health", timeout=2)
 
-    # serve again from the installed record: same profile, same plan, same tokens
-    r = moeplug(home, "serve", "demo", "--json")
+    # serve again from the installed record: same profile, same plan, same tokens; with --metrics,
+    # status shows the measured hit rate from llama-server's counters
+    r = moeplug(home, "serve", "demo", "--json", "--metrics")
     assert r.returncode == 0, r.stderr[-3000:]
     again = json.loads(r.stdout)["server"]
     try:
         assert again["cache"]["engaged"]
         assert complete(again["url"]) == first
+        counters = json.loads(moeplug(home, "status", "--json").stdout)["servers"][0]["cache_counters"]
+        assert counters["selections"] > 0 and counters["hits"] + counters["cpu_experts"] == counters["selections"]
+        assert 0 < counters["hit_rate"] <= 1 and sorted(map(int, counters["layers"])) == [0, 1, 2, 3]
+        assert sum(v["hits"] for v in counters["layers"].values()) == counters["hits"]
+        human = moeplug(home, "status").stdout
+        assert "measured hit rate" in human and f"{counters['hit_rate']:.1%} of " in human
         r2 = moeplug(home, "serve", "demo")
         assert r2.returncode == 1 and "already served" in r2.stderr
     finally:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import fixture_spec
+from moeplug.metrics import parse_cache_counters
 from moeplug.server import start_server
 from moeplug.serving import parse_cache_line
 from moeplug.synth import make_model
@@ -249,7 +250,7 @@ def test_no_gpu_layer_means_no_cache(patched_build, cache_models, profiles, tmp_
 
 
 def metrics_of(build, model: Path, profile: Path, slots: int, tmp_path: Path, name: str) -> dict[str, int]:
-    """The moe_cache counters of llama-server's /metrics after one completion."""
+    """The moe_cache counters of llama-server's /metrics after one completion (moeplug.metrics)."""
     import requests
 
     log = tmp_path / f"{name}.log"
@@ -258,8 +259,12 @@ def metrics_of(build, model: Path, profile: Path, slots: int, tmp_path: Path, na
         srv.wait_healthy(timeout=120)
         srv.complete("def fibonacci(n):", n_predict=16, ignore_eos=True)
         text = requests.get(f"{srv.url}/metrics", timeout=10).text
-    return {line.split()[0].removeprefix("llamacpp:moe_cache_"): int(line.split()[1])
-            for line in text.splitlines() if line.startswith("llamacpp:moe_cache_")}
+    c = parse_cache_counters(text)
+    assert c is not None, text[-2000:]
+    return {"selections_total": c.selections, "hits_total": c.hits, "cpu_experts_total": c.cpu_experts,
+            "cpu_bytes_total": c.cpu_bytes,
+            **{f"layer_selections_total{{layer=\"{k}\"}}": v["selections"] for k, v in c.layers.items()},
+            **{f"layer_hits_total{{layer=\"{k}\"}}": v["hits"] for k, v in c.layers.items()}}
 
 
 @pytest.mark.parametrize("case", ["all", "some", "none"])

@@ -1,0 +1,64 @@
+"""The expert cache's counters from llama-server's /metrics (served with --metrics).
+
+llama-server counts, for batches that ran the cache, the experts the router picked
+(`llamacpp:moe_cache_selections_total`), how many a slot served (`..._hits_total`), how many the
+CPU computed and the bytes it read for them, and the first two per layer. This is the measured hit
+rate, beside the plan's predicted one.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from moeplug.server import HOST
+
+_SAMPLE_RE = re.compile(r'^llamacpp:moe_cache_(\w+?)(?:\{layer="(\d+)"\})? (\d+)$')
+
+
+@dataclass
+class CacheCounters:
+    selections: int = 0
+    hits: int = 0
+    cpu_experts: int = 0
+    cpu_bytes: int = 0
+    layers: dict[int, dict[str, int]] = field(default_factory=dict)  # block -> {"selections", "hits"}
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hits / self.selections if self.selections else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"selections": self.selections, "hits": self.hits, "cpu_experts": self.cpu_experts,
+                "cpu_bytes": self.cpu_bytes, "hit_rate": self.hit_rate,
+                "layers": {str(k): v for k, v in sorted(self.layers.items())}}
+
+
+def parse_cache_counters(text: str) -> CacheCounters | None:
+    """The moe_cache samples of a Prometheus text page, or None when it has none."""
+    c = CacheCounters()
+    found = False
+    for line in text.splitlines():
+        m = _SAMPLE_RE.match(line.strip())
+        if not m:
+            continue
+        found = True
+        name, layer, value = m[1], m[2], int(m[3])
+        if layer is not None:
+            key = "selections" if name == "layer_selections_total" else "hits"
+            c.layers.setdefault(int(layer), {"selections": 0, "hits": 0})[key] = value
+        elif name in ("selections_total", "hits_total", "cpu_experts_total", "cpu_bytes_total"):
+            setattr(c, name.removesuffix("_total"), value)
+    return c if found else None
+
+
+def fetch_cache_counters(port: int, timeout: float = 3) -> CacheCounters | None:
+    """None when nothing answers, the server runs without --metrics, or it has no cache."""
+    import requests
+
+    try:
+        r = requests.get(f"http://{HOST}:{port}/metrics", timeout=timeout)
+    except requests.RequestException:
+        return None
+    return parse_cache_counters(r.text) if r.status_code == 200 else None
