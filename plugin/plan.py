@@ -206,8 +206,9 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | None, profile_path: 
         args += ["--cpu-moe", "--moe-cache-slots", _slots_arg(info, profile, slots),
                  "--moe-cache-profile", str(profile_path)]
         if s["whole_layers"]:
-            notes.append(f"{s['whole_layers']} whole layers resident (no CPU pass): the profile's hit curves "
-                         f"make them worth more than spreading their slots")
+            whole = s["whole_layers"]
+            notes.append(f"{whole} whole layer{'s' if whole != 1 else ''} resident (no CPU pass): the profile's "
+                         f"hit curves make {'them' if whole != 1 else 'it'} worth more than spreading the slots")
     return Plan(backend="cuda", vram_budget_bytes=vram_budget, stock_ncmoe=ncmoe,
                 modelled_host_ms=1e3 * modelled_seconds(costs, slots),
                 stock_modelled_host_ms=1e3 * modelled_seconds(costs, stock_slots), server_args=args,
@@ -220,7 +221,8 @@ def describe_slots(slots_per_layer: list[int] | int, n_expert: int) -> str:
     lo, hi = min(slots, default=0), max(slots, default=0)
     span = f"{hi}" if lo == hi else f"{lo}-{hi}"
     whole = sum(n >= n_expert for n in slots)
-    return f"{span} of {n_expert} per layer" + (f" ({whole} whole layers)" if whole and lo != hi else "")
+    plural = "s" if whole != 1 else ""
+    return f"{span} of {n_expert} per layer" + (f" ({whole} whole layer{plural})" if whole and lo != hi else "")
 
 
 def _predicted_hit(costs: list[LayerCost], slots: list[int]) -> float:
