@@ -85,13 +85,12 @@ def _layer_costs(info: ModelInfo, profile: Profile | None) -> list[LayerCost]:
             for layer, curve in zip(info.layers, curves)]
 
 
-def _slots_arg(info: ModelInfo, profile: Profile | None, slots: list[int]) -> str:
+def _slots_arg(info: ModelInfo, profile: Profile, slots: list[int]) -> str:
     """--moe-cache-slots: one count, or one per layer in the profile's layer order."""
     if len(set(slots)) == 1:
         return str(slots[0])
     by_block = {layer.block: n for layer, n in zip(info.layers, slots)}
-    order = [int(t.split(".")[1]) for t in profile.tensors] if profile else [layer.block for layer in info.layers]
-    return ",".join(str(by_block.get(block, 0)) for block in order)
+    return ",".join(str(by_block.get(int(t.split(".")[1]), 0)) for t in profile.tensors)
 
 
 @dataclass
