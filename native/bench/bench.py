@@ -11,10 +11,14 @@ runs llama-bench for every row, in both load modes (mmap and pinned `-lm none`),
 row's best. At each budget B:
 
   stock --fit        llama-bench -fitt (free VRAM - B): what a user runs today
-  stock -ncmoe K     the lowest K whose GPU experts fit B (moeplug's planner)
+  stock -ncmoe K     the lowest K whose experts fit the expert VRAM that stock --fit uses at B
   moeplug cache      -ngl 99 --cpu-moe and the slots per layer the planner gives from the
-                     profile for the expert VRAM that stock --fit uses at B (llama-fit-params):
+                     profile for that same expert VRAM (read from llama-fit-params):
                      whole layers where the router is flat, hot experts where it is not
+
+llama-bench's fit sizes each test for the context it needs (512 for pp512, 128 for tg128), so
+a budget buys a little more expert VRAM for decode than for prefill: the expert VRAM, and with
+it the -ncmoe and cache rows, is read per test and the two tests run separately where it differs.
 
 The profile is made of uniformly random token ids (llama-moe-profile --random), the workload
 llama-bench runs: the benchmark model's own text tokenizer reaches only a few hundred of its
@@ -41,6 +45,8 @@ ROOT = Path(__file__).resolve().parents[2]  # needs moeplug importable: `pip ins
 
 GIB = 1 << 30
 MIB = 1 << 20
+# one patched build serves bench.py and fidelity.py (the targets are part of a build's identity)
+PATCHED_TARGETS = ("llama-bench", "llama-moe-profile", "llama-fit-params", "test-moe-cache")
 
 
 @dataclass
@@ -49,12 +55,14 @@ class Row:
     config: str
     args: list[str]
     stock: bool
+    tg_args: list[str] | None = None  # when the decode test needs other arguments than prefill
     pp: float = 0.0
     tg: float = 0.0
     load: str = ""
 
 
 def llama_bench(binary: Path, model: Path, args: list[str], pp: int, tg: int, reps: int) -> tuple[float, float]:
+    """pp and tg t/s of one llama-bench run (a test of 0 tokens is skipped and reads 0)."""
     cmd = [str(binary), "-m", str(model), "-p", str(pp), "-n", str(tg), "-r", str(reps), "-fa", "1", "-o", "json", *args]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
@@ -73,13 +81,17 @@ LOAD_MODES = {"mmap": [], "pinned": ["-lm", "none"]}
 
 
 def fit_expert_bytes(fit_params: Path, model: Path, info, margin_mib: int, ctx: int) -> int:
-    """Bytes of routed-expert weights that stock --fit keeps on the GPU at this margin."""
-    r = subprocess.run([str(fit_params), "-m", str(model), "-fitt", str(margin_mib), "-fitc", str(ctx)],
+    """Bytes of routed-expert weights that stock --fit keeps on the GPU at this margin.
+
+    llama-bench -fitt fits each test with the context that test needs (n_prompt + n_gen: 512 for
+    pp512, 128 for tg128), not -fitc; so the same context is asked for here."""
+    r = subprocess.run([str(fit_params), "-m", str(model), "-fitt", str(margin_mib), "-c", str(ctx), "-fa", "on"],
                        capture_output=True, text=True, timeout=300, check=True)
     line = r.stdout.strip().splitlines()[-1]
     m = re.search(r'-ot "?([^"]+)"?', line)
     on_cpu = [re.compile(p.rsplit("=", 1)[0]) for p in m[1].split(",")] if m else []
-    print(f"# fit at margin {margin_mib} MiB: {line[:160]}{'...' if len(line) > 160 else ''}", file=sys.stderr)
+    print(f"# fit at margin {margin_mib} MiB, ctx {ctx}: {line[:160]}{'...' if len(line) > 160 else ''}",
+          file=sys.stderr)
     return sum(t.n_bytes for layer in info.layers for name, t in layer.tensors.items()
                if not any(p.search(f"blk.{layer.block}.{name}") for p in on_cpu))
 
@@ -87,11 +99,31 @@ def fit_expert_bytes(fit_params: Path, model: Path, info, margin_mib: int, ctx: 
 def best_load_mode(binary: Path, model: Path, row: Row, pp: int, tg: int, reps: int, modes: list[str]) -> None:
     for load in modes:
         extra = LOAD_MODES[load]
-        p, t = llama_bench(binary, model, row.args + extra, pp, tg, reps)
+        if row.tg_args is None or row.tg_args == row.args:
+            p, t = llama_bench(binary, model, row.args + extra, pp, tg, reps)
+        else:
+            p = llama_bench(binary, model, row.args + extra, pp, 0, reps)[0]
+            t = llama_bench(binary, model, row.tg_args + extra, 0, tg, reps)[1]
         print(f"# {row.budget:>6} {row.config:<28} {load:<6} pp {p:9.1f}  tg {t:7.1f}", file=sys.stderr)
         if t > row.tg:
             row.pp, row.tg, row.load = p, t, load
         row.pp = max(row.pp, p)
+
+
+def cache_slots(plan, info) -> str:
+    args = plan.server_args
+    return args[args.index("--moe-cache-slots") + 1] if "--moe-cache-slots" in args else str(info.n_expert)
+
+
+def cache_desc(plan, info) -> str:
+    partial = [n for n in plan.slots_per_layer if 0 < n < info.n_expert]
+    desc = f"{plan.whole_layers} whole layer{'' if plan.whole_layers == 1 else 's'}"
+    return desc + (f" + {sum(partial)} slots in {len(partial)}" if partial else "")
+
+
+def cache_args(model: Path, plan, info, profile: Path) -> list[str]:
+    return ["-ngl", "99", "-ncmoe", str(info.n_layer), "--moe-cache-profile", str(profile),
+            "--moe-cache-slots", cache_slots(plan, info)]
 
 
 @dataclass
@@ -117,7 +149,6 @@ def main() -> int:
     ap.add_argument("--pp", type=int, default=512)
     ap.add_argument("--tg", type=int, default=128)
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--ctx", type=int, default=4096, help="context the budgets are planned for")
     ap.add_argument("--model", type=Path, default=Path("/tmp/moeplug-bench/qwen3-30b-a3b-shape-q4_k.gguf"))
     ap.add_argument("--no-stock-build", action="store_true",
                     help="run the stock rows on the patched build without cache flags (the patches are opt-in)")
@@ -138,7 +169,7 @@ def main() -> int:
     if a.prebuilt:
         patched = stock = Prebuilt(a.prebuilt)
     else:
-        patched = build(options(False, ("llama-bench", "llama-moe-profile", "llama-fit-params", "test-moe-cache")))
+        patched = build(options(False, PATCHED_TARGETS))
         stock = patched if a.no_stock_build else build(options(True, ("llama-bench",)))
     print(f"# builds ready in {time.time() - t0:.0f} s: {patched.build_id}, {stock.build_id}", file=sys.stderr)
 
@@ -160,25 +191,28 @@ def main() -> int:
         print("no NVIDIA GPU: this benchmark needs one", file=sys.stderr)
         return 1
     rows: list[Row] = []
+    configs = a.configs.split(",")
     for b in [float(x) for x in a.budgets.split(",")]:
         budget = int(b * GIB)
         label = f"{b:g} GiB"
         margin_mib = max(0, (free - budget) // MIB)
-        room = fit_expert_bytes(patched.binary("llama-fit-params"), a.model, info, margin_mib, a.ctx)
-        plan = make_plan(info, a.ctx, budget, profile, expert_room=room)
-        configs = a.configs.split(",")
+        # one plan per llama-bench test, for the context llama-bench's own fit gives that test
+        plans = {}
+        for test, ctx in (("pp", a.pp), ("tg", a.tg)):
+            room = fit_expert_bytes(patched.binary("llama-fit-params"), a.model, info, margin_mib, ctx)
+            plans[test] = make_plan(info, ctx, budget, profile, expert_room=room)
+            print(f"# {label} {test}: cache slots {cache_slots(plans[test], info)}", file=sys.stderr)
         if "fit" in configs:
-            rows.append(Row(label, "stock --fit", ["-fitt", str(margin_mib), "-fitc", str(a.ctx)], True))
+            rows.append(Row(label, "stock --fit", ["-fitt", str(margin_mib)], True))
         if "ncmoe" in configs:
-            rows.append(Row(label, f"stock -ncmoe {plan.stock_ncmoe}", ["-ngl", "99", "-ncmoe", str(plan.stock_ncmoe)],
-                            True))
-        args = plan.server_args
-        slots = args[args.index("--moe-cache-slots") + 1] if "--moe-cache-slots" in args else str(info.n_expert)
-        print(f"# {label}: cache slots {slots}", file=sys.stderr)
-        if "cache" in configs and plan.slots_total > 0:
-            rows.append(Row(label, f"cache {plan.slots_total} slots, {plan.whole_layers} whole layers",
-                            ["-ngl", "99", "-ncmoe", str(info.n_layer), "--moe-cache-profile", str(profile),
-                             "--moe-cache-slots", slots], False))
+            k_pp, k_tg = plans["pp"].stock_ncmoe, plans["tg"].stock_ncmoe
+            rows.append(Row(label, f"stock -ncmoe {k_tg}" + (f" (pp: {k_pp})" if k_pp != k_tg else ""),
+                            ["-ngl", "99", "-ncmoe", str(k_pp)], True, ["-ngl", "99", "-ncmoe", str(k_tg)]))
+        if "cache" in configs and plans["tg"].slots_total > 0:
+            pp_desc, tg_desc = cache_desc(plans["pp"], info), cache_desc(plans["tg"], info)
+            rows.append(Row(label, f"cache {tg_desc}" + (f" (pp: {pp_desc})" if pp_desc != tg_desc else ""),
+                            cache_args(a.model, plans["pp"], info, profile), False,
+                            cache_args(a.model, plans["tg"], info, profile)))
     if "bounds" in a.configs.split(","):
         rows.append(Row("bound", "stock --cpu-moe", ["-ngl", "99", "-ncmoe", str(info.n_layer)], True))
         rows.append(Row("bound", "stock full offload", ["-ngl", "99"], True))

@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench import Prebuilt
+from bench import PATCHED_TARGETS, Prebuilt
 
 
 def main() -> int:
@@ -44,7 +44,7 @@ def main() -> int:
         patched = Prebuilt(a.prebuilt)
     else:
         opts = resolve_options("cuda", stock=False, jobs=a.jobs, cuda_arch=None)
-        patched = build(dataclasses.replace(opts, targets=("test-moe-cache", "llama-moe-profile")))
+        patched = build(dataclasses.replace(opts, targets=PATCHED_TARGETS))
     spec = ModelSpec(arch="qwen3moe", layers=12, experts=64, used=8, embd=1024, expert_ff=512, heads=16,
                      heads_kv=4, head_dim=64, dtype="q4_k", seed=7)
     if not a.model.exists():
