@@ -12,10 +12,14 @@ win, as in stock `-ncmoe`. The allocation minimises the modelled CPU time per to
 layers (a small knapsack, solved exactly by dynamic programming), so it lands on whichever the
 profile supports.
 
-The hit curve of a layer (share of selections its top-N experts serve) comes from the profile. A
-profile of a few hundred tokens overstates it: the experts that ranked first were partly lucky.
-With per-token sequences in the profile, experts are ranked on half of the tokens and scored on
-the other half (two-fold cross-validation), which removes that bias.
+The hit curve of a layer (share of selections its top-N experts serve) comes from the profile, and
+what it must predict is the hit rate on prompts the profile has not seen: the slots are fixed. So
+experts are ranked on half of the profile's prompts and scored on the other half (two-fold
+cross-validation by prompt). Ranking and scoring on the same tokens overstates the curve (the
+experts that ranked first were partly lucky), and so does a split of the same prompts' tokens:
+consecutive tokens of one prompt route alike, because the context steers the router. On the
+random-weight benchmark model a split by token made the top quarter of experts look like half of
+the traffic, a split by prompt 25.5%, and llama-server measured 26.1% on new random tokens.
 """
 
 from __future__ import annotations
@@ -24,15 +28,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moeplug.profile.format import Profile
+from moeplug.profile.format import Profile, ProfileSource
 
-# Measured on the GPU machine (shared/reference/baseline-h200.md, native/README.md): the CPU side
-# of a stock layer with 8 experts in RAM costs ~0.43 ms per token at ~2.65 MB per expert (about
-# 50 GB/s of expert bytes), and a layer's round trip with no expert to compute ~75 us.
-CPU_EXPERT_BYTES_PER_S = 50e9
-ROUND_TRIP_S = 75e-6
-# the slot pass of a partly resident layer: a few more small kernels on the GPU
-SLOT_PASS_S = 15e-6
+# Fitted to decode on the GPU machine (native/README.md, "Calibration"): 32, 64 or 96 slots in
+# every layer of the benchmark model, and 24 whole layers + 24 in RAM, tg128 with pinned weights.
+# A layer in RAM costs ~0.40 ms per token: a round trip of ~60 us and ~42 us per expert of 2.65 MB
+# (about 63 GB/s of expert bytes); a partly resident layer ~20 us more for its slot pass.
+CPU_EXPERT_BYTES_PER_S = 63e9
+ROUND_TRIP_S = 60e-6
+SLOT_PASS_S = 20e-6
 TIE_BREAK_S = 1e-12
 
 
@@ -73,14 +77,30 @@ def _layer_counts(seq: np.ndarray, n_layers: int, n_expert: int) -> np.ndarray:
     return counts
 
 
+def _prompt_folds(sources: list[ProfileSource]) -> np.ndarray:
+    """0/1 per token of the concatenated sources: alternate prompts go to alternate halves. With a
+    single prompt, its first and second half (the least shared context a split can leave)."""
+    folds, n_prompts = [], 0
+    for s in sources:
+        prompt = s.meta[:, 0] if s.meta.shape[0] == len(s.seq) else np.zeros(len(s.seq), np.int32)
+        _, index = np.unique(prompt, return_inverse=True)
+        folds.append((index.ravel() + n_prompts) % 2)
+        n_prompts += int(index.max()) + 1
+    if n_prompts < 2:
+        n = len(folds[0])
+        return (np.arange(n) >= n // 2).astype(np.int64)
+    return np.concatenate(folds)
+
+
 def hit_curves(profile: Profile | None, n_layers: int, n_expert: int) -> np.ndarray:
     """float [n_layers, n_expert + 1]: each layer's expected share of selections its top-N serve."""
     if profile is None:
         return np.tile(uniform_hits(n_expert), (n_layers, 1))
-    seqs = [s.seq for s in profile.sources if len(s.seq)]
-    if seqs:
-        seq = np.concatenate(seqs).astype(np.int64)
-        halves = [_layer_counts(seq[0::2], n_layers, n_expert), _layer_counts(seq[1::2], n_layers, n_expert)]
+    sources = [s for s in profile.sources if len(s.seq)]
+    if sources:
+        seq = np.concatenate([s.seq for s in sources]).astype(np.int64)
+        fold = _prompt_folds(sources)
+        halves = [_layer_counts(seq[fold == 0], n_layers, n_expert), _layer_counts(seq[fold == 1], n_layers, n_expert)]
         curves = np.stack([(_curve(halves[0][i], halves[1][i]) + _curve(halves[1][i], halves[0][i])) / 2
                            for i in range(n_layers)])
     else:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import run_cli
-from moeplug.allocate import LayerCost, allocate, hit_curves, modelled_seconds, uniform_hits
+from moeplug.allocate import LayerCost, _curve, _layer_counts, allocate, hit_curves, modelled_seconds, uniform_hits
 from moeplug.errors import MoeplugError
 from moeplug.model_inspect import inspect_model
 from moeplug.plan import (CUDA_POOL_HEADROOM, SAFETY_MARGIN, compute_buffer_bytes, kv_cache_bytes, make_plan,
@@ -126,6 +126,33 @@ def test_hit_curves_do_not_trust_lucky_experts() -> None:
     assert naive[:, 32].mean() > 0.33  # top quarter looks like a third of the traffic
     assert abs(cv[:, 32].mean() - 0.25) < 0.03
     assert np.all(np.diff(cv, axis=1) >= 0) and np.all(cv[:, -1] == 1.0)
+
+
+
+def test_hit_curves_split_by_prompt() -> None:
+    """A router that favours a different set of experts in each prompt (the context steers it, as on
+    the random-weight benchmark model) but none across prompts: slots fixed from other prompts hit
+    at the uniform rate, and the curve says so. A split of the same prompts' tokens would not."""
+    rng = np.random.default_rng(2)
+    n_prompts, n_tokens, n_layers, n_expert, k = 16, 64, 2, 128, 8
+    steps, meta = [], []
+    for prompt in range(n_prompts):
+        favoured = rng.choice(n_expert, 16, replace=False)
+        weights = np.full(n_expert, 1.0)
+        weights[favoured] = 20.0
+        for pos in range(n_tokens):
+            steps.append([rng.choice(n_expert, k, replace=False, p=weights / weights.sum()) for _ in range(n_layers)])
+            meta.append([prompt, pos, 0])
+    seq, meta_arr = np.array(steps, dtype=np.int16), np.array(meta, dtype=np.int32)
+    counts = np.stack([np.bincount(seq[:, i].ravel(), minlength=n_expert) for i in range(n_layers)])
+    prof = Profile(fingerprint=None, tensors=[f"blk.{i}.ffn_down_exps.weight" for i in range(n_layers)],  # type: ignore[arg-type]
+                   counts_prefill=counts, counts_decode=counts * 0,
+                   sources=[ProfileSource("t", ["p"] * n_prompts, seq, meta_arr)])
+    by_prompt = hit_curves(prof, n_layers, n_expert)
+    assert abs(by_prompt[:, 32].mean() - 0.25) < 0.05
+    even, odd = (_layer_counts(seq[i::2].astype(np.int64), n_layers, n_expert) for i in (0, 1))
+    by_token = np.mean([_curve(even[i], odd[i])[32] for i in range(n_layers)])
+    assert by_token > 0.33
 
 
 def test_warnings_at_20_and_15_percent(tmp_path: Path) -> None:
