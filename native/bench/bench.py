@@ -102,10 +102,10 @@ def best_load_mode(binary: Path, model: Path, row: Row, pp: int, tg: int, reps: 
         if row.tg_args is None or row.tg_args == row.args:
             p, t = llama_bench(binary, model, row.args + extra, pp, tg, reps)
         else:
-            p = llama_bench(binary, model, row.args + extra, pp, 0, reps)[0]
-            t = llama_bench(binary, model, row.tg_args + extra, 0, tg, reps)[1]
+            p = llama_bench(binary, model, row.args + extra, pp, 0, reps)[0] if pp else 0.0
+            t = llama_bench(binary, model, row.tg_args + extra, 0, tg, reps)[1] if tg else 0.0
         print(f"# {row.budget:>6} {row.config:<28} {load:<6} pp {p:9.1f}  tg {t:7.1f}", file=sys.stderr)
-        if t > row.tg:
+        if t > row.tg or not row.load:
             row.pp, row.tg, row.load = p, t, load
         row.pp = max(row.pp, p)
 
@@ -146,8 +146,8 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budgets", default="8,12,16", help="emulated card sizes in GiB")
-    ap.add_argument("--pp", type=int, default=512)
-    ap.add_argument("--tg", type=int, default=128)
+    ap.add_argument("--pp", type=int, default=512, help="prompt tokens of the prefill test (0: no prefill test)")
+    ap.add_argument("--tg", type=int, default=128, help="tokens of the decode test (0: no decode test)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--model", type=Path, default=Path("/tmp/moeplug-bench/qwen3-30b-a3b-shape-q4_k.gguf"))
     ap.add_argument("--no-stock-build", action="store_true",
@@ -199,9 +199,12 @@ def main() -> int:
         # one plan per llama-bench test, for the context llama-bench's own fit gives that test
         plans = {}
         for test, ctx in (("pp", a.pp), ("tg", a.tg)):
-            room = fit_expert_bytes(patched.binary("llama-fit-params"), a.model, info, margin_mib, ctx)
-            plans[test] = make_plan(info, ctx, budget, profile, expert_room=room)
-            print(f"# {label} {test}: cache slots {cache_slots(plans[test], info)}", file=sys.stderr)
+            if ctx > 0:  # --pp 0 or --tg 0 skips that test
+                room = fit_expert_bytes(patched.binary("llama-fit-params"), a.model, info, margin_mib, ctx)
+                plans[test] = make_plan(info, ctx, budget, profile, expert_room=room)
+                print(f"# {label} {test}: cache slots {cache_slots(plans[test], info)}", file=sys.stderr)
+        plans.setdefault("pp", plans.get("tg"))
+        plans.setdefault("tg", plans["pp"])
         if "fit" in configs:
             rows.append(Row(label, "stock --fit", ["-fitt", str(margin_mib)], True))
         if "ncmoe" in configs:
