@@ -121,7 +121,7 @@ def cache_desc(plan, info) -> str:
     return desc + (f" + {sum(partial)} slots in {len(partial)}" if partial else "")
 
 
-def cache_args(model: Path, plan, info, profile: Path) -> list[str]:
+def cache_args(plan, info, profile: Path) -> list[str]:
     return ["-ngl", "99", "-ncmoe", str(info.n_layer), "--moe-cache-profile", str(profile),
             "--moe-cache-slots", cache_slots(plan, info)]
 
@@ -214,8 +214,8 @@ def main() -> int:
         if "cache" in configs and plans["tg"].slots_total > 0:
             pp_desc, tg_desc = cache_desc(plans["pp"], info), cache_desc(plans["tg"], info)
             rows.append(Row(label, f"cache {tg_desc}" + (f" (pp: {pp_desc})" if pp_desc != tg_desc else ""),
-                            cache_args(a.model, plans["pp"], info, profile), False,
-                            cache_args(a.model, plans["tg"], info, profile)))
+                            cache_args(plans["pp"], info, profile), False,
+                            cache_args(plans["tg"], info, profile)))
     if "bounds" in a.configs.split(","):
         rows.append(Row("bound", "stock --cpu-moe", ["-ngl", "99", "-ncmoe", str(info.n_layer)], True))
         rows.append(Row("bound", "stock full offload", ["-ngl", "99"], True))
