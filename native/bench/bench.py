@@ -41,8 +41,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]  # needs moeplug importable: `pip install -e .` in this checkout
-
 GIB = 1 << 30
 MIB = 1 << 20
 # one patched build serves bench.py and fidelity.py (the targets are part of a build's identity)
