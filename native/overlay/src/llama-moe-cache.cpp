@@ -452,7 +452,7 @@ bool llama_moe_cache_build(llama_model & model, const llama_moe_cache_params & p
         result.n_slots        = std::max(result.n_slots, n);
         result.n_slots_min    = std::min(result.n_slots_min, n);
         result.n_slots_total += n;
-        result.n_layers_full += n == plan.down->ne[2];
+        result.n_layers_full += cache->layers.at(plan.down)->full;
     }
     result.n_layers   = (int32_t) plans.size();
     result.n_bytes    = n_bytes;
