@@ -7,14 +7,18 @@ cached under ~/.cache/moeplug/build, and each takes about 4 minutes with 16 core
 
 It builds stock and patched llama.cpp (CUDA), writes the Qwen3-30B-A3B-shaped Q4_K model (16 GiB,
 random weights: a near-uniform router, the worst case for any cache), profiles it briefly, and
-runs llama-bench for every row, in both load modes (mmap and pinned `-lm none`), keeping each
-row's best. At each budget B:
+runs llama-bench for every row in each load mode (mmap; pinned `-lm none`; pinned with
+repacking off, `--repack 0`), keeping each test's best mode per row. At each budget B:
 
   stock --fit        llama-bench -fitt (free VRAM - B): what a user runs today
   stock -ncmoe K     the lowest K whose experts fit the expert VRAM that stock --fit uses at B
   moeplug cache      -ngl 99 --cpu-moe and the slots per layer the planner gives from the
                      profile for that same expert VRAM (read from llama-fit-params):
                      whole layers where the router is flat, hot experts where it is not
+
+plus the bounds: every expert on the CPU (--cpu-moe) and full offload. It prints one markdown
+table, pp and tg in tokens/s with the ratio to the best stock row of the same budget, all
+measured in this run (mean ± standard deviation over --reps).
 
 llama-bench's fit sizes each test for the context it needs (512 for pp512, 128 for tg128), so
 a budget buys a little more expert VRAM for decode than for prefill: the expert VRAM, and with
@@ -23,10 +27,6 @@ it the -ncmoe and cache rows, is read per test and the two tests run separately 
 The profile is made of uniformly random token ids (llama-moe-profile --random), the workload
 llama-bench runs: the benchmark model's own text tokenizer reaches only a few hundred of its
 151936 tokens, so a text profile would route differently.
-
-plus the bounds: every expert on the CPU (--cpu-moe) and full offload. It prints one markdown
-table, pp and tg in tokens/s with the ratio to the best stock row of the same budget, all
-measured in this run.
 """
 
 from __future__ import annotations
@@ -56,26 +56,43 @@ class Row:
     tg_args: list[str] | None = None  # when the decode test needs other arguments than prefill
     pp: float = 0.0
     tg: float = 0.0
-    load: str = ""
+    pp_sd: float = 0.0  # standard deviation over the repetitions, as llama-bench reports it
+    tg_sd: float = 0.0
+    pp_load: str = ""
+    tg_load: str = ""
 
 
-def llama_bench(binary: Path, model: Path, args: list[str], pp: int, tg: int, reps: int) -> tuple[float, float]:
-    """pp and tg t/s of one llama-bench run (a test of 0 tokens is skipped and reads 0)."""
+@dataclass
+class Speed:
+    ts: float = 0.0  # tokens/s, mean over the repetitions
+    sd: float = 0.0
+
+
+def _speed(results: list[dict], prefill: bool) -> Speed:
+    for x in results:
+        if (x["n_prompt"] > 0 and x["n_gen"] == 0) if prefill else (x["n_gen"] > 0 and x["n_prompt"] == 0):
+            return Speed(x["avg_ts"], x.get("stddev_ts", 0.0))
+    return Speed()
+
+
+def llama_bench(binary: Path, model: Path, args: list[str], pp: int, tg: int, reps: int) -> tuple[Speed, Speed]:
+    """pp and tg speeds of one llama-bench run (a test of 0 tokens is skipped and reads 0)."""
     cmd = [str(binary), "-m", str(model), "-p", str(pp), "-n", str(tg), "-r", str(reps), "-fa", "1", "-o", "json", *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
         print(f"# failed: {' '.join(cmd)}\n# {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ''}",
               file=sys.stderr)
-        return 0.0, 0.0
+        return Speed(), Speed()
     results = json.loads(r.stdout)
-    pp_ts = next((x["avg_ts"] for x in results if x["n_prompt"] > 0 and x["n_gen"] == 0), 0.0)
-    tg_ts = next((x["avg_ts"] for x in results if x["n_gen"] > 0 and x["n_prompt"] == 0), 0.0)
     if "--moe-cache-slots" in args and "moe-cache: " in r.stderr:
         print("# " + next(line for line in r.stderr.splitlines() if "moe-cache: " in line), file=sys.stderr)
-    return pp_ts, tg_ts
+    return _speed(results, prefill=True), _speed(results, prefill=False)
 
 
-LOAD_MODES = {"mmap": [], "pinned": ["-lm", "none"]}
+# mmap is llama.cpp's default; pinned loads weights into pinned host memory (fast uploads for
+# prefill); repacking (on by default) changes the CPU kernels' layout, which helps some tests
+# and hurts others
+LOAD_MODES = {"mmap": [], "pinned": ["-lm", "none"], "pinned-norepack": ["-lm", "none", "--repack", "0"]}
 
 
 def fit_expert_bytes(fit_params: Path, model: Path, info, margin_mib: int, ctx: int) -> int:
@@ -100,12 +117,15 @@ def best_load_mode(binary: Path, model: Path, row: Row, pp: int, tg: int, reps: 
         if row.tg_args is None or row.tg_args == row.args:
             p, t = llama_bench(binary, model, row.args + extra, pp, tg, reps)
         else:
-            p = llama_bench(binary, model, row.args + extra, pp, 0, reps)[0] if pp else 0.0
-            t = llama_bench(binary, model, row.tg_args + extra, 0, tg, reps)[1] if tg else 0.0
-        print(f"# {row.budget:>6} {row.config:<28} {load:<6} pp {p:9.1f}  tg {t:7.1f}", file=sys.stderr)
-        if t > row.tg or not row.load:
-            row.pp, row.tg, row.load = p, t, load
-        row.pp = max(row.pp, p)
+            p = llama_bench(binary, model, row.args + extra, pp, 0, reps)[0] if pp else Speed()
+            t = llama_bench(binary, model, row.tg_args + extra, 0, tg, reps)[1] if tg else Speed()
+        print(f"# {row.budget:>6} {row.config:<28} {load:<15} pp {p.ts:9.1f} ± {p.sd:5.1f}  "
+              f"tg {t.ts:7.1f} ± {t.sd:4.1f}", file=sys.stderr)
+        # each test keeps its own best mode: a user running only one of them would pick that
+        if p.ts > row.pp or not row.pp_load:
+            row.pp, row.pp_sd, row.pp_load = p.ts, p.sd, load
+        if t.ts > row.tg or not row.tg_load:
+            row.tg, row.tg_sd, row.tg_load = t.ts, t.sd, load
 
 
 def cache_slots(plan, info) -> str:
@@ -154,10 +174,14 @@ def main() -> int:
     ap.add_argument("--prebuilt", type=Path, help="a bin/ folder of a patched CUDA build to use instead of building "
                     "(llama-bench, llama-moe-profile, llama-fit-params); implies --no-stock-build")
     ap.add_argument("--configs", default="fit,ncmoe,cache,bounds", help="rows to run: fit, ncmoe, cache, bounds")
-    ap.add_argument("--load-modes", default="mmap,pinned", help="load modes to try per row; the best is kept")
+    ap.add_argument("--load-modes", default=",".join(LOAD_MODES),
+                    help=f"load modes to try per row, of {', '.join(LOAD_MODES)}; each test keeps its best")
     ap.add_argument("--build-only", action="store_true",
                     help="build, write the model and its profile, then stop (a first call on a cold machine)")
     a = ap.parse_args()
+    unknown = [m for m in a.load_modes.split(",") if m not in LOAD_MODES]
+    if unknown:
+        ap.error(f"--load-modes: unknown mode {unknown[0]!r} (known: {', '.join(LOAD_MODES)})")
 
     t0 = time.time()
 
@@ -225,7 +249,7 @@ def main() -> int:
         binary = (stock if row.stock else patched).binary("llama-bench")
         best_load_mode(binary, a.model, row, a.pp, a.tg, a.reps, a.load_modes.split(","))
 
-    print(f"\n| budget | configuration | load | pp{a.pp} t/s | tg{a.tg} t/s | pp vs best stock | tg vs best stock |")
+    print(f"\n| budget | configuration | load (pp, tg) | pp{a.pp} t/s | tg{a.tg} t/s | pp vs best stock | tg vs best stock |")
     print("|---|---|---|---:|---:|---:|---:|")
     for row in rows:
         peers = [r for r in rows if r.budget == row.budget and r.stock]
@@ -233,7 +257,9 @@ def main() -> int:
         best_tg = max((r.tg for r in peers), default=0.0)
         rp = f"{row.pp / best_pp:.2f}x" if best_pp else "-"
         rt = f"{row.tg / best_tg:.2f}x" if best_tg else "-"
-        print(f"| {row.budget} | {row.config} | {row.load} | {row.pp:.1f} | {row.tg:.1f} | {rp} | {rt} |")
+        load = row.pp_load if row.pp_load == row.tg_load else f"{row.pp_load}, {row.tg_load}"
+        print(f"| {row.budget} | {row.config} | {load} | {row.pp:.1f} ± {row.pp_sd:.1f} | {row.tg:.1f} ± {row.tg_sd:.1f} "
+              f"| {rp} | {rt} |")
     print(f"\n{info.n_layer} layers x {info.n_expert} experts, {inspect_model(a.model).total_bytes / GIB:.2f} GiB; "
           f"free VRAM {free / GIB:.1f} GiB; stock build {stock.build_id}, patched {patched.build_id}; "
           f"{time.time() - t0:.0f} s")

@@ -59,7 +59,7 @@ def main() -> int:
            "--moe-cache-profile", str(profile), "--moe-cache-slots", str(slots),
            "--fidelity", str(a.prompts), "-n", str(a.tokens), "-c", str(32 + a.tokens + 64)]
     print(f"# {' '.join(cmd)}", file=sys.stderr)
-    return subprocess.run(cmd).returncode
+    return subprocess.run(cmd, check=False).returncode
 
 
 if __name__ == "__main__":
