@@ -193,6 +193,27 @@ def test_server_engages_and_matches_stock(patched_build, cache_models, profiles,
     assert tokens == stock_tokens
 
 
+def test_server_with_a_plans_placement(patched_build, cache_models, profiles, slots_on_cpu, tmp_path: Path) -> None:
+    """The planner's flags for one whole layer, one partly resident and one in RAM: llama.cpp's
+    loader puts exactly the last two layers' experts in RAM, the cache engages on the partly
+    resident one alone, and the tokens are stock's."""
+    from moeplug.model_inspect import inspect_model
+    from moeplug.plan import placement_args
+    from moeplug.profile.format import read_profile
+
+    model, profile = cache_models["qwen3moe"], profiles["qwen3moe"]
+    info = inspect_model(model)
+    placement = ["-ngl", "99", *placement_args(info, [N_EXPERT, 3, 0], read_profile(profile), profile)]
+    stock_tokens, _ = serve_once(patched_build, model, tmp_path, "stock", [])
+    tokens, log = serve_once(patched_build, model, tmp_path, "planned", [*placement, "-v"])
+    overridden = sorted(set(re.findall(r"tensor (\S+) \(.*\) buffer type overridden to", log)))  # logged per load pass
+    assert overridden == sorted(f"blk.{layer.block}.{name}" for layer in info.layers[1:] for name in layer.tensors), \
+        overridden
+    cache = parse_cache_line(log)
+    assert cache and cache.engaged and (cache.layers, cache.slots, cache.whole_layers) == (1, 3, 0), log[-2000:]
+    assert tokens == stock_tokens
+
+
 def test_server_flags_from_environment(patched_build, cache_models, profiles, slots_on_cpu, tmp_path: Path,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LLAMA_ARG_MOE_CACHE_PROFILE", str(profiles["qwen3moe"]))

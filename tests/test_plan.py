@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -15,8 +16,8 @@ from conftest import run_cli
 from moeplug.allocate import LayerCost, _curve, _layer_counts, allocate, hit_curves, modelled_seconds, uniform_hits
 from moeplug.errors import MoeplugError
 from moeplug.model_inspect import inspect_model
-from moeplug.plan import (CUDA_POOL_HEADROOM, SAFETY_MARGIN, compute_buffer_bytes, kv_cache_bytes, make_plan,
-                          parse_size, stock_ncmoe)
+from moeplug.plan import (CUDA_POOL_HEADROOM, SAFETY_MARGIN, compute_buffer_bytes, experts_in_ram_args,
+                          kv_cache_bytes, make_plan, parse_size, placement_args, stock_ncmoe)
 from moeplug.profile.format import Profile, ProfileSource
 from moeplug.serving import parse_buffers
 from moeplug.server import start_server
@@ -41,24 +42,40 @@ def fixed_bytes(info, ctx: int) -> int:
         SAFETY_MARGIN
 
 
+def experts_in_ram(args: list[str], info) -> list[str]:
+    """The expert tensors that the plan's -ot puts in RAM (llama.cpp matches with regex_search)."""
+    if "-ot" not in args:
+        return []
+    pattern = re.compile(args[args.index("-ot") + 1].rsplit("=", 1)[0])
+    return sorted(f"blk.{layer.block}.{name}" for layer in info.layers for name in layer.tensors
+                  if pattern.search(f"blk.{layer.block}.{name}"))
+
+
+def expert_tensors(info, blocks: list[int]) -> list[str]:
+    return sorted(f"blk.{layer.block}.{name}" for layer in info.layers for name in layer.tensors
+                  if layer.block in blocks)
+
+
 @pytest.mark.parametrize("arch", ["qwen3moe", "hy_v3", "gpt-oss"])
 def test_plan_without_profile_is_stock_placement(fixture_models, arch: str) -> None:
-    """No profile to choose slots: whole layers on the GPU, the lower ones in RAM (stock -ncmoe)."""
+    """No profile to choose slots: stock's bytes, as many whole layers as -ncmoe gives, but the
+    last layers' experts in RAM (stock --fit's choice, faster in prefill), and no cache."""
     info = inspect_model(fixture_models[arch])
     layer = info.layers[0].expert_bytes
     plan = make_plan(info, 2048, fixed_bytes(info, 2048) + layer + layer // 2)
-    assert plan.whole_layers == 1 and plan.slots_per_layer[-1] == sum(plan.slots_per_layer) == info.n_expert
+    assert plan.whole_layers == 1 and plan.slots_per_layer[0] == sum(plan.slots_per_layer) == info.n_expert
+    assert plan.stock_ncmoe == info.layers[-1].block
     args = plan.server_args
-    assert args[args.index("-ncmoe") + 1] == str(plan.stock_ncmoe) and "--moe-cache-slots" not in args
+    assert experts_in_ram(args, info) == expert_tensors(info, [b.block for b in info.layers[1:]])
+    assert "--moe-cache-slots" not in args and "--cpu-moe" not in args and "-ncmoe" not in args
     full = make_plan(info, 2048, fixed_bytes(info, 2048) + 100 * layer)
-    assert full.slots_per_layer == [info.n_expert] * len(info.layers) and "--cpu-moe" not in full.server_args
+    assert full.slots_per_layer == [info.n_expert] * len(info.layers)
+    assert not {"--cpu-moe", "-ot", "--moe-cache-slots"} & set(full.server_args)
 
 
 def test_plan_with_profile_spends_the_budget_on_slots(patched_build, fixture_models, tmp_path: Path) -> None:
-    """With a real profile the per-layer slots fit the budget and reach llama-server's flags in the
-    profile's layer order."""
-    from moeplug.profile.format import read_profile
-
+    """With a real profile the slots fit the budget; whole layers load onto the GPU as stock's do,
+    the other layers' experts stay in RAM."""
     model = fixture_models["qwen3moe"]
     profile = tmp_path / "p.gguf"
     r = subprocess.run([str(patched_build.binary("llama-moe-profile")), "-m", str(model), "--prompts",
@@ -71,11 +88,27 @@ def test_plan_with_profile_spends_the_budget_on_slots(patched_build, fixture_mod
         plan = make_plan(info, 2048, fixed_bytes(info, 2048) + room, profile)
         # tiny experts: the CPU round trip outweighs any partial layer, whole layers win
         assert plan.whole_layers == int(k) and plan.expert_vram_bytes <= room
-        arg = plan.server_args[plan.server_args.index("--moe-cache-slots") + 1]
-        by_block = {layer.block: n for layer, n in zip(info.layers, plan.slots_per_layer)}
-        order = [int(t.split(".")[1]) for t in read_profile(profile).tensors]
-        assert [int(x) for x in arg.split(",")] == [by_block[b] for b in order]
+        ram = [b.block for b, n in zip(info.layers, plan.slots_per_layer) if n < info.n_expert]
+        assert experts_in_ram(plan.server_args, info) == expert_tensors(info, ram)
+        assert "--moe-cache-slots" not in plan.server_args  # no partly resident layer: nothing for the cache
         assert plan.modelled_host_ms <= plan.stock_modelled_host_ms
+
+
+def test_placement_args_give_the_cache_only_partly_resident_layers(fixture_models, tmp_path: Path) -> None:
+    """Whole layers get no slots (they load onto the GPU), partly resident and RAM layers keep their
+    experts in RAM, and the slot counts follow the profile's layer order."""
+    info = inspect_model(fixture_models["qwen3moe"])
+    n = info.n_expert
+    blocks = [layer.block for layer in info.layers]
+    tensors = [f"blk.{b}.ffn_down_exps.weight" for b in reversed(blocks)]  # a profile listing layers backwards
+    prof = Profile(fingerprint=None, tensors=tensors, counts_prefill=np.zeros((3, n), np.int64),  # type: ignore[arg-type]
+                   counts_decode=np.zeros((3, n), np.int64), sources=[])
+    args = placement_args(info, [n, 3, 0], prof, tmp_path / "p.gguf")
+    assert experts_in_ram(args, info) == expert_tensors(info, blocks[1:])
+    assert args[args.index("--moe-cache-slots") + 1] == "0,3,0"
+    assert args[args.index("--moe-cache-profile") + 1] == str(tmp_path / "p.gguf")
+    assert placement_args(info, [n, n, 0], prof, tmp_path / "p.gguf") == experts_in_ram_args([blocks[2]])
+    assert placement_args(info, [n, 5, 2], prof, tmp_path / "p.gguf")[-3] == "2,5,0"
 
 
 def cost(hits: np.ndarray, bytes_per_expert: int = 2_654_208, used: int = 8) -> LayerCost:
