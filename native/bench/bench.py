@@ -12,9 +12,10 @@ repacking off, `--repack 0`), keeping each test's best mode per row. At each bud
 
   stock --fit        llama-bench -fitt (free VRAM - B): what a user runs today
   stock -ncmoe K     the lowest K whose experts fit the expert VRAM that stock --fit uses at B
-  moeplug cache      -ngl 99 --cpu-moe and the slots per layer the planner gives from the
-                     profile for that same expert VRAM (read from llama-fit-params):
-                     whole layers where the router is flat, hot experts where it is not
+  moeplug plan       what moeplug runs for that same expert VRAM (read from llama-fit-params):
+                     the planner's slots per layer from the profile, whole layers where the
+                     router is flat (offloaded as stock does), hot experts where it is not (the
+                     cache), the other layers' experts in RAM
 
 plus the bounds: every expert on the CPU (--cpu-moe) and full offload. It prints one markdown
 table, pp and tg in tokens/s with the ratio to the best stock row of the same budget, all
@@ -128,11 +129,6 @@ def best_load_mode(binary: Path, model: Path, row: Row, pp: int, tg: int, reps: 
             row.tg, row.tg_sd, row.tg_load = t.ts, t.sd, load
 
 
-def cache_slots(plan, info) -> str:
-    args = plan.server_args
-    return args[args.index("--moe-cache-slots") + 1] if "--moe-cache-slots" in args else str(info.n_expert)
-
-
 def cache_desc(plan, info) -> str:
     partial = [n for n in plan.slots_per_layer if 0 < n < info.n_expert]
     desc = f"{plan.whole_layers} whole layer{'' if plan.whole_layers == 1 else 's'}"
@@ -140,8 +136,12 @@ def cache_desc(plan, info) -> str:
 
 
 def cache_args(plan, info, profile: Path) -> list[str]:
-    return ["-ngl", "99", "-ncmoe", str(info.n_layer), "--moe-cache-profile", str(profile),
-            "--moe-cache-slots", cache_slots(plan, info)]
+    """What moeplug runs for the plan: whole layers offloaded as stock does, the rest's experts in
+    RAM, slots for the partly resident layers."""
+    from moeplug.plan import placement_args
+    from moeplug.profile.format import read_profile
+
+    return ["-ngl", "99", *placement_args(info, plan.slots_per_layer, read_profile(profile), profile)]
 
 
 @dataclass
@@ -224,7 +224,8 @@ def main() -> int:
             if ctx > 0:  # --pp 0 or --tg 0 skips that test
                 room = fit_expert_bytes(patched.binary("llama-fit-params"), a.model, info, margin_mib, ctx)
                 plans[test] = make_plan(info, ctx, budget, profile, expert_room=room)
-                print(f"# {label} {test}: cache slots {cache_slots(plans[test], info)}", file=sys.stderr)
+                print(f"# {label} {test}: slots per layer {','.join(map(str, plans[test].slots_per_layer))}",
+                      file=sys.stderr)
         plans.setdefault("pp", plans.get("tg"))
         plans.setdefault("tg", plans["pp"])
         if "fit" in configs:
@@ -235,7 +236,7 @@ def main() -> int:
                             ["-ngl", "99", "-ncmoe", str(k_pp)], True, ["-ngl", "99", "-ncmoe", str(k_tg)]))
         if "cache" in configs and plans["tg"].slots_total > 0:
             pp_desc, tg_desc = cache_desc(plans["pp"], info), cache_desc(plans["tg"], info)
-            rows.append(Row(label, f"cache {tg_desc}" + (f" (pp: {pp_desc})" if pp_desc != tg_desc else ""),
+            rows.append(Row(label, f"moeplug {tg_desc}" + (f" (pp: {pp_desc})" if pp_desc != tg_desc else ""),
                             cache_args(plans["pp"], info, profile), False,
                             cache_args(plans["tg"], info, profile)))
     if "bounds" in a.configs.split(","):
