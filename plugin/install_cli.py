@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -34,7 +35,7 @@ def print_plan(plan: dict[str, Any]) -> None:
         ["load mode", p["load_mode"]],
     ]
     print(table(["plan", ""], rows, "lr"))
-    print("server args: " + " ".join(p["server_args"]))
+    print("server args: " + shlex.join(p["server_args"]))  # quoted: -ot patterns hold | and ( )
     for n in p["notes"]:
         print(f"note: {n}")
     for w in p["warnings"]:
