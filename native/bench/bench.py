@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import multiprocessing
 import re
 import subprocess
 import sys
@@ -188,16 +189,23 @@ def main() -> int:
     def options(stock: bool, targets: tuple[str, ...]):
         return dataclasses.replace(resolve_options("cuda", stock=stock, jobs=a.jobs, cuda_arch=None), targets=targets)
 
+    # the model is written while the builds run (one core against the compilers' many)
+    writer = None
+    if not a.model.exists():
+        writer = multiprocessing.Process(target=make_model, args=(benchmark_spec(), a.model))
+        writer.start()
     if a.prebuilt:
         patched = stock = Prebuilt(a.prebuilt)
     else:
         patched = build(options(False, PATCHED_TARGETS))
         stock = patched if a.no_stock_build else build(options(True, ("llama-bench",)))
     print(f"# builds ready in {time.time() - t0:.0f} s: {patched.build_id}, {stock.build_id}", file=sys.stderr)
-
-    if not a.model.exists():
-        a.model.parent.mkdir(parents=True, exist_ok=True)
-        make_model(benchmark_spec(), a.model)
+    if writer is not None:
+        writer.join()
+        if writer.exitcode != 0:
+            print(f"could not write {a.model} (exit {writer.exitcode})", file=sys.stderr)
+            return 1
+        print(f"# model written at {time.time() - t0:.0f} s: {a.model}", file=sys.stderr)
     info = inspect_model(a.model)
 
     profile = a.model.with_suffix(".random.profile.gguf")
