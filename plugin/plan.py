@@ -82,12 +82,12 @@ def stock_ncmoe(info: ModelInfo, room: int) -> int:
 def whole_layers_first(info: ModelInfo, room: int) -> list[int]:
     """Stock placement without a profile: whole layers from the first while they fit in room bytes,
     the experts of the rest in RAM (the same bytes as -ncmoe, the other end: see experts_in_ram_args)."""
-    slots, used = [], 0
-    for layer in info.layers:
-        fits = not slots or slots[-1] > 0  # stop at the first layer that does not fit
-        fits = fits and used + layer.expert_bytes <= room
-        slots.append(info.n_expert if fits else 0)
-        used += layer.expert_bytes if fits else 0
+    slots, used = [0] * len(info.layers), 0
+    for i, layer in enumerate(info.layers):
+        if used + layer.expert_bytes > room:
+            break  # one run of whole layers, as stock keeps them
+        slots[i] = info.n_expert
+        used += layer.expert_bytes
     return slots
 
 
