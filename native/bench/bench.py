@@ -1,9 +1,14 @@
 """Side-by-side benchmark of the expert slot cache against stock llama.cpp at emulated VRAM budgets.
 
-Run on a machine with an NVIDIA GPU (one run, under 10 minutes once the builds exist; builds are
-cached under ~/.cache/moeplug/build, and each takes about 4 minutes with 16 cores the first time):
+Run on a machine with an NVIDIA GPU:
 
     python native/bench/bench.py [--budgets 8,12,16] [--pp 512] [--tg 128] [--reps 2]
+
+Builds are cached under ~/.local/share/moeplug/builds; on an H200 box (16 cores) the patched one
+takes about 4 minutes the first time, the stock one 4-5. With both cached, the table takes about
+5 minutes per load mode (3 repetitions). One cold run under 10 minutes:
+`--no-stock-build --load-modes pinned` (the stock rows on the patched build without cache flags:
+the patches are opt-in); a larger run splits by --budgets.
 
 It builds stock and patched llama.cpp (CUDA), writes the Qwen3-30B-A3B-shaped Q4_K model (16 GiB,
 random weights: a near-uniform router, the worst case for any cache), profiles it briefly, and
