@@ -141,13 +141,12 @@ def cache_desc(plan, info) -> str:
     return desc + (f" + {sum(partial)} slots in {len(partial)}" if partial else "")
 
 
-def cache_args(plan, info, profile: Path) -> list[str]:
+def cache_args(plan, info, profile, profile_path: Path) -> list[str]:
     """What moeplug runs for the plan: whole layers offloaded as stock does, the rest's experts in
     RAM, slots for the partly resident layers."""
     from moeplug.plan import placement_args
-    from moeplug.profile.format import read_profile
 
-    return ["-ngl", "99", *placement_args(info, plan.slots_per_layer, read_profile(profile), profile)]
+    return ["-ngl", "99", *placement_args(info, plan.slots_per_layer, profile, profile_path)]
 
 
 @dataclass
@@ -166,6 +165,7 @@ def main() -> int:
     from moeplug.model_inspect import inspect_model
     from moeplug.native.build import build, resolve_options
     from moeplug.plan import free_vram_bytes, make_plan
+    from moeplug.profile.format import read_profile
     from moeplug.synth import benchmark_spec, make_model
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -227,6 +227,7 @@ def main() -> int:
         return 1
     rows: list[Row] = []
     configs = a.configs.split(",")
+    profile_doc = read_profile(profile)  # read once for every budget's cache rows
     for b in [float(x) for x in a.budgets.split(",")]:
         budget = int(b * GIB)
         label = f"{b:g} GiB"
@@ -250,8 +251,8 @@ def main() -> int:
         if "cache" in configs and plans["tg"].slots_total > 0:
             pp_desc, tg_desc = cache_desc(plans["pp"], info), cache_desc(plans["tg"], info)
             rows.append(Row(label, f"moeplug {tg_desc}" + (f" (pp: {pp_desc})" if pp_desc != tg_desc else ""),
-                            cache_args(plans["pp"], info, profile), False,
-                            cache_args(plans["tg"], info, profile)))
+                            cache_args(plans["pp"], info, profile_doc, profile), False,
+                            cache_args(plans["tg"], info, profile_doc, profile)))
     if "bounds" in a.configs.split(","):
         rows.append(Row("bound", "stock --cpu-moe", ["-ngl", "99", "-ncmoe", str(info.n_layer)], True))
         rows.append(Row("bound", "stock full offload", ["-ngl", "99"], True))
