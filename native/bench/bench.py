@@ -2,13 +2,14 @@
 
 Run on a machine with an NVIDIA GPU:
 
-    python native/bench/bench.py [--budgets 8,12,16] [--pp 512] [--tg 128] [--reps 2]
+    python native/bench/bench.py [--budgets 8,12,16] [--pp 512] [--tg 128] [--reps 3] [--rounds 2]
 
 Builds are cached under ~/.local/share/moeplug/builds; on an H200 box (16 cores) the patched one
 takes about 4 minutes the first time, the stock one 4-5. With both cached, the table takes about
-5 minutes per load mode (3 repetitions). One cold run under 10 minutes:
-`--no-stock-build --load-modes pinned` (the stock rows on the patched build without cache flags:
-the patches are opt-in); a larger run splits by --budgets.
+5 minutes per load mode and round (3 repetitions; fit and cache rows of 3 budgets: 2-2.5 minutes
+a round). One cold run under 10 minutes: `--no-stock-build --load-modes pinned --rounds 1` (the
+stock rows on the patched build without cache flags: the patches are opt-in); a larger run splits
+by --budgets or --configs.
 
 It builds stock and patched llama.cpp (CUDA), writes the Qwen3-30B-A3B-shaped Q4_K model (16 GiB,
 random weights: a near-uniform router, the worst case for any cache), profiles it briefly, and
@@ -24,7 +25,10 @@ repacking off, `--repack 0`), keeping each test's best mode per row. At each bud
 
 plus the bounds: every expert on the CPU (--cpu-moe) and full offload. It prints one markdown
 table, pp and tg in tokens/s with the ratio to the best stock row of the same budget, all
-measured in this run (mean ± standard deviation over --reps).
+measured in this run: the median of every repetition (--reps) of every round (± their standard
+deviation). The rounds interleave the rows' llama-bench runs: two runs of one configuration
+differ by more (up to 7% on the H200) than the repetitions inside one run do, so each row gets
+several runs spread over the whole table rather than one.
 
 llama-bench's fit sizes each test for the context it needs (512 for pp512, 128 for tg128), so
 a budget buys a little more expert VRAM for decode than for prefill: the expert VRAM, and with
@@ -42,6 +46,7 @@ import dataclasses
 import json
 import multiprocessing
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -61,39 +66,46 @@ class Row:
     args: list[str]
     stock: bool
     tg_args: list[str] | None = None  # when the decode test needs other arguments than prefill
-    pp: float = 0.0
-    tg: float = 0.0
-    pp_sd: float = 0.0  # standard deviation over the repetitions, as llama-bench reports it
-    tg_sd: float = 0.0
-    pp_load: str = ""
-    tg_load: str = ""
+    # tokens/s of every repetition of every round, per (test, load mode)
+    samples: dict[tuple[str, str], list[float]] = dataclasses.field(default_factory=dict)
+
+    def add(self, test: str, load: str, values: list[float]) -> None:
+        self.samples.setdefault((test, load), []).extend(values)
+
+    def best(self, test: str) -> tuple[str, list[float]]:
+        """The load mode with the highest median for this test, and its samples."""
+        runs = [(load, v) for (t, load), v in self.samples.items() if t == test and v]
+        return max(runs, key=lambda run: statistics.median(run[1]), default=("", []))
 
 
-@dataclass
-class Speed:
-    ts: float = 0.0  # tokens/s, mean over the repetitions
-    sd: float = 0.0
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
 
 
-def _speed(results: list[dict], prefill: bool) -> Speed:
+def spread(values: list[float]) -> float:
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def _samples(results: list[dict], prefill: bool) -> list[float]:
     for x in results:
         if (x["n_prompt"] > 0 and x["n_gen"] == 0) if prefill else (x["n_gen"] > 0 and x["n_prompt"] == 0):
-            return Speed(x["avg_ts"], x.get("stddev_ts", 0.0))
-    return Speed()
+            return list(x.get("samples_ts") or [x["avg_ts"]])
+    return []
 
 
-def llama_bench(binary: Path, model: Path, args: list[str], pp: int, tg: int, reps: int) -> tuple[Speed, Speed]:
-    """pp and tg speeds of one llama-bench run (a test of 0 tokens is skipped and reads 0)."""
+def llama_bench(binary: Path, model: Path, args: list[str], pp: int, tg: int, reps: int
+                ) -> tuple[list[float], list[float]]:
+    """tokens/s of each repetition of one llama-bench run, pp and tg (a test of 0 tokens is skipped)."""
     cmd = [str(binary), "-m", str(model), "-p", str(pp), "-n", str(tg), "-r", str(reps), "-fa", "1", "-o", "json", *args]
     r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
         print(f"# failed: {' '.join(cmd)}\n# {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ''}",
               file=sys.stderr)
-        return Speed(), Speed()
+        return [], []
     results = json.loads(r.stdout)
     if "--moe-cache-slots" in args and "moe-cache: " in r.stderr:
         print("# " + next(line for line in r.stderr.splitlines() if "moe-cache: " in line), file=sys.stderr)
-    return _speed(results, prefill=True), _speed(results, prefill=False)
+    return _samples(results, prefill=True), _samples(results, prefill=False)
 
 
 # mmap is llama.cpp's default; pinned loads weights into pinned host memory (fast uploads for
@@ -118,21 +130,19 @@ def fit_expert_bytes(fit_params: Path, model: Path, info, margin_mib: int, ctx: 
                if not any(p.search(f"blk.{layer.block}.{name}") for p in on_cpu))
 
 
-def best_load_mode(binary: Path, model: Path, row: Row, pp: int, tg: int, reps: int, modes: list[str]) -> None:
-    for load in modes:
-        extra = LOAD_MODES[load]
-        if row.tg_args is None or row.tg_args == row.args:
-            p, t = llama_bench(binary, model, row.args + extra, pp, tg, reps)
-        else:
-            p = llama_bench(binary, model, row.args + extra, pp, 0, reps)[0] if pp else Speed()
-            t = llama_bench(binary, model, row.tg_args + extra, 0, tg, reps)[1] if tg else Speed()
-        print(f"# {row.budget:>6} {row.config:<28} {load:<15} pp {p.ts:9.1f} ± {p.sd:5.1f}  "
-              f"tg {t.ts:7.1f} ± {t.sd:4.1f}", file=sys.stderr)
-        # each test keeps its own best mode: a user running only one of them would pick that
-        if p.ts > row.pp or not row.pp_load:
-            row.pp, row.pp_sd, row.pp_load = p.ts, p.sd, load
-        if t.ts > row.tg or not row.tg_load:
-            row.tg, row.tg_sd, row.tg_load = t.ts, t.sd, load
+def run_once(binary: Path, model: Path, row: Row, load: str, pp: int, tg: int, reps: int) -> None:
+    """One llama-bench run of the row (two when prefill and decode need other arguments)."""
+    extra = LOAD_MODES[load]
+    started = time.time()
+    if row.tg_args is None or row.tg_args == row.args:
+        p, t = llama_bench(binary, model, row.args + extra, pp, tg, reps)
+    else:
+        p = llama_bench(binary, model, row.args + extra, pp, 0, reps)[0] if pp else []
+        t = llama_bench(binary, model, row.tg_args + extra, 0, tg, reps)[1] if tg else []
+    row.add("pp", load, p)
+    row.add("tg", load, t)
+    print(f"# {row.budget:>6} {row.config:<28} {load:<15} pp {median(p):9.1f} ± {spread(p):6.1f}  "
+          f"tg {median(t):7.1f} ± {spread(t):5.1f}  ({time.time() - started:.0f} s)", file=sys.stderr)
 
 
 def cache_desc(plan, info) -> str:
@@ -147,6 +157,29 @@ def cache_args(plan, info, profile, profile_path: Path) -> list[str]:
     from moeplug.plan import placement_args
 
     return ["-ngl", "99", *placement_args(info, plan.slots_per_layer, profile, profile_path)]
+
+
+def print_table(rows: list[Row], pp: int, tg: int) -> None:
+    """One markdown table: per test the best load mode's median (± standard deviation of all its
+    repetitions), and its ratio to the best stock row of the same budget."""
+    best = {(id(row), test): row.best(test) for row in rows for test in ("pp", "tg")}
+
+    def cell(row: Row, test: str) -> str:
+        values = best[id(row), test][1]
+        return f"{median(values):.1f} ± {spread(values):.1f}" if values else "-"
+
+    def ratio(row: Row, test: str) -> str:
+        peers = [median(best[id(r), test][1]) for r in rows if r.budget == row.budget and r.stock]
+        top = max(peers, default=0.0)
+        return f"{median(best[id(row), test][1]) / top:.2f}x" if top else "-"
+
+    print(f"\n| budget | configuration | load (pp, tg) | pp{pp} t/s | tg{tg} t/s | pp vs best stock | tg vs best stock |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    for row in rows:
+        pp_load, tg_load = best[id(row), "pp"][0], best[id(row), "tg"][0]
+        load = pp_load if pp_load == tg_load or not tg_load else f"{pp_load}, {tg_load}"
+        print(f"| {row.budget} | {row.config} | {load} | {cell(row, 'pp')} | {cell(row, 'tg')} "
+              f"| {ratio(row, 'pp')} | {ratio(row, 'tg')} |")
 
 
 @dataclass
@@ -172,7 +205,9 @@ def main() -> int:
     ap.add_argument("--budgets", default="8,12,16", help="emulated card sizes in GiB")
     ap.add_argument("--pp", type=int, default=512, help="prompt tokens of the prefill test (0: no prefill test)")
     ap.add_argument("--tg", type=int, default=128, help="tokens of the decode test (0: no decode test)")
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3, help="repetitions inside one llama-bench run")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="llama-bench runs per row and load mode, interleaved with the other rows' runs")
     ap.add_argument("--model", type=Path, default=Path("/tmp/moeplug-bench/qwen3-30b-a3b-shape-q4_k.gguf"))
     ap.add_argument("--no-stock-build", action="store_true",
                     help="run the stock rows on the patched build without cache flags (the patches are opt-in)")
@@ -182,12 +217,17 @@ def main() -> int:
     ap.add_argument("--configs", default="fit,ncmoe,cache,bounds", help="rows to run: fit, ncmoe, cache, bounds")
     ap.add_argument("--load-modes", default=",".join(LOAD_MODES),
                     help=f"load modes to try per row, of {', '.join(LOAD_MODES)}; each test keeps its best")
+    ap.add_argument("--cache-max-batch", type=int, default=0,
+                    help="--moe-cache-max-batch for the cache rows (default: llama.cpp's; above it a batch runs "
+                    "the stock graph, every expert of a partly resident layer uploaded from RAM)")
     ap.add_argument("--build-only", action="store_true",
                     help="build, write the model and its profile, then stop (a first call on a cold machine)")
     a = ap.parse_args()
     unknown = [m for m in a.load_modes.split(",") if m not in LOAD_MODES]
     if unknown:
         ap.error(f"--load-modes: unknown mode {unknown[0]!r} (known: {', '.join(LOAD_MODES)})")
+    if a.reps < 1 or a.rounds < 1:
+        ap.error("--reps and --rounds must be at least 1")
 
     t0 = time.time()
 
@@ -228,6 +268,7 @@ def main() -> int:
     rows: list[Row] = []
     configs = a.configs.split(",")
     profile_doc = read_profile(profile)  # read once for every budget's cache rows
+    max_batch = ["--moe-cache-max-batch", str(a.cache_max_batch)] if a.cache_max_batch else []
     for b in [float(x) for x in a.budgets.split(",")]:
         budget = int(b * GIB)
         label = f"{b:g} GiB"
@@ -251,8 +292,8 @@ def main() -> int:
         if "cache" in configs and plans["tg"].slots_total > 0:
             pp_desc, tg_desc = cache_desc(plans["pp"], info), cache_desc(plans["tg"], info)
             rows.append(Row(label, f"moeplug {tg_desc}" + (f" (pp: {pp_desc})" if pp_desc != tg_desc else ""),
-                            cache_args(plans["pp"], info, profile_doc, profile), False,
-                            cache_args(plans["tg"], info, profile_doc, profile)))
+                            cache_args(plans["pp"], info, profile_doc, profile) + max_batch, False,
+                            cache_args(plans["tg"], info, profile_doc, profile) + max_batch))
     if "bounds" in a.configs.split(","):
         rows.append(Row("bound", "stock --cpu-moe", ["-ngl", "99", "-ncmoe", str(info.n_layer)], True))
         rows.append(Row("bound", "stock full offload", ["-ngl", "99"], True))
@@ -260,21 +301,14 @@ def main() -> int:
                         ["-ngl", "99", "-ncmoe", str(info.n_layer), "--moe-cache-profile", str(profile),
                          "--moe-cache-slots", str(info.n_expert)], False))
 
-    for row in rows:
-        binary = (stock if row.stock else patched).binary("llama-bench")
-        best_load_mode(binary, a.model, row, a.pp, a.tg, a.reps, a.load_modes.split(","))
-
-    print(f"\n| budget | configuration | load (pp, tg) | pp{a.pp} t/s | tg{a.tg} t/s | pp vs best stock | tg vs best stock |")
-    print("|---|---|---|---:|---:|---:|---:|")
-    for row in rows:
-        peers = [r for r in rows if r.budget == row.budget and r.stock]
-        best_pp = max((r.pp for r in peers), default=0.0)
-        best_tg = max((r.tg for r in peers), default=0.0)
-        rp = f"{row.pp / best_pp:.2f}x" if best_pp else "-"
-        rt = f"{row.tg / best_tg:.2f}x" if best_tg else "-"
-        load = row.pp_load if row.pp_load == row.tg_load else f"{row.pp_load}, {row.tg_load}"
-        print(f"| {row.budget} | {row.config} | {load} | {row.pp:.1f} ± {row.pp_sd:.1f} | {row.tg:.1f} ± {row.tg_sd:.1f} "
-              f"| {rp} | {rt} |")
+    # rounds interleave the rows, so a slow spell of the machine (llama-bench runs of one
+    # configuration differ by more than the repetitions inside one run do) falls on every row
+    for load in a.load_modes.split(","):
+        for _ in range(a.rounds):
+            for row in rows:
+                binary = (stock if row.stock else patched).binary("llama-bench")
+                run_once(binary, a.model, row, load, a.pp, a.tg, a.reps)
+    print_table(rows, a.pp, a.tg)
     print(f"\n{info.n_layer} layers x {info.n_expert} experts, {inspect_model(a.model).total_bytes / GIB:.2f} GiB; "
           f"free VRAM {free / GIB:.1f} GiB; stock build {stock.build_id}, patched {patched.build_id}; "
           f"{time.time() - t0:.0f} s")

@@ -1,0 +1,61 @@
+"""The GPU benchmark's bookkeeping, run against a real llama-bench (the CPU build) on a real model:
+the table's figures are medians of every repetition of every round, and each ratio divides two
+of them from the same run."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "native" / "bench" / "bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("moeplug_bench", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def test_rounds_pool_every_repetition_and_ratios_divide_medians(
+        bench, patched_build, fixture_models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    binary = patched_build.binary("llama-bench")
+    model = fixture_models["qwen3moe"]
+    stock = bench.Row("8 GiB", "stock", ["-t", "2"], True)
+    other = bench.Row("8 GiB", "one thread", ["-t", "1"], False, ["-t", "1", "-ub", "64"])
+    rows = [stock, other]
+    for load in ("mmap", "pinned"):
+        for _ in range(2):
+            for row in rows:
+                bench.run_once(binary, model, row, load, 32, 8, 2)
+    for row in rows:
+        for test in ("pp", "tg"):
+            for load in ("mmap", "pinned"):
+                values = row.samples[test, load]
+                assert len(values) == 4 and all(v > 0 for v in values), (row.config, test, load, values)
+    capsys.readouterr()
+    bench.print_table(rows, 32, 8)
+    table = capsys.readouterr().out
+    lines = [line for line in table.splitlines() if line.startswith("| 8 GiB")]
+    assert len(lines) == 2
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    for row, cell in zip(rows, cells):
+        for test, column in (("pp", 3), ("tg", 4)):
+            load, values = row.best(test)
+            assert values == max((row.samples[test, m] for m in ("mmap", "pinned")), key=statistics.median)
+            assert cell[column].startswith(f"{statistics.median(values):.1f} ± ")
+    for test, column, ratio_column in (("pp", 3, 5), ("tg", 4, 6)):
+        top = float(cells[0][column].split(" ± ")[0])
+        assert cells[0][ratio_column] == "1.00x"  # the only stock row is its own best
+        mine = float(cells[1][column].split(" ± ")[0])
+        assert re.fullmatch(r"\d+\.\d\dx", cells[1][ratio_column])
+        assert abs(float(cells[1][ratio_column][:-1]) - mine / top) <= 0.006
