@@ -26,9 +26,10 @@ repacking off, `--repack 0`), keeping each test's best mode per row. At each bud
 plus the bounds: every expert on the CPU (--cpu-moe) and full offload. It prints one markdown
 table, pp and tg in tokens/s with the ratio to the best stock row of the same budget, all
 measured in this run: the median of every repetition (--reps) of every round (± their standard
-deviation). The rounds interleave the rows' llama-bench runs: two runs of one configuration
-differ by more (up to 7% on the H200) than the repetitions inside one run do, so each row gets
-several runs spread over the whole table rather than one.
+deviation). The rounds interleave the rows' llama-bench runs: runs of one configuration differ
+by more than the repetitions inside one run do (on the H200, stock --fit decode at 8 GiB gave
+70.8, 62.0 and 68.3 t/s in three runs, each ± 1-2), so each row gets several runs spread over the
+whole table rather than one.
 
 llama-bench's fit sizes each test for the context it needs (512 for pp512, 128 for tg128), so
 a budget buys a little more expert VRAM for decode than for prefill: the expert VRAM, and with
