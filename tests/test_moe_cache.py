@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import fixture_spec
+from conftest import FIXTURE_SHAPE, fixture_spec
 from moeplug.metrics import CacheCounters, parse_cache_counters
 from moeplug.server import start_server
 from moeplug.serving import parse_cache_line
@@ -56,9 +56,9 @@ def slots_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def run_cache_test(build, model: Path, profile: Path, slots: int | str, ubatch: int, env: dict[str, str] | None = None,
-                   n_predict: int = 128) -> subprocess.CompletedProcess[str]:
+                   n_predict: int = 128, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
     cmd = [str(build.binary("test-moe-cache")), "-m", str(model), "--moe-cache-profile", str(profile),
-           "--moe-cache-slots", str(slots), "-ub", str(ubatch), "-n", str(n_predict), "-t", "2"]
+           "--moe-cache-slots", str(slots), "-ub", str(ubatch), "-n", str(n_predict), "-t", "2", *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
 
 
@@ -121,6 +121,15 @@ def test_batches_above_max_batch_are_bitwise_stock(patched_build, cache_models, 
     """Prefill ubatches of 64 tokens (above the default max batch of 31) take the stock graph;
     decode (1 token) takes the cache."""
     assert_bitwise(run_cache_test(patched_build, cache_models[name], profiles[name], 3, ubatch=64), 3)
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "gpt-oss"])
+def test_large_batches_through_the_cache_are_bitwise_stock(patched_build, cache_models, profiles, slots_on_cpu,
+                                                          name: str) -> None:
+    """--moe-cache-max-batch 64: prefill ubatches of 64 tokens take the two-pass graph too."""
+    r = run_cache_test(patched_build, cache_models[name], profiles[name], 3, ubatch=64,
+                       extra=("--moe-cache-max-batch", "64"))
+    assert_bitwise(r, 3)
 
 
 def test_fidelity_harness_runs_on_cpu(patched_build, cache_models, profiles, slots_on_cpu) -> None:
@@ -271,19 +280,21 @@ def test_no_gpu_layer_means_no_cache(patched_build, cache_models, profiles, tmp_
     assert len(lines) == 1 and NOT_ENGAGED in lines[0] and "the layer runs on the CPU" in lines[0], lines
 
 
-def metrics_of(build, model: Path, profile: Path, slots: int, tmp_path: Path, name: str) -> CacheCounters:
-    """The moe_cache counters of llama-server's /metrics after one completion (moeplug.metrics)."""
+def metrics_of(build, model: Path, profile: Path, slots: int, tmp_path: Path, name: str,
+               prompt: str = "def fibonacci(n):", extra: tuple[str, ...] = ()) -> tuple[CacheCounters, dict]:
+    """The moe_cache counters of llama-server's /metrics after one completion (moeplug.metrics),
+    and the completion."""
     import requests
 
     log = tmp_path / f"{name}.log"
-    args = ["--metrics", "--moe-cache-profile", str(profile), "--moe-cache-slots", str(slots)]
+    args = ["--metrics", "--moe-cache-profile", str(profile), "--moe-cache-slots", str(slots), *extra]
     with start_server(build.binary("llama-server"), model, log, extra_args=args, ctx=512, threads=2) as srv:
         srv.wait_healthy(timeout=120)
-        srv.complete("def fibonacci(n):", n_predict=16, ignore_eos=True)
+        reply = srv.complete(prompt, n_predict=16, ignore_eos=True)
         text = requests.get(f"{srv.url}/metrics", timeout=10).text
     c = parse_cache_counters(text)
     assert c is not None, text[-2000:]
-    return c
+    return c, reply
 
 
 @pytest.mark.parametrize("case", ["all", "some", "none"])
@@ -292,8 +303,8 @@ def test_server_metrics_count_slot_hits(patched_build, cache_models, profiles, s
     """/metrics: selections, slot hits, experts computed from host memory and their bytes, per layer."""
     if case == "none":
         monkeypatch.setenv("LLAMA_MOE_CACHE_NO_RESIDENT", "1")
-    m = metrics_of(patched_build, cache_models["qwen3moe"], profiles["qwen3moe"], N_EXPERT if case == "all" else 3,
-                   tmp_path, case)
+    m, _ = metrics_of(patched_build, cache_models["qwen3moe"], profiles["qwen3moe"], N_EXPERT if case == "all" else 3,
+                      tmp_path, case)
     assert len(m.layers) == 3 and m.selections == sum(v["selections"] for v in m.layers.values()) > 0
     assert m.hits == sum(v["hits"] for v in m.layers.values())
     assert m.hits + m.cpu_experts == m.selections
@@ -303,3 +314,27 @@ def test_server_metrics_count_slot_hits(patched_build, cache_models, profiles, s
         assert m.hits == 0 and m.cpu_bytes > 0
     else:
         assert 0 < m.hits < m.selections and m.cpu_bytes > 0
+
+
+def test_max_batch_decides_which_batches_take_the_slots(patched_build, cache_models, profiles, slots_on_cpu,
+                                                       tmp_path: Path) -> None:
+    """A prompt of more than 31 tokens is one batch above the default max batch: the stock graph,
+    not counted; with --moe-cache-max-batch 512 it takes the slots, and every prompt token's expert
+    selections are counted (but in the last layer, which computes only the row that gives logits).
+    The tokens are the same."""
+    from moeplug.profile.format import read_profile
+
+    model, profile = cache_models["qwen3moe"], profiles["qwen3moe"]
+    n_layers = len(read_profile(profile).tensors)
+    prompt = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n" * 3
+    default, reply = metrics_of(patched_build, model, profile, 3, tmp_path, "default", prompt)
+    large, reply_large = metrics_of(patched_build, model, profile, 3, tmp_path, "large", prompt,
+                                    ("--moe-cache-max-batch", "512"))
+    n_prompt = reply["timings"]["prompt_n"]
+    assert n_prompt > 31 and reply_large["timings"]["prompt_n"] == n_prompt
+    assert reply_large["tokens"] == reply["tokens"]
+    assert default.selections > 0 and set(large.layers) == set(default.layers) == set(range(n_layers))
+    for il, counts in large.layers.items():  # the same decode batches, plus the prompt's
+        # the last layer computes only the rows that give logits: one token of the prompt, in both runs
+        prompt_rows = n_prompt if il < n_layers - 1 else 0
+        assert counts["selections"] - default.layers[il]["selections"] == FIXTURE_SHAPE["used"] * prompt_rows
