@@ -295,7 +295,7 @@ def main() -> int:
             rows.append(Row(label, f"moeplug {tg_desc}" + (f" (pp: {pp_desc})" if pp_desc != tg_desc else ""),
                             cache_args(plans["pp"], info, profile_doc, profile) + max_batch, False,
                             cache_args(plans["tg"], info, profile_doc, profile) + max_batch))
-    if "bounds" in a.configs.split(","):
+    if "bounds" in configs:
         rows.append(Row("bound", "stock --cpu-moe", ["-ngl", "99", "-ncmoe", str(info.n_layer)], True))
         rows.append(Row("bound", "stock full offload", ["-ngl", "99"], True))
         rows.append(Row("bound", f"cache {info.n_expert}/{info.n_expert} slots (all whole)",
@@ -310,7 +310,7 @@ def main() -> int:
                 binary = (stock if row.stock else patched).binary("llama-bench")
                 run_once(binary, a.model, row, load, a.pp, a.tg, a.reps)
     print_table(rows, a.pp, a.tg)
-    print(f"\n{info.n_layer} layers x {info.n_expert} experts, {inspect_model(a.model).total_bytes / GIB:.2f} GiB; "
+    print(f"\n{info.n_layer} layers x {info.n_expert} experts, {info.total_bytes / GIB:.2f} GiB; "
           f"free VRAM {free / GIB:.1f} GiB; stock build {stock.build_id}, patched {patched.build_id}; "
           f"{time.time() - t0:.0f} s")
     return 0
