@@ -42,6 +42,7 @@ def test_rounds_pool_every_repetition_and_ratios_divide_medians(
             for load in ("mmap", "pinned"):
                 values = row.samples[test, load]
                 assert len(values) == 4 and all(v > 0 for v in values), (row.config, test, load, values)
+                assert row.runs[test, load] == [values[:2], values[2:]]  # one list per round
     capsys.readouterr()
     bench.print_table(rows, 32, 8)
     table = capsys.readouterr().out
@@ -57,5 +58,12 @@ def test_rounds_pool_every_repetition_and_ratios_divide_medians(
         top = float(cells[0][column].split(" ± ")[0])
         assert cells[0][ratio_column] == "1.00x"  # the only stock row is its own best
         mine = float(cells[1][column].split(" ± ")[0])
-        assert re.fullmatch(r"\d+\.\d\dx", cells[1][ratio_column])
-        assert abs(float(cells[1][ratio_column][:-1]) - mine / top) <= 0.006
+        m = re.fullmatch(r"(\d+\.\d\d)x \((\d+\.\d\d)-(\d+\.\d\d)\)", cells[1][ratio_column])
+        assert m, cells[1][ratio_column]
+        assert abs(float(m[1]) - mine / top) <= 0.006
+        # the range is that of the rounds' own ratios, each round's runs paired with each other
+        per_round = [statistics.median(a) / statistics.median(b) for a, b in
+                     zip(other.runs[test, other.best(test)[0]], stock.runs[test, stock.best(test)[0]])]
+        assert len(per_round) == 2
+        assert (float(m[2]), float(m[3])) == (round(min(per_round), 2), round(max(per_round), 2))
+    assert "lowest and highest ratio of single rounds" in table

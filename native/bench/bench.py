@@ -29,7 +29,9 @@ measured in this run: the median of every repetition (--reps) of every round (±
 deviation). The rounds interleave the rows' llama-bench runs: runs of one configuration differ
 by more than the repetitions inside one run do (on the H200, stock --fit decode at 8 GiB gave
 70.8, 62.0 and 68.3 t/s in three runs, each ± 1-2), so each row gets several runs spread over the
-whole table rather than one.
+whole table rather than one. Each ratio also gives, in parentheses, the lowest and highest ratio of
+single rounds: there, rows that put the same tensors on the same devices gave single-round
+ratios from 0.75x to 1.26x, the resolution of one run.
 
 llama-bench's fit sizes each test for the context it needs (512 for pp512, 128 for tg128), so
 a budget buys a little more expert VRAM for decode than for prefill: the expert VRAM, and with
@@ -69,9 +71,12 @@ class Row:
     tg_args: list[str] | None = None  # when the decode test needs other arguments than prefill
     # tokens/s of every repetition of every round, per (test, load mode)
     samples: dict[tuple[str, str], list[float]] = dataclasses.field(default_factory=dict)
+    # the same, one list per llama-bench run (a round), in the order the rounds ran
+    runs: dict[tuple[str, str], list[list[float]]] = dataclasses.field(default_factory=dict)
 
     def add(self, test: str, load: str, values: list[float]) -> None:
         self.samples.setdefault((test, load), []).extend(values)
+        self.runs.setdefault((test, load), []).append(values)
 
     def best(self, test: str) -> tuple[str, list[float]]:
         """The load mode with the highest median for this test, and its samples."""
@@ -160,9 +165,15 @@ def cache_args(plan, info, profile, profile_path: Path) -> list[str]:
     return ["-ngl", "99", *placement_args(info, plan.slots_per_layer, profile, profile_path)]
 
 
+def round_ratios(runs: list[list[float]], top_runs: list[list[float]]) -> list[float]:
+    """The ratio of medians in each round: both runs of a round ran minutes apart, not a table apart."""
+    return [median(a) / median(b) for a, b in zip(runs, top_runs) if a and b and median(b) > 0]
+
+
 def print_table(rows: list[Row], pp: int, tg: int) -> None:
     """One markdown table: per test the best load mode's median (± standard deviation of all its
-    repetitions), and its ratio to the best stock row of the same budget."""
+    repetitions), and its ratio to the best stock row of the same budget, with the lowest and
+    highest of the rounds' own ratios when there are several: how far one run can be trusted."""
     best = {(id(row), test): row.best(test) for row in rows for test in ("pp", "tg")}
 
     def cell(row: Row, test: str) -> str:
@@ -170,9 +181,15 @@ def print_table(rows: list[Row], pp: int, tg: int) -> None:
         return f"{median(values):.1f} ± {spread(values):.1f}" if values else "-"
 
     def ratio(row: Row, test: str) -> str:
-        peers = [median(best[id(r), test][1]) for r in rows if r.budget == row.budget and r.stock]
-        top = max(peers, default=0.0)
-        return f"{median(best[id(row), test][1]) / top:.2f}x" if top else "-"
+        peers = [r for r in rows if r.budget == row.budget and r.stock and best[id(r), test][1]]
+        if not peers or not best[id(row), test][1]:
+            return "-"
+        top = max(peers, key=lambda r: median(best[id(r), test][1]))
+        text = f"{median(best[id(row), test][1]) / median(best[id(top), test][1]):.2f}x"
+        per_round = round_ratios(row.runs[test, best[id(row), test][0]], top.runs[test, best[id(top), test][0]])
+        if top is not row and len(per_round) > 1:
+            text += f" ({min(per_round):.2f}-{max(per_round):.2f})"
+        return text
 
     print(f"\n| budget | configuration | load (pp, tg) | pp{pp} t/s | tg{tg} t/s | pp vs best stock | tg vs best stock |")
     print("|---|---|---|---:|---:|---:|---:|")
@@ -181,6 +198,9 @@ def print_table(rows: list[Row], pp: int, tg: int) -> None:
         load = pp_load if pp_load == tg_load or not tg_load else f"{pp_load}, {tg_load}"
         print(f"| {row.budget} | {row.config} | {load} | {cell(row, 'pp')} | {cell(row, 'tg')} "
               f"| {ratio(row, 'pp')} | {ratio(row, 'tg')} |")
+    if any(len(runs) > 1 for row in rows for runs in row.runs.values()):
+        print("\nRatios: medians of every round's repetitions; in parentheses the lowest and highest "
+              "ratio of single rounds.")
 
 
 @dataclass
