@@ -33,10 +33,13 @@ def test_rounds_pool_every_repetition_and_ratios_divide_medians(
     stock = bench.Row("8 GiB", "stock", ["-t", "2"], True)
     other = bench.Row("8 GiB", "one thread", ["-t", "1"], False, ["-t", "1", "-ub", "64"])
     rows = [stock, other]
-    for load in ("mmap", "pinned"):
-        for _ in range(2):
-            for row in rows:
-                bench.run_once(binary, model, row, load, 32, 8, 2)
+    bench.run_rounds(rows, lambda row: binary, model, ["mmap", "pinned"], 2, 32, 8, 2)
+    # each load mode's second round runs the rows in reverse
+    runs = re.findall(r"^#\s+8 GiB (stock|one thread)\s+(mmap|pinned) ", capsys.readouterr().err,
+                      re.MULTILINE)
+    forward = [("stock", "mmap"), ("one thread", "mmap")]
+    backward = forward[::-1]
+    assert runs == forward + backward + [(c, "pinned") for c, _ in forward + backward], runs
     for row in rows:
         for test in ("pp", "tg"):
             for load in ("mmap", "pinned"):

@@ -26,10 +26,10 @@ repacking off, `--repack 0`), keeping each test's best mode per row. At each bud
 plus the bounds: every expert on the CPU (--cpu-moe) and full offload. It prints one markdown
 table, pp and tg in tokens/s with the ratio to the best stock row of the same budget, all
 measured in this run: the median of every repetition (--reps) of every round (± their standard
-deviation). The rounds interleave the rows' llama-bench runs: runs of one configuration differ
-by more than the repetitions inside one run do (on the H200, stock --fit decode at 8 GiB gave
-70.8, 62.0 and 68.3 t/s in three runs, each ± 1-2), so each row gets several runs spread over the
-whole table rather than one. Each ratio also gives, in parentheses, the lowest and highest ratio of
+deviation). The rounds interleave the rows' llama-bench runs (every other round in reverse
+order): runs of one configuration differ by more than the repetitions inside one run do (on the
+H200, stock --fit decode at 8 GiB gave 70.8, 62.0 and 68.3 t/s in three runs, each ± 1-2), so
+each row gets several runs spread over the whole table rather than one. Each ratio also gives, in parentheses, the lowest and highest ratio of
 single rounds: there, rows that put the same tensors on the same devices gave single-round
 ratios from 0.75x to 1.26x, the resolution of one run.
 
@@ -53,6 +53,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,6 +150,19 @@ def run_once(binary: Path, model: Path, row: Row, load: str, pp: int, tg: int, r
     row.add("tg", load, t)
     print(f"# {row.budget:>6} {row.config:<28} {load:<15} pp {median(p):9.1f} ± {spread(p):6.1f}  "
           f"tg {median(t):7.1f} ± {spread(t):5.1f}  ({time.time() - started:.0f} s)", file=sys.stderr)
+
+
+def run_rounds(rows: list[Row], binary_of: Callable[[Row], Path], model: Path, loads: list[str], rounds: int,
+               pp: int, tg: int, reps: int) -> None:
+    """Every row's runs, per load mode, round after round.
+
+    Rounds interleave the rows, so a slow spell of the machine (llama-bench runs of one
+    configuration differ by more than the repetitions inside one run do) falls on every row; every
+    other round runs them in reverse, so no row always runs right after the same other one."""
+    for load in loads:
+        for i in range(rounds):
+            for row in rows if i % 2 == 0 else rows[::-1]:
+                run_once(binary_of(row), model, row, load, pp, tg, reps)
 
 
 def cache_desc(plan, info) -> str:
@@ -322,13 +336,8 @@ def main() -> int:
                         ["-ngl", "99", "-ncmoe", str(info.n_layer), "--moe-cache-profile", str(profile),
                          "--moe-cache-slots", str(info.n_expert)], False))
 
-    # rounds interleave the rows, so a slow spell of the machine (llama-bench runs of one
-    # configuration differ by more than the repetitions inside one run do) falls on every row
-    for load in a.load_modes.split(","):
-        for _ in range(a.rounds):
-            for row in rows:
-                binary = (stock if row.stock else patched).binary("llama-bench")
-                run_once(binary, a.model, row, load, a.pp, a.tg, a.reps)
+    run_rounds(rows, lambda row: (stock if row.stock else patched).binary("llama-bench"), a.model,
+               a.load_modes.split(","), a.rounds, a.pp, a.tg, a.reps)
     print_table(rows, a.pp, a.tg)
     print(f"\n{info.n_layer} layers x {info.n_expert} experts, {info.total_bytes / GIB:.2f} GiB; "
           f"free VRAM {free / GIB:.1f} GiB; stock build {stock.build_id}, patched {patched.build_id}; "
