@@ -29,9 +29,9 @@ measured in this run: the median of every repetition (--reps) of every round (±
 deviation). The rounds interleave the rows' llama-bench runs (every other round in reverse
 order): runs of one configuration differ by more than the repetitions inside one run do (on the
 H200, stock --fit decode at 8 GiB gave 70.8, 62.0 and 68.3 t/s in three runs, each ± 1-2), so
-each row gets several runs spread over the whole table rather than one. Each ratio also gives, in parentheses, the lowest and highest ratio of
-single rounds: there, rows that put the same tensors on the same devices gave single-round
-ratios from 0.75x to 1.26x, the resolution of one run.
+each row gets several runs spread over the whole table rather than one. Each ratio also gives, in
+parentheses, the lowest and highest ratio of single rounds: there, rows that put the same tensors
+on the same devices gave single-round ratios from 0.75x to 1.26x, the resolution of one run.
 
 llama-bench's fit sizes each test for the context it needs (512 for pp512, 128 for tg128), so
 a budget buys a little more expert VRAM for decode than for prefill: the expert VRAM, and with
@@ -70,14 +70,17 @@ class Row:
     args: list[str]
     stock: bool
     tg_args: list[str] | None = None  # when the decode test needs other arguments than prefill
-    # tokens/s of every repetition of every round, per (test, load mode)
-    samples: dict[tuple[str, str], list[float]] = dataclasses.field(default_factory=dict)
-    # the same, one list per llama-bench run (a round), in the order the rounds ran
+    # tokens/s of each repetition, one list per llama-bench run (a round) in the order the rounds
+    # ran, per (test, load mode)
     runs: dict[tuple[str, str], list[list[float]]] = dataclasses.field(default_factory=dict)
 
     def add(self, test: str, load: str, values: list[float]) -> None:
-        self.samples.setdefault((test, load), []).extend(values)
         self.runs.setdefault((test, load), []).append(values)
+
+    @property
+    def samples(self) -> dict[tuple[str, str], list[float]]:
+        """Every repetition of every round, per (test, load mode)."""
+        return {key: [v for run in runs for v in run] for key, runs in self.runs.items()}
 
     def best(self, test: str) -> tuple[str, list[float]]:
         """The load mode with the highest median for this test, and its samples."""
