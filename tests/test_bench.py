@@ -5,8 +5,10 @@ of them from the same run."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -33,7 +35,7 @@ def test_rounds_pool_every_repetition_and_ratios_divide_medians(
     stock = bench.Row("8 GiB", "stock", ["-t", "2"], True)
     other = bench.Row("8 GiB", "one thread", ["-t", "1"], False, ["-t", "1", "-ub", "64"])
     rows = [stock, other]
-    bench.run_rounds(rows, lambda row: binary, model, ["mmap", "pinned"], 2, 32, 8, 2)
+    bench.run_rounds(rows, lambda row: binary, model, ["mmap", "pinned"], 2, 32, 8, 3, 3)
     # each load mode's second round runs the rows in reverse
     runs = re.findall(r"^#\s+8 GiB (stock|one thread)\s+(mmap|pinned) ", capsys.readouterr().err,
                       re.MULTILINE)
@@ -44,8 +46,9 @@ def test_rounds_pool_every_repetition_and_ratios_divide_medians(
         for test in ("pp", "tg"):
             for load in ("mmap", "pinned"):
                 values = row.samples[test, load]
-                assert len(values) == 4 and all(v > 0 for v in values), (row.config, test, load, values)
-                assert row.runs[test, load] == [values[:2], values[2:]]  # one list per round
+                kept = 2 if test == "pp" else 3  # the first prefill repetition of a run is a warm-up
+                assert len(values) == 2 * kept and all(v > 0 for v in values), (row.config, test, load, values)
+                assert row.runs[test, load] == [values[:kept], values[kept:]]  # one list per round
     capsys.readouterr()
     bench.print_table(rows, 32, 8)
     table = capsys.readouterr().out
@@ -70,3 +73,14 @@ def test_rounds_pool_every_repetition_and_ratios_divide_medians(
         assert len(per_round) == 2
         assert (float(m[2]), float(m[3])) == (round(min(per_round), 2), round(max(per_round), 2))
     assert "lowest and highest ratio of single rounds" in table
+
+
+def test_first_prefill_repetition_of_a_run_is_dropped_as_a_warm_up(
+        bench, patched_build, fixture_models: dict[str, Path]) -> None:
+    cmd = [str(patched_build.binary("llama-bench")), "-m", str(fixture_models["qwen3moe"]),
+           "-p", "32", "-n", "4", "-r", "3", "-t", "2", "-o", "json"]
+    results = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    raw = {("pp" if x["n_prompt"] else "tg"): x["samples_ts"] for x in results}
+    assert len(raw["pp"]) == len(raw["tg"]) == 3
+    assert bench._samples(results, prefill=True) == raw["pp"][1:]
+    assert bench._samples(results, prefill=False) == raw["tg"]

@@ -2,12 +2,11 @@
 
 Run on a machine with an NVIDIA GPU:
 
-    python native/bench/bench.py [--budgets 8,12,16] [--pp 512] [--tg 128] [--reps 3] [--rounds 2]
+    python native/bench/bench.py [--budgets 8,12,16] [--pp 512] [--tg 128] [--reps 3] [--pp-reps 10] [--rounds 2]
 
 Builds are cached under ~/.local/share/moeplug/builds; on an H200 box (16 cores) the patched one
-takes about 4 minutes the first time, the stock one 4-5. With both cached, the table takes about
-5 minutes per load mode and round (3 repetitions; fit and cache rows of 3 budgets: 2-2.5 minutes
-a round). One cold run under 10 minutes: `--no-stock-build --load-modes pinned --rounds 1` (the
+takes about 4 minutes the first time, the stock one 4-5. With both cached, the table takes 5-6
+minutes per load mode and round (fit and cache rows of 3 budgets: about 2.5 minutes a round). One cold run under 10 minutes: `--no-stock-build --load-modes pinned --rounds 1` (the
 stock rows on the patched build without cache flags: the patches are opt-in); a larger run splits
 by --budgets or --configs.
 
@@ -25,9 +24,10 @@ repacking off, `--repack 0`), keeping each test's best mode per row. At each bud
 
 plus the bounds: every expert on the CPU (--cpu-moe) and full offload. It prints one markdown
 table, pp and tg in tokens/s with the ratio to the best stock row of the same budget, all
-measured in this run: the median of every repetition (--reps) of every round (± their standard
-deviation). The rounds interleave the rows' llama-bench runs (every other round in reverse
-order): runs of one configuration differ by more than the repetitions inside one run do (on the
+measured in this run: the median of every repetition (--reps for decode, --pp-reps for prefill,
+whose first repetition in each run is dropped as a warm-up) of every round (± their standard
+deviation). The rounds interleave the rows'
+llama-bench runs (every other round in reverse order): runs of one configuration differ by more than the repetitions inside one run do (on the
 H200, stock --fit decode at 8 GiB gave 70.8, 62.0 and 68.3 t/s in three runs, each ± 1-2), so
 each row gets several runs spread over the whole table rather than one. Each ratio also gives, in
 parentheses, the lowest and highest ratio of single rounds: there, rows that put the same tensors
@@ -97,9 +97,16 @@ def spread(values: list[float]) -> float:
 
 
 def _samples(results: list[dict], prefill: bool) -> list[float]:
+    """tokens/s of each repetition of the run's prefill or decode test.
+
+    The first prefill repetition is a warm-up and dropped (when there are others): llama-bench's
+    own warm-up pass runs the prompt once, yet on a GPU the first timed 512-token batch still pays
+    one-time setup (on the H200 with every weight on the GPU: 5756 and 7095 t/s against medians of
+    10185 and 10345 of the 14 repetitions after it), which with 3 repetitions moves the median."""
     for x in results:
         if (x["n_prompt"] > 0 and x["n_gen"] == 0) if prefill else (x["n_gen"] > 0 and x["n_prompt"] == 0):
-            return list(x.get("samples_ts") or [x["avg_ts"]])
+            values = list(x.get("samples_ts") or [x["avg_ts"]])
+            return values[1:] if prefill and len(values) > 1 else values
     return []
 
 
@@ -140,15 +147,13 @@ def fit_expert_bytes(fit_params: Path, model: Path, info, margin_mib: int, ctx: 
                if not any(p.search(f"blk.{layer.block}.{name}") for p in on_cpu))
 
 
-def run_once(binary: Path, model: Path, row: Row, load: str, pp: int, tg: int, reps: int) -> None:
-    """One llama-bench run of the row (two when prefill and decode need other arguments)."""
+def run_once(binary: Path, model: Path, row: Row, load: str, pp: int, tg: int, reps: int, pp_reps: int) -> None:
+    """The row's llama-bench runs of one round: prefill and decode each in a run of its own, with
+    their own repetitions (a prefill repetition takes a tenth of a second, a decode one seconds)."""
     extra = LOAD_MODES[load]
     started = time.time()
-    if row.tg_args is None or row.tg_args == row.args:
-        p, t = llama_bench(binary, model, row.args + extra, pp, tg, reps)
-    else:
-        p = llama_bench(binary, model, row.args + extra, pp, 0, reps)[0] if pp else []
-        t = llama_bench(binary, model, row.tg_args + extra, 0, tg, reps)[1] if tg else []
+    p = llama_bench(binary, model, row.args + extra, pp, 0, pp_reps)[0] if pp else []
+    t = llama_bench(binary, model, (row.tg_args or row.args) + extra, 0, tg, reps)[1] if tg else []
     row.add("pp", load, p)
     row.add("tg", load, t)
     print(f"# {row.budget:>6} {row.config:<28} {load:<15} pp {median(p):9.1f} ± {spread(p):6.1f}  "
@@ -156,7 +161,7 @@ def run_once(binary: Path, model: Path, row: Row, load: str, pp: int, tg: int, r
 
 
 def run_rounds(rows: list[Row], binary_of: Callable[[Row], Path], model: Path, loads: list[str], rounds: int,
-               pp: int, tg: int, reps: int) -> None:
+               pp: int, tg: int, reps: int, pp_reps: int) -> None:
     """Every row's runs, per load mode, round after round.
 
     Rounds interleave the rows, so a slow spell of the machine (llama-bench runs of one
@@ -165,7 +170,7 @@ def run_rounds(rows: list[Row], binary_of: Callable[[Row], Path], model: Path, l
     for load in loads:
         for i in range(rounds):
             for row in rows if i % 2 == 0 else rows[::-1]:
-                run_once(binary_of(row), model, row, load, pp, tg, reps)
+                run_once(binary_of(row), model, row, load, pp, tg, reps, pp_reps)
 
 
 def cache_desc(plan, info) -> str:
@@ -243,7 +248,9 @@ def main() -> int:
     ap.add_argument("--budgets", default="8,12,16", help="emulated card sizes in GiB")
     ap.add_argument("--pp", type=int, default=512, help="prompt tokens of the prefill test (0: no prefill test)")
     ap.add_argument("--tg", type=int, default=128, help="tokens of the decode test (0: no decode test)")
-    ap.add_argument("--reps", type=int, default=3, help="repetitions inside one llama-bench run")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions inside one llama-bench run of the decode test")
+    ap.add_argument("--pp-reps", type=int, default=10,
+                    help="repetitions inside one llama-bench run of the prefill test (the first is dropped as a warm-up)")
     ap.add_argument("--rounds", type=int, default=2,
                     help="llama-bench runs per row and load mode, interleaved with the other rows' runs")
     ap.add_argument("--model", type=Path, default=Path("/tmp/moeplug-bench/qwen3-30b-a3b-shape-q4_k.gguf"))
@@ -255,17 +262,24 @@ def main() -> int:
     ap.add_argument("--configs", default="fit,ncmoe,cache,bounds", help="rows to run: fit, ncmoe, cache, bounds")
     ap.add_argument("--load-modes", default=",".join(LOAD_MODES),
                     help=f"load modes to try per row, of {', '.join(LOAD_MODES)}; each test keeps its best")
-    ap.add_argument("--cache-max-batch", type=int, default=0,
-                    help="--moe-cache-max-batch for the cache rows (default: llama.cpp's; above it a batch runs "
-                    "the stock graph, every expert of a partly resident layer uploaded from RAM)")
+    ap.add_argument("--cache-max-batch", default="0",
+                    help="--moe-cache-max-batch for the cache rows, one row per comma-separated value (0: "
+                    "llama.cpp's default; above it a batch runs the stock graph, every expert of a partly "
+                    "resident layer uploaded from RAM)")
     ap.add_argument("--build-only", action="store_true",
                     help="build, write the model and its profile, then stop (a first call on a cold machine)")
     a = ap.parse_args()
     unknown = [m for m in a.load_modes.split(",") if m not in LOAD_MODES]
     if unknown:
         ap.error(f"--load-modes: unknown mode {unknown[0]!r} (known: {', '.join(LOAD_MODES)})")
-    if a.reps < 1 or a.rounds < 1:
-        ap.error("--reps and --rounds must be at least 1")
+    if a.reps < 1 or a.pp_reps < 1 or a.rounds < 1:
+        ap.error("--reps, --pp-reps and --rounds must be at least 1")
+    try:
+        max_batches = [int(n) for n in a.cache_max_batch.split(",")]
+    except ValueError:
+        ap.error(f"--cache-max-batch: {a.cache_max_batch!r} is not a comma-separated list of batch sizes")
+    if any(n < 0 for n in max_batches):
+        ap.error("--cache-max-batch: a batch size cannot be negative")
 
     t0 = time.time()
 
@@ -306,7 +320,6 @@ def main() -> int:
     rows: list[Row] = []
     configs = a.configs.split(",")
     profile_doc = read_profile(profile)  # read once for every budget's cache rows
-    max_batch = ["--moe-cache-max-batch", str(a.cache_max_batch)] if a.cache_max_batch else []
     for b in [float(x) for x in a.budgets.split(",")]:
         budget = int(b * GIB)
         label = f"{b:g} GiB"
@@ -329,9 +342,12 @@ def main() -> int:
                             ["-ngl", "99", "-ncmoe", str(k_pp)], True, ["-ngl", "99", "-ncmoe", str(k_tg)]))
         if "cache" in configs and plans["tg"].slots_total > 0:
             pp_desc, tg_desc = cache_desc(plans["pp"], info), cache_desc(plans["tg"], info)
-            rows.append(Row(label, f"moeplug {tg_desc}" + (f" (pp: {pp_desc})" if pp_desc != tg_desc else ""),
-                            cache_args(plans["pp"], info, profile_doc, profile) + max_batch, False,
-                            cache_args(plans["tg"], info, profile_doc, profile) + max_batch))
+            for n in max_batches:
+                flag = ["--moe-cache-max-batch", str(n)] if n else []
+                rows.append(Row(label, f"moeplug {tg_desc}" + (f" (pp: {pp_desc})" if pp_desc != tg_desc else "")
+                                + (f", max batch {n}" if n else ""),
+                                cache_args(plans["pp"], info, profile_doc, profile) + flag, False,
+                                cache_args(plans["tg"], info, profile_doc, profile) + flag))
     if "bounds" in configs:
         rows.append(Row("bound", "stock --cpu-moe", ["-ngl", "99", "-ncmoe", str(info.n_layer)], True))
         rows.append(Row("bound", "stock full offload", ["-ngl", "99"], True))
@@ -340,7 +356,7 @@ def main() -> int:
                          "--moe-cache-slots", str(info.n_expert)], False))
 
     run_rounds(rows, lambda row: (stock if row.stock else patched).binary("llama-bench"), a.model,
-               a.load_modes.split(","), a.rounds, a.pp, a.tg, a.reps)
+               a.load_modes.split(","), a.rounds, a.pp, a.tg, a.reps, a.pp_reps)
     print_table(rows, a.pp, a.tg)
     print(f"\n{info.n_layer} layers x {info.n_expert} experts, {info.total_bytes / GIB:.2f} GiB; "
           f"free VRAM {free / GIB:.1f} GiB; stock build {stock.build_id}, patched {patched.build_id}; "
