@@ -6,9 +6,10 @@ Run on a machine with an NVIDIA GPU:
 
 Builds are cached under ~/.local/share/moeplug/builds; on an H200 box (16 cores) the patched one
 takes about 4 minutes the first time, the stock one 4-5. With both cached, the table takes 5-6
-minutes per load mode and round (fit and cache rows of 3 budgets: about 2.5 minutes a round). One cold run under 10 minutes: `--no-stock-build --load-modes pinned --rounds 1` (the
-stock rows on the patched build without cache flags: the patches are opt-in); a larger run splits
-by --budgets or --configs.
+minutes per load mode and round (fit and cache rows of 3 budgets: about 2.5 minutes a round). One
+cold run under 10 minutes: `--no-stock-build --load-modes pinned --rounds 1` (the stock rows on the
+patched build without cache flags: the patches are opt-in); a larger run splits by --budgets or
+--configs.
 
 It builds stock and patched llama.cpp (CUDA), writes the Qwen3-30B-A3B-shaped Q4_K model (16 GiB,
 random weights: a near-uniform router, the worst case for any cache), profiles it briefly, and
@@ -26,10 +27,10 @@ plus the bounds: every expert on the CPU (--cpu-moe) and full offload. It prints
 table, pp and tg in tokens/s with the ratio to the best stock row of the same budget, all
 measured in this run: the median of every repetition (--reps for decode, --pp-reps for prefill,
 whose first repetition in each run is dropped as a warm-up) of every round (± their standard
-deviation). The rounds interleave the rows'
-llama-bench runs (every other round in reverse order): runs of one configuration differ by more than the repetitions inside one run do (on the
-H200, stock --fit decode at 8 GiB gave 70.8, 62.0 and 68.3 t/s in three runs, each ± 1-2), so
-each row gets several runs spread over the whole table rather than one. Each ratio also gives, in
+deviation). The rounds interleave the rows' llama-bench runs (every other round in reverse order):
+runs of one configuration differ by more than the repetitions inside one run do (on the H200,
+stock --fit decode at 8 GiB gave 70.8, 62.0 and 68.3 t/s in three runs, each ± 1-2), so each row
+gets several runs spread over the whole table rather than one. Each ratio also gives, in
 parentheses, the lowest and highest ratio of single rounds: there, rows that put the same tensors
 on the same devices gave single-round ratios from 0.75x to 1.26x, the resolution of one run.
 
