@@ -6,6 +6,7 @@ import itertools
 import json
 import re
 import subprocess
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -115,21 +116,37 @@ def cost(hits: np.ndarray, bytes_per_expert: int = 2_654_208, used: int = 8) -> 
     return LayerCost(bytes_per_expert, len(hits) - 1, used, hits)
 
 
+def whole_layers_lead(slots: Sequence[int], n_expert: int) -> bool:
+    """No whole layer after a partly resident one."""
+    return all(a >= n_expert or b < n_expert for a, b in itertools.pairwise(slots))
+
+
 def test_allocation_is_optimal_against_brute_force() -> None:
-    """Every way to spread the slots over three small layers: the dynamic programme finds the least
-    modelled time."""
+    """Every way to spread the slots over four small layers, the whole ones first: the dynamic
+    programme finds the least modelled time."""
     rng = np.random.default_rng(5)
-    for trial in range(20):
+    for trial in range(40):
         layers = []
-        for _ in range(3):
+        for _ in range(4):
             p = np.sort(rng.dirichlet(np.full(6, rng.uniform(0.2, 3))))[::-1]
             layers.append(cost(np.concatenate([[0.0], np.cumsum(p)]), used=2))
-        room = int(rng.integers(0, 19)) * 2_654_208
+        room = int(rng.integers(0, 25)) * 2_654_208
         got = allocate(layers, room)
-        assert sum(got) * 2_654_208 <= room
-        best = min(modelled_seconds(layers, list(c)) for c in itertools.product(range(7), repeat=3)
-                   if sum(c) * 2_654_208 <= room)
+        assert sum(got) * 2_654_208 <= room and whole_layers_lead(got, 6)
+        best = min(modelled_seconds(layers, list(c)) for c in itertools.product(range(7), repeat=4)
+                   if sum(c) * 2_654_208 <= room and whole_layers_lead(c, 6))
         assert modelled_seconds(layers, got) == pytest.approx(best), (trial, got)
+
+
+def test_partly_resident_layers_follow_the_whole_ones() -> None:
+    """Room for 45 whole layers and 42 slots, two mid-model layers more skewed than the rest: the
+    slots go after the whole layers (where stock --fit keeps its layers in RAM), not to those two."""
+    layers = [cost(uniform_hits(128)) for _ in range(48)]
+    zipf = 1 / np.arange(1, 129) ** 0.6
+    layers[4] = layers[30] = cost(np.concatenate([[0.0], np.cumsum(zipf / zipf.sum())]))
+    slots = allocate(layers, (45 * 128 + 42) * 2_654_208)
+    assert slots[:45] == [128] * 45 and sum(slots[45:]) == 42 and slots[45] > 0
+    assert modelled_seconds(layers, slots) < modelled_seconds(layers, [128] * 45 + [0] * 3)
 
 
 def test_uniform_router_gets_whole_layers_skewed_router_gets_spread() -> None:
