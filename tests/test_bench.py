@@ -10,6 +10,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,18 @@ def test_first_prefill_repetition_of_a_run_is_dropped_as_a_warm_up(
     assert len(raw["pp"]) == len(raw["tg"]) == 3
     assert bench._samples(results, prefill=True) == raw["pp"][1:]
     assert bench._samples(results, prefill=False) == raw["tg"]
+
+
+def test_no_round_starts_that_would_pass_the_time_limit(
+        bench, patched_build, fixture_models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """Past the deadline every row stops after the same round (rounds pair the rows' runs); with time
+    left for the next round at the last one's pace, all of them run."""
+    binary = patched_build.binary("llama-bench")
+    model = fixture_models["qwen3moe"]
+    rows = [bench.Row("8 GiB", "stock", ["-t", "2"], True), bench.Row("8 GiB", "other", ["-t", "1"], False)]
+    bench.run_rounds(rows, lambda row: binary, model, ["mmap"], 3, 16, 0, 1, 2, deadline=time.time())
+    assert [len(row.runs["pp", "mmap"]) for row in rows] == [1, 1]
+    assert "mmap: 1 of 3 rounds, another would pass the time limit" in capsys.readouterr().err
+    rows = [bench.Row("8 GiB", "stock", ["-t", "2"], True)]
+    bench.run_rounds(rows, lambda row: binary, model, ["mmap"], 2, 16, 0, 1, 2, deadline=time.time() + 600)
+    assert len(rows[0].runs["pp", "mmap"]) == 2

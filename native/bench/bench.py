@@ -162,16 +162,22 @@ def run_once(binary: Path, model: Path, row: Row, load: str, pp: int, tg: int, r
 
 
 def run_rounds(rows: list[Row], binary_of: Callable[[Row], Path], model: Path, loads: list[str], rounds: int,
-               pp: int, tg: int, reps: int, pp_reps: int) -> None:
+               pp: int, tg: int, reps: int, pp_reps: int, deadline: float | None = None) -> None:
     """Every row's runs, per load mode, round after round.
 
     Rounds interleave the rows, so a slow spell of the machine (llama-bench runs of one
     configuration differ by more than the repetitions inside one run do) falls on every row; every
-    other round runs them in reverse, so no row always runs right after the same other one."""
+    other round runs them in reverse, so no row always runs right after the same other one.
+    deadline (a time.time()): no round starts that would end after it at the pace of the last one
+    (every load mode runs at least one round), so every row keeps the same number of rounds."""
     for load in loads:
         for i in range(rounds):
+            started = time.time()
             for row in rows if i % 2 == 0 else rows[::-1]:
                 run_once(binary_of(row), model, row, load, pp, tg, reps, pp_reps)
+            if deadline is not None and i + 1 < rounds and time.time() + (time.time() - started) > deadline:
+                print(f"# {load}: {i + 1} of {rounds} rounds, another would pass the time limit", file=sys.stderr)
+                break
 
 
 def cache_desc(plan, info) -> str:
@@ -254,6 +260,9 @@ def main() -> int:
                     help="repetitions inside one llama-bench run of the prefill test (the first is dropped as a warm-up)")
     ap.add_argument("--rounds", type=int, default=2,
                     help="llama-bench runs per row and load mode, interleaved with the other rows' runs")
+    ap.add_argument("--time-limit", type=float, default=0,
+                    help="seconds from the start (builds included) after which no round starts that would not end "
+                         "in time at the pace of the last one, so a run fits a machine's time limit (0: none)")
     ap.add_argument("--model", type=Path, default=Path("/tmp/moeplug-bench/qwen3-30b-a3b-shape-q4_k.gguf"))
     ap.add_argument("--no-stock-build", action="store_true",
                     help="run the stock rows on the patched build without cache flags (the patches are opt-in)")
@@ -275,6 +284,8 @@ def main() -> int:
         ap.error(f"--load-modes: unknown mode {unknown[0]!r} (known: {', '.join(LOAD_MODES)})")
     if a.reps < 1 or a.pp_reps < 1 or a.rounds < 1:
         ap.error("--reps, --pp-reps and --rounds must be at least 1")
+    if a.time_limit < 0:
+        ap.error("--time-limit cannot be negative")
     try:
         max_batches = [int(n) for n in a.cache_max_batch.split(",")]
     except ValueError:
@@ -357,7 +368,8 @@ def main() -> int:
                          "--moe-cache-slots", str(info.n_expert)], False))
 
     run_rounds(rows, lambda row: (stock if row.stock else patched).binary("llama-bench"), a.model,
-               a.load_modes.split(","), a.rounds, a.pp, a.tg, a.reps, a.pp_reps)
+               a.load_modes.split(","), a.rounds, a.pp, a.tg, a.reps, a.pp_reps,
+               t0 + a.time_limit if a.time_limit else None)
     print_table(rows, a.pp, a.tg)
     print(f"\n{info.n_layer} layers x {info.n_expert} experts, {info.total_bytes / GIB:.2f} GiB; "
           f"free VRAM {free / GIB:.1f} GiB; stock build {stock.build_id}, patched {patched.build_id}; "
