@@ -127,6 +127,9 @@ def placement_args(info: ModelInfo, slots: list[int], profile: Profile | None, p
     args = experts_in_ram_args(in_ram)
     if profile is not None and any(partial):
         args += ["--moe-cache-slots", _slots_arg(info, profile, partial), "--moe-cache-profile", str(profile_path)]
+        # every batch through the slots: above the max batch a partly resident layer runs the stock
+        # graph, which uploads its resident experts too (prefill 1-2% slower on the GPU machine)
+        args += ["--moe-cache-max-batch", str(DEFAULT_UBATCH)]
     return args
 
 

@@ -109,7 +109,9 @@ def test_placement_args_give_the_cache_only_partly_resident_layers(fixture_model
     assert args[args.index("--moe-cache-slots") + 1] == "0,3,0"
     assert args[args.index("--moe-cache-profile") + 1] == str(tmp_path / "p.gguf")
     assert placement_args(info, [n, n, 0], prof, tmp_path / "p.gguf") == experts_in_ram_args([blocks[2]])
-    assert placement_args(info, [n, 5, 2], prof, tmp_path / "p.gguf")[-3] == "2,5,0"
+    args = placement_args(info, [n, 5, 2], prof, tmp_path / "p.gguf")
+    assert args[args.index("--moe-cache-slots") + 1] == "2,5,0"
+    assert args[args.index("--moe-cache-max-batch") + 1] == "512"  # every batch of llama-server's ubatch
 
 
 def cost(hits: np.ndarray, bytes_per_expert: int = 2_654_208, used: int = 8) -> LayerCost:
