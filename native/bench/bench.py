@@ -9,7 +9,7 @@ takes about 4 minutes the first time, the stock one 4-5. With both cached, the t
 minutes per load mode and round (fit and cache rows of 3 budgets: about 2.5 minutes a round). One
 cold run under 10 minutes: `--no-stock-build --load-modes pinned --rounds 1` (the stock rows on the
 patched build without cache flags: the patches are opt-in); a larger run splits by --budgets or
---configs.
+--configs, and `--time-limit S` starts no round that would end more than S seconds after the start.
 
 It builds stock and patched llama.cpp (CUDA), writes the Qwen3-30B-A3B-shaped Q4_K model (16 GiB,
 random weights: a near-uniform router, the worst case for any cache), profiles it briefly, and
@@ -21,7 +21,7 @@ repacking off, `--repack 0`), keeping each test's best mode per row. At each bud
   moeplug plan       what moeplug runs for that same expert VRAM (read from llama-fit-params):
                      the planner's slots per layer from the profile, whole layers where the
                      router is flat (offloaded as stock does), hot experts where it is not (the
-                     cache), the other layers' experts in RAM
+                     cache, every batch through its slots), the other layers' experts in RAM
 
 plus the bounds: every expert on the CPU (--cpu-moe) and full offload. It prints one markdown
 table, pp and tg in tokens/s with the ratio to the best stock row of the same budget, all
