@@ -244,10 +244,31 @@ class Prebuilt:
         return self.bin_dir / name
 
 
+def patched_build(prebuilt: Path | None, jobs: int):
+    """The patched CUDA build with every target the bench scripts run: a prebuilt bin/ folder, or
+    built (cached) for this machine's GPU."""
+    from moeplug.native.build import build, resolve_options
+
+    if prebuilt:
+        return Prebuilt(prebuilt)
+    opts = resolve_options("cuda", stock=False, jobs=jobs, cuda_arch=None)
+    return build(dataclasses.replace(opts, targets=PATCHED_TARGETS))
+
+
+def free_vram_or_say(what: str) -> int | None:
+    """Free VRAM in bytes; None, with a line on stderr, where there is no NVIDIA GPU."""
+    from moeplug.plan import free_vram_bytes
+
+    free = free_vram_bytes()
+    if free is None:
+        print(f"no NVIDIA GPU: {what} needs one", file=sys.stderr)
+    return free
+
+
 def main() -> int:
     from moeplug.model_inspect import inspect_model
     from moeplug.native.build import build, resolve_options
-    from moeplug.plan import free_vram_bytes, make_plan
+    from moeplug.plan import make_plan
     from moeplug.profile.format import read_profile
     from moeplug.synth import benchmark_spec, make_model
 
@@ -325,9 +346,8 @@ def main() -> int:
     if a.build_only:
         print(f"# ready in {time.time() - t0:.0f} s: builds, {a.model}, {profile}", file=sys.stderr)
         return 0
-    free = free_vram_bytes()
+    free = free_vram_or_say("this benchmark")
     if free is None:
-        print("no NVIDIA GPU: this benchmark needs one", file=sys.stderr)
         return 1
     rows: list[Row] = []
     configs = a.configs.split(",")

@@ -15,16 +15,14 @@ test-moe-cache's: 0 when the cache is no worse than full offload on both.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import subprocess
 import sys
 from pathlib import Path
 
-from bench import PATCHED_TARGETS, Prebuilt
+from bench import patched_build
 
 
 def main() -> int:
-    from moeplug.native.build import build, resolve_options
     from moeplug.synth import ModelSpec, make_model
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -40,11 +38,7 @@ def main() -> int:
               file=sys.stderr)
         return 2
 
-    if a.prebuilt:
-        patched = Prebuilt(a.prebuilt)
-    else:
-        opts = resolve_options("cuda", stock=False, jobs=a.jobs, cuda_arch=None)
-        patched = build(dataclasses.replace(opts, targets=PATCHED_TARGETS))
+    patched = patched_build(a.prebuilt, a.jobs)
     spec = ModelSpec(arch="qwen3moe", layers=12, experts=64, used=8, embd=1024, expert_ff=512, heads=16,
                      heads_kv=4, head_dim=64, dtype="q4_k", seed=7)
     if not a.model.exists():

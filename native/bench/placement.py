@@ -16,11 +16,18 @@ those bytes buy, each with the default max batch and with every batch through th
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
-from bench import GIB, MIB, PATCHED_TARGETS, Prebuilt, Row, print_table, run_rounds
+from bench import (
+    GIB,
+    MIB,
+    Row,
+    free_vram_or_say,
+    patched_build,
+    print_table,
+    run_rounds,
+)
 
 BUDGET_GIB = 16
 EXPERTS = r"\.ffn_(up|down|gate)_exps=CPU"
@@ -53,8 +60,6 @@ def placement_rows(margin_mib: int, n_layer: int, profile: Path) -> list[Row]:
 
 def main() -> int:
     from moeplug.model_inspect import inspect_model
-    from moeplug.native.build import build, resolve_options
-    from moeplug.plan import free_vram_bytes
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
@@ -69,15 +74,10 @@ def main() -> int:
     if not (a.model.exists() and profile.exists()):
         print(f"{a.model} or its profile is missing: run bench.py --build-only first", file=sys.stderr)
         return 1
-    free = free_vram_bytes()
+    free = free_vram_or_say("this experiment")
     if free is None:
-        print("no NVIDIA GPU: this experiment needs one", file=sys.stderr)
         return 1
-    if a.prebuilt:
-        patched = Prebuilt(a.prebuilt)
-    else:
-        opts = resolve_options("cuda", stock=False, jobs=a.jobs, cuda_arch=None)
-        patched = build(dataclasses.replace(opts, targets=PATCHED_TARGETS))
+    patched = patched_build(a.prebuilt, a.jobs)
     info = inspect_model(a.model)
     if info.n_layer != 48 or info.n_expert != 128:
         print(f"{a.model}: not the 48-layer, 128-expert benchmark model the rows are laid out for", file=sys.stderr)
