@@ -244,15 +244,18 @@ class Prebuilt:
         return self.bin_dir / name
 
 
+def cuda_build(stock: bool, targets: tuple[str, ...], jobs: int):
+    """A CUDA build of these targets for this machine's GPU, stock or patched (cached)."""
+    from moeplug.native.build import build, resolve_options
+
+    opts = resolve_options("cuda", stock=stock, jobs=jobs, cuda_arch=None)
+    return build(dataclasses.replace(opts, targets=targets))
+
+
 def patched_build(prebuilt: Path | None, jobs: int):
     """The patched CUDA build with every target the bench scripts run: a prebuilt bin/ folder, or
     built (cached) for this machine's GPU."""
-    from moeplug.native.build import build, resolve_options
-
-    if prebuilt:
-        return Prebuilt(prebuilt)
-    opts = resolve_options("cuda", stock=False, jobs=jobs, cuda_arch=None)
-    return build(dataclasses.replace(opts, targets=PATCHED_TARGETS))
+    return Prebuilt(prebuilt) if prebuilt else cuda_build(False, PATCHED_TARGETS, jobs)
 
 
 def free_vram_or_say(what: str) -> int | None:
@@ -267,7 +270,6 @@ def free_vram_or_say(what: str) -> int | None:
 
 def main() -> int:
     from moeplug.model_inspect import inspect_model
-    from moeplug.native.build import build, resolve_options
     from moeplug.plan import make_plan
     from moeplug.profile.format import read_profile
     from moeplug.synth import benchmark_spec, make_model
@@ -316,19 +318,13 @@ def main() -> int:
 
     t0 = time.time()
 
-    def options(stock: bool, targets: tuple[str, ...]):
-        return dataclasses.replace(resolve_options("cuda", stock=stock, jobs=a.jobs, cuda_arch=None), targets=targets)
-
     # the model is written while the builds run (one core against the compilers' many)
     writer = None
     if not a.model.exists():
         writer = multiprocessing.Process(target=make_model, args=(benchmark_spec(), a.model))
         writer.start()
-    if a.prebuilt:
-        patched = stock = Prebuilt(a.prebuilt)
-    else:
-        patched = build(options(False, PATCHED_TARGETS))
-        stock = patched if a.no_stock_build else build(options(True, ("llama-bench",)))
+    patched = patched_build(a.prebuilt, a.jobs)
+    stock = patched if a.prebuilt or a.no_stock_build else cuda_build(True, ("llama-bench",), a.jobs)
     print(f"# builds ready in {time.time() - t0:.0f} s: {patched.build_id}, {stock.build_id}", file=sys.stderr)
     if writer is not None:
         writer.join()
