@@ -17,7 +17,8 @@ from moeplug.fsutil import write_text_atomic
 from moeplug.model_inspect import ModelInfo, inspect_model
 from moeplug.output import human_bytes, note
 from moeplug.paths import data_dir
-from moeplug.plan import Plan, available_ram_bytes, free_vram_bytes, make_plan
+from moeplug.gpu import free_vram_bytes
+from moeplug.plan import Plan, available_ram_bytes, make_plan
 from moeplug.refs import ModelRef, ResolvedModel, parse_ref, resolve_ref
 
 DEMO_PROFILE_TOKENS = 32

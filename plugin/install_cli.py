@@ -51,7 +51,8 @@ def _host_ms(p: dict[str, Any]) -> str:
 def cmd_plan(args: argparse.Namespace) -> int:
     from moeplug.install import list_installed, locate, require_moe
     from moeplug.model_inspect import inspect_model
-    from moeplug.plan import available_ram_bytes, free_vram_bytes, make_plan
+    from moeplug.gpu import free_vram_bytes
+    from moeplug.plan import available_ram_bytes, make_plan
     from moeplug.profile.format import model_fingerprint
     from moeplug.profile.runner import default_profile_path
 

@@ -287,20 +287,6 @@ def choose_load_mode(info: ModelInfo, ram_available: int | None) -> tuple[str, l
                     f"mmap (pinned memory would make prefill much faster)"]
 
 
-def free_vram_bytes() -> int | None:
-    """Free memory of GPU 0 through NVML, or None without an NVIDIA GPU."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).free)
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
-        return None
-
-
 def available_ram_bytes() -> int | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():

@@ -260,7 +260,7 @@ def patched_build(prebuilt: Path | None, jobs: int):
 
 def free_vram_or_say(what: str) -> int | None:
     """Free VRAM in bytes; None, with a line on stderr, where there is no NVIDIA GPU."""
-    from moeplug.plan import free_vram_bytes
+    from moeplug.gpu import free_vram_bytes
 
     free = free_vram_bytes()
     if free is None:

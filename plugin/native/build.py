@@ -106,17 +106,9 @@ def tree_id(spec: NativeSpec, stock: bool) -> str:
 
 def detect_gpu_arch() -> str | None:
     """The first NVIDIA GPU's compute capability as a CMake architecture ("90"), or None."""
-    try:
-        import pynvml
+    from moeplug.gpu import gpu_arch
 
-        pynvml.nvmlInit()
-        try:
-            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(pynvml.nvmlDeviceGetHandleByIndex(0))
-            return f"{major}{minor}"
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # no library, no driver, no device: no GPU
-        return None
+    return gpu_arch()
 
 
 def find_nvcc() -> str | None:

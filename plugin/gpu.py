@@ -1,0 +1,68 @@
+"""The one NVML probe: what NVIDIA GPUs this machine has, and how full they are.
+
+Every caller (the planner, the native build, `moeplug status`, the dashboard) reads GPUs
+through here, so "no GPU" means the same thing everywhere: no NVML library, no driver or no
+device all give an empty list, never an exception.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    name: str
+    total_bytes: int
+    used_bytes: int
+    free_bytes: int
+    utilization: int | None  # percent, None where the driver does not say
+    compute_capability: str  # CMake form, "90"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def gpus() -> list[GpuInfo]:
+    """Every NVIDIA GPU NVML sees, in index order; [] without an NVIDIA GPU."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # no library, no driver: no GPU
+        return []
+    try:
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            try:
+                util: int | None = int(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)
+            except Exception:
+                util = None
+            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
+            name = pynvml.nvmlDeviceGetName(h)
+            out.append(GpuInfo(i, name.decode() if isinstance(name, bytes) else str(name), int(mem.total),
+                               int(mem.used), int(mem.free), util, f"{major}{minor}"))
+        return out
+    except Exception:
+        return []
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def free_vram_bytes() -> int | None:
+    """Free memory of GPU 0, or None without an NVIDIA GPU."""
+    found = gpus()
+    return found[0].free_bytes if found else None
+
+
+def gpu_arch() -> str | None:
+    """GPU 0's compute capability as a CMake architecture ("90"), or None."""
+    found = gpus()
+    return found[0].compute_capability if found else None
