@@ -9,7 +9,10 @@ from typing import Any
 from moeplug.errors import EXIT_OK, EXIT_USAGE, MoeplugError
 from moeplug.output import print_json, table
 
+PROMPT_SETS_DEFAULT = "codeish,chatty"
+
 USAGE = """moeplug profile MODEL [--prompts codeish,chatty] [-n 512] [--out FILE]
+       moeplug profile --from-trace FILE --model MODEL [--prompts A:B] [--out FILE]
        moeplug profile analyze FILE [--slots 8,16,32] [--repick-every 64] [--model MODEL] [--json]
        moeplug profile merge OUT FILE [FILE ...]"""
 
@@ -58,6 +61,12 @@ def print_summary(analysis: Any, verbose: bool = False) -> None:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     items: list[str] = args.items
+    if args.from_trace:
+        if items:
+            raise MoeplugError(f"profile --from-trace takes no MODEL argument (use --model); usage: {USAGE}", EXIT_USAGE)
+        return _from_trace(args)
+    if not items:
+        raise MoeplugError(f"usage: {USAGE}", EXIT_USAGE)
     if items[0] == "analyze":
         return _analyze(args, items[1:])
     if items[0] == "merge":
@@ -101,6 +110,26 @@ def _merge(args: argparse.Namespace, items: list[str]) -> int:
     return EXIT_OK
 
 
+def _from_trace(args: argparse.Namespace) -> int:
+    from moeplug.profile import analyze, write_profile
+    from moeplug.profile.from_trace import profile_from_trace_file
+    from moeplug.profile.runner import default_profile_path
+
+    if not args.model:
+        raise MoeplugError("profile --from-trace: name the model the profile is for with --model", EXIT_USAGE)
+    prompts = None if args.prompts == PROMPT_SETS_DEFAULT else args.prompts
+    profile = profile_from_trace_file(args.from_trace, args.model, prompts)
+    dest = Path(args.out) if args.out else default_profile_path(profile.fingerprint)
+    write_profile(profile, dest)
+    analysis = analyze(profile, _slots(args.slots), args.repick_every)
+    if args.json:
+        print_json({"profile": str(dest), **analysis.to_json()})
+    else:
+        print(f"profile: {dest} (from {profile.sources[0].label})")
+        print_summary(analysis, verbose=args.verbose)
+    return EXIT_OK
+
+
 def _run(args: argparse.Namespace, model: Path) -> int:
     from moeplug.model_inspect import inspect_model
     from moeplug.native.build import build, resolve_options
@@ -133,8 +162,11 @@ def add_profile_command(sub: Any) -> None:
                        usage=USAGE, description="Profile a model with bundled prompts (llama-moe-profile), or "
                        "analyse/merge profile files. Analysis: hit rate of N slots per layer for a static set, "
                        "the hindsight oracle, an LRU and periodic re-picking.")
-    p.add_argument("items", nargs="+", metavar="MODEL | analyze FILE... | merge OUT FILE...")
-    p.add_argument("--prompts", default="codeish,chatty", help="prompt sets: bundled names or .txt files")
+    p.add_argument("items", nargs="*", metavar="MODEL | analyze FILE... | merge OUT FILE...")
+    p.add_argument("--prompts", default=PROMPT_SETS_DEFAULT,
+                   help="prompt sets: bundled names or .txt files; with --from-trace: a prompt range A:B of the trace")
+    p.add_argument("--from-trace", metavar="FILE",
+                   help="make the profile of --model from recorded routing (an npz trace or a route replay file)")
     p.add_argument("-n", "--n-predict", type=int, default=512, help="tokens generated per prompt")
     p.add_argument("--out", help="where to write the profile (default: under the user data dir, by model)")
     p.add_argument("--ctx", type=int, default=4096)
@@ -146,7 +178,7 @@ def add_profile_command(sub: Any) -> None:
     p.add_argument("--no-mtp", action="store_true", help="do not run the MTP (NextN) head of a model that has one")
     p.add_argument("--slots", help="slot counts to score, e.g. 8,16,32 (default: powers of two and eighths)")
     p.add_argument("--repick-every", type=int, default=64, help="K for the re-pick policy")
-    p.add_argument("--model", help="analyze: check the profile belongs to this model")
+    p.add_argument("--model", help="analyze: check the profile belongs to this model; --from-trace: the model")
     p.add_argument("--force", action="store_true", help="merge: replace OUT")
     p.add_argument("--verbose", "-v", action="store_true", help="per-layer table")
     p.add_argument("--json", action="store_true")
