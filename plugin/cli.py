@@ -113,15 +113,15 @@ def cmd_recipes(args: argparse.Namespace) -> int:
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
-    from moeplug.synth import ModelSpec, benchmark_spec, make_model
+    from moeplug.synth import ModelSpec, make_model, shape_spec
 
-    if args.benchmark_shape:
-        spec = benchmark_spec(args.seed if args.seed is not None else 1234)
+    if args.shape:
+        spec = shape_spec(args.shape, args.seed if args.seed is not None else 1234)
     else:
         spec = ModelSpec(
             arch=args.arch, layers=args.layers, experts=args.experts, used=args.used, embd=args.embd,
             expert_ff=args.expert_ff, heads=args.heads, heads_kv=args.heads_kv, head_dim=args.head_dim,
-            dtype=args.dtype, seed=args.seed if args.seed is not None else 1234, ctx=args.ctx,
+            dtype=args.dtype, expert_dtype=args.expert_dtype, seed=args.seed if args.seed is not None else 1234, ctx=args.ctx,
             leading_dense=args.leading_dense, expert_scales=args.expert_scales, tied=args.tied,
             mtp_layers=args.mtp_layers,
             vocab_size=args.vocab_size,
@@ -146,6 +146,7 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 
 
 def _add_make_model(dev: Any) -> None:
+    from moeplug.synth import SHAPES
     from moeplug.synth.archs import ARCHS, DTYPES
 
     p = dev.add_parser(
@@ -169,6 +170,8 @@ def _add_make_model(dev: Any) -> None:
     p.add_argument("--ctx", type=int, default=4096, help="training context length written in the metadata")
     p.add_argument("--dtype", choices=list(DTYPES), default="f32",
                    help="type of the weight matrices (norms, router and biases stay F32)")
+    p.add_argument("--expert-dtype", choices=list(DTYPES), default=None,
+                   help="type of the routed experts' matrices (default: --dtype; gpt-oss ships mxfp4)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default 1234)")
     p.add_argument("--leading-dense", type=int, default=None,
                    help="hy_v3: dense blocks before the MoE ones (default 1)")
@@ -178,8 +181,13 @@ def _add_make_model(dev: Any) -> None:
     p.add_argument("--shards", type=int, default=1, help="write a split GGUF of this many shards")
     p.add_argument("--vocab", help="copy the tokenizer of this vocab GGUF instead of the built-in byte-level BPE")
     p.add_argument("--vocab-size", type=int, default=None, help="pad the built-in vocab to this many tokens")
-    p.add_argument("--benchmark-shape", action="store_true",
-                   help="the GPU benchmark model: Qwen3-30B-A3B shape, Q4_K, about 16 GiB (ignores shape options)")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--shape", choices=list(SHAPES),
+                       help="a real model's shape (ignores the shape options): qwen3-30b-a3b (48 layers x 128 experts, "
+                       "8 used, Q4_K, about 16 GiB: the GPU benchmark model), gpt-oss-20b (24 x 32, 4 used, experts "
+                       "MXFP4, the rest F16, about 13 GiB)")
+    shape.add_argument("--benchmark-shape", dest="shape", action="store_const", const="qwen3-30b-a3b",
+                       help="the same as --shape qwen3-30b-a3b")
     p.add_argument("--json", action="store_true", help="print the written files as JSON")
     p.set_defaults(func=cmd_make_model)
 

@@ -19,7 +19,8 @@ from moeplug.synth.archs import ARCHS, DTYPES, ModelPlan, ModelSpec, TensorPlan,
 from moeplug.synth.vocab import Vocab, add_vocab_to_writer, builtin_vocab, vocab_from_gguf
 from moeplug.synth.weights import tensor_data
 
-__all__ = ["ARCHS", "DTYPES", "ModelSpec", "ModelPlan", "TensorPlan", "make_model", "plan_for", "benchmark_spec"]
+__all__ = ["ARCHS", "DTYPES", "SHAPES", "ModelSpec", "ModelPlan", "TensorPlan", "make_model", "plan_for",
+           "benchmark_spec", "shape_spec"]
 
 ProgressFn = Callable[[int, int], None]  # (bytes done, bytes total)
 
@@ -31,6 +32,28 @@ def benchmark_spec(seed: int = 1234) -> ModelSpec:
         heads=32, heads_kv=4, head_dim=128, dtype="q4_k", seed=seed, ctx=40960,
         dense_ff=6144, vocab_size=151936, name="moeplug-synthetic-qwen3-30b-a3b-shape-q4_k",
     )
+
+
+def gpt_oss_20b_spec(seed: int = 1234) -> ModelSpec:
+    """gpt-oss-20b's shape: 24 layers, 32 experts, 4 used, n_embd 2880, expert FF 2880, 64 query heads
+    and 8 KV heads of 64, attention sinks, a 128-token sliding window on alternate layers, its
+    201088-token vocabulary; the experts in MXFP4 as the model ships them, the other matrices F16
+    (the convert script keeps the source's 16-bit weights; norms, router, biases and sinks F32)."""
+    return ModelSpec(
+        arch="gpt-oss", layers=24, experts=32, used=4, embd=2880, expert_ff=2880, heads=64, heads_kv=8,
+        head_dim=64, dtype="f16", expert_dtype="mxfp4", seed=seed, ctx=131072, sliding_window=128,
+        vocab_size=201088, name="moeplug-synthetic-gpt-oss-20b-shape-mxfp4",
+    )
+
+
+# model shapes of `moeplug dev make-model --shape NAME`
+SHAPES: dict[str, Callable[[int], ModelSpec]] = {"qwen3-30b-a3b": benchmark_spec, "gpt-oss-20b": gpt_oss_20b_spec}
+
+
+def shape_spec(name: str, seed: int = 1234) -> ModelSpec:
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}; choose one of {', '.join(SHAPES)}")
+    return SHAPES[name](seed)
 
 
 def load_vocab(spec: ModelSpec, vocab_path: str | Path | None) -> Vocab:

@@ -29,13 +29,14 @@ DTYPES: dict[str, QT] = {
     "q8_0": QT.Q8_0,
     "q4_0": QT.Q4_0,
     "q4_k": QT.Q4_K,
+    "mxfp4": QT.MXFP4,  # gpt-oss's own expert format (E8M0 scale + 32 E2M1 values per block)
 }
 
 # general.file_type (llama_ftype) written for each dtype
-FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q4_k": 15}
+FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q4_k": 15, "mxfp4": 38}  # 38: MXFP4_MOE
 
 # When a row length is not a multiple of the block size, fall back the way llama-quantize does.
-_FALLBACK = {QT.Q4_K: QT.Q8_0, QT.Q4_0: QT.Q8_0, QT.Q8_0: QT.F16}
+_FALLBACK = {QT.Q4_K: QT.Q8_0, QT.Q4_0: QT.Q8_0, QT.MXFP4: QT.Q8_0, QT.Q8_0: QT.F16}
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class ModelSpec:
     heads_kv: int = 2
     head_dim: int = 64
     dtype: str = "f32"
+    expert_dtype: str | None = None  # the routed experts' type; default dtype (gpt-oss ships them in mxfp4)
     seed: int = 1234
     ctx: int = 4096
     dense_ff: int = 0  # dense FFN width (hy_v3 leading blocks); 0 = used * expert_ff
@@ -67,8 +69,9 @@ class ModelSpec:
     def validate(self) -> None:
         if self.arch not in ARCHS:
             raise ValueError(f"unknown --arch {self.arch!r}; choose one of {', '.join(ARCHS)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"unknown --dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        for opt, value in (("--dtype", self.dtype), ("--expert-dtype", self.expert_dtype or self.dtype)):
+            if value not in DTYPES:
+                raise ValueError(f"unknown {opt} {value!r}; choose one of {', '.join(DTYPES)}")
         for attr in ("layers", "experts", "used", "embd", "expert_ff", "heads", "heads_kv", "head_dim"):
             if getattr(self, attr) <= 0:
                 raise ValueError(f"--{attr.replace('_', '-')} must be positive")
@@ -84,6 +87,10 @@ class ModelSpec:
             raise ValueError("--expert-scales is only wired for qwen3moe (its graph applies them)")
         if self.n_leading_dense >= self.layers:
             raise ValueError("every block would be dense: raise --layers or lower --leading-dense")
+
+    @property
+    def n_expert_dtype(self) -> str:
+        return self.expert_dtype or self.dtype
 
     @property
     def n_leading_dense(self) -> int:
@@ -153,7 +160,7 @@ def _add_metadata(plan: ModelPlan) -> None:
         md.append((key, value, vtype))
 
     kv("general.name", s.model_name, VT.STRING)
-    kv("general.file_type", FILE_TYPES[s.dtype], VT.UINT32)
+    kv("general.file_type", FILE_TYPES[s.n_expert_dtype if s.n_expert_dtype == "mxfp4" else s.dtype], VT.UINT32)
     kv("general.quantization_version", 2, VT.UINT32)
     kv(f"{a}.block_count", s.layers + s.mtp_layers, VT.UINT32)  # NextN blocks count as blocks
     kv(f"{a}.context_length", s.ctx, VT.UINT32)
@@ -189,7 +196,8 @@ def _add_tensors(plan: ModelPlan, n_vocab: int) -> None:
 
     def linear(name: str, ne: tuple[int, ...]) -> None:
         # std 1/sqrt(fan_in) keeps activations at unit scale through every matmul
-        t.append(TensorPlan(name, ne, weight_type(s.dtype, ne[0]), "linear", s.w_scale / math.sqrt(ne[0])))
+        dtype = s.n_expert_dtype if name.endswith("_exps.weight") else s.dtype
+        t.append(TensorPlan(name, ne, weight_type(dtype, ne[0]), "linear", s.w_scale / math.sqrt(ne[0])))
 
     def f32(name: str, ne: tuple[int, ...], kind: str, std: float = 0.0) -> None:
         t.append(TensorPlan(name, ne, QT.F32, kind, std))

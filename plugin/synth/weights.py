@@ -18,6 +18,9 @@ from moeplug.synth.archs import TensorPlan
 _STD_U4 = math.sqrt((16**2 - 1) / 12.0)  # std of a uniform 4-bit code
 _STD_I8 = math.sqrt((256**2 - 1) / 12.0)  # std of a uniform int8 code
 _Q4K_SUB = 32  # the 6-bit sub-block scale and min written into every Q4_K block
+# ggml's E2M1 code values (kvalues_mxfp4, doubled: the E8M0 scale is read as half its power of two)
+_MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float64)
+_STD_MXFP4 = float(np.sqrt(np.mean(_MXFP4_VALUES**2)))  # std of a uniform 4-bit code (its mean is 0)
 
 
 def _f16_bytes(value: float) -> np.ndarray:
@@ -44,6 +47,8 @@ def random_quant(rng: np.random.Generator, qtype: QT, n_elements: int, std: floa
         data[:, 0:2] = _f16_bytes(d)
         data[:, 2:4] = _f16_bytes(7.5 * d)
         data[:, 4:16] = _q4k_scale_bytes(_Q4K_SUB, _Q4K_SUB)
+    elif qtype == QT.MXFP4:  # w = kvalues[q] * 2^(e - 128), one power-of-two scale per block of 32
+        data[:, 0] = int(np.clip(round(math.log2(std / _STD_MXFP4)) + 128, 2, 254))
     else:
         raise ValueError(f"no random generator for {qtype.name}")
     return data.reshape(-1)
