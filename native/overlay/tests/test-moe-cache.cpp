@@ -2,7 +2,7 @@
 //
 //   test-moe-cache -m MODEL --moe-cache-profile PROFILE --moe-cache-slots N [-ub U] [-n N_GEN]
 //
-// Loads the model twice, once stock and once with the cache (common_moe_cache_init, as
+// Loads the model twice, once stock and once with the cache (common_moeplug_cache_init, as
 // llama-server does), processes 100 random prompt tokens in ubatches of -ub with every logit
 // output, then generates -n tokens greedily with both, one token per batch. Every logit of every
 // step must be bitwise equal, and so every token. Run it with LLAMA_MOE_CACHE_DEVICE=CPU on a CPU
@@ -26,7 +26,7 @@
 #include "common.h"
 #include "log.h"
 #include "llama.h"
-#include "moe-cache.h"
+#include "moeplug-cache.h"
 
 #include <algorithm>
 #include <cinttypes>
@@ -55,9 +55,12 @@ static bool load(run_state & st, common_params & params, bool with_cache, bool f
     if (st.model == nullptr) {
         return false;
     }
-    if (with_cache && !common_moe_cache_init(st.model, params)) {
+    if (with_cache && !common_moeplug_cache_init(st.model, params)) {
         LOG_ERR("the cache did not engage\n");
         return false;
+    }
+    if (!common_moeplug_replay_init(st.model, params)) {
+        return false; // both models replay the same file, each from its first prompt
     }
     st.ctx = llama_init_from_model(st.model, common_context_params_to_llama(params));
     return st.ctx != nullptr;

@@ -18,8 +18,9 @@
 #include "arg.h"
 #include "common.h"
 #include "gguf.h"
+#include "ggml-cpp.h"
 #include "log.h"
-#include "moe-cache.h"
+#include "moeplug-cache.h"
 #include "llama.h"
 #include "sampling.h"
 
@@ -33,7 +34,6 @@
 #include <string>
 #include <vector>
 
-static const uint32_t MOE_PROFILE_VERSION = 1;
 
 enum moe_phase {
     MOE_PHASE_PREFILL = 0,
@@ -172,7 +172,7 @@ struct moe_token_meta {
     int32_t phase;
 };
 
-static bool moe_write_profile(const std::string & out, const common_moe_fingerprint & fp, const moe_profiler & prof,
+static bool moe_write_profile(const std::string & out, const common_moeplug_fingerprint & fp, const moe_profiler & prof,
         const std::vector<moe_token_meta> & tokens, const std::vector<std::string> & prompt_labels,
         const std::string & source, const common_params & params) {
     const int64_t n_tensors = (int64_t) prof.order.size();
@@ -188,17 +188,19 @@ static bool moe_write_profile(const std::string & out, const common_moe_fingerpr
     const size_t data_size = 2*n_expert*n_tensors*sizeof(int32_t) + n_used*n_tensors*n_steps*sizeof(int16_t) +
                              3*n_steps*sizeof(int32_t) + 8*ggml_tensor_overhead();
     ggml_init_params cp = { /*.mem_size =*/ data_size, /*.mem_buffer =*/ nullptr, /*.no_alloc =*/ false };
-    ggml_context * ctx = ggml_init(cp);
+    ggml_context_ptr ctx_ptr { ggml_init(cp) };
+    gguf_context_ptr g_ptr { gguf_init_empty() };
+    ggml_context * ctx = ctx_ptr.get();
+    gguf_context * g   = g_ptr.get();
 
-    gguf_context * g = gguf_init_empty();
     gguf_set_val_str(g, "general.type", "moe-profile");
-    gguf_set_val_u32(g, "moe_profile.version", MOE_PROFILE_VERSION);
-    common_moe_fingerprint_write(g, fp);
-    common_moe_set_arr_str(g, "moe_profile.tensors", prof.order);
+    gguf_set_val_u32(g, "moe_profile.version", COMMON_MOEPLUG_PROFILE_VERSION);
+    common_moeplug_fingerprint_write(g, fp);
+    common_moeplug_set_arr_str(g, "moe_profile.tensors", prof.order);
     gguf_set_val_u64(g, "moe_profile.tokens.prefill", (uint64_t) n_prefill);
     gguf_set_val_u64(g, "moe_profile.tokens.decode", (uint64_t) (n_steps - n_prefill));
-    common_moe_set_arr_str(g, "moe_profile.sources", { source });
-    common_moe_set_arr_str(g, "moe_profile.source.0.prompt_labels", prompt_labels);
+    common_moeplug_set_arr_str(g, "moe_profile.sources", { source });
+    common_moeplug_set_arr_str(g, "moe_profile.source.0.prompt_labels", prompt_labels);
     gguf_set_val_u32(g, "moe_profile.source.0.n_predict", (uint32_t) params.n_predict);
     gguf_set_val_u32(g, "moe_profile.source.0.seed", params.sampling.seed);
     gguf_set_val_f32(g, "moe_profile.source.0.temp", params.sampling.temp);
@@ -248,8 +250,6 @@ static bool moe_write_profile(const std::string & out, const common_moe_fingerpr
     if (!ok) {
         std::remove(tmp.c_str());
     }
-    gguf_free(g);
-    ggml_free(ctx);
     return ok;
 }
 
@@ -396,10 +396,10 @@ static int moe_profile_main(int argc, char ** argv) {
     }
 
     std::vector<std::string> prompts;
-    common_moe_fingerprint fp;
+    common_moeplug_fingerprint fp;
     try {
         prompts = a.random_prompts > 0 ? std::vector<std::string>(a.random_prompts) : moe_read_prompts(a.prompts_file);
-        fp      = common_moe_fingerprint_of(params.model.path);
+        fp      = common_moeplug_fingerprint_of(params.model.path);
     } catch (const std::exception & e) {
         LOG_ERR("%s: %s\n", __func__, e.what());
         return 1;
@@ -408,9 +408,14 @@ static int moe_profile_main(int argc, char ** argv) {
         LOG_ERR("%s: no prompts in %s\n", __func__, a.prompts_file.c_str());
         return 1;
     }
-    if (!params.moe_cache_profile.empty()) {
+    if (!params.moeplug_cache_profile.empty()) {
         // the slots would hide the resident experts' ids from the recording
         LOG_ERR("%s: profile without --moe-cache-profile: the cache changes what is recorded\n", __func__);
+        return 1;
+    }
+    if (!params.moeplug_route_replay.empty()) {
+        // the profile records the router's own decisions
+        LOG_ERR("%s: profile without --moe-route-replay: the replay replaces the router being recorded\n", __func__);
         return 1;
     }
     if (a.label.empty()) {

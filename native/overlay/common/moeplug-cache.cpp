@@ -1,9 +1,10 @@
-#include "moe-cache.h"
+#include "moeplug-cache.h"
 
-#include "../src/llama-ext.h"  // llama_model_moe_cache_init (staging API)
+#include "../src/llama-ext.h"  // llama_model_moeplug_cache_init (staging API)
 
 #include "common.h"
 #include "gguf.h"
+#include "ggml-cpp.h"
 #include "log.h"
 #include "llama.h"
 
@@ -12,8 +13,6 @@
 #include <numeric>
 #include <stdexcept>
 #include <sys/stat.h>
-
-static const uint32_t MOE_PROFILE_VERSION = 1;
 
 // FNV-1a 64 of the first n_bytes of path, as 16 hex digits
 static std::string moe_meta_hash(const std::string & path, size_t n_bytes) {
@@ -61,14 +60,15 @@ static bool moe_is_expert_tensor(const std::string & name) {
            (name.find("_exps.") != std::string::npos || name.find("_chexps.") != std::string::npos);
 }
 
-common_moe_fingerprint common_moe_fingerprint_of(const std::string & path) {
-    common_moe_fingerprint fp;
+common_moeplug_fingerprint common_moeplug_fingerprint_of(const std::string & path) {
+    common_moeplug_fingerprint fp;
 
     gguf_init_params ip = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
-    gguf_context * g = gguf_init_from_file(path.c_str(), ip);
-    if (g == nullptr) {
+    gguf_context_ptr gp { gguf_init_from_file(path.c_str(), ip) };
+    if (!gp) {
         throw std::runtime_error("cannot read the GGUF header of " + path);
     }
+    const gguf_context * g = gp.get();
     const int64_t arch_id = gguf_find_key(g, "general.architecture");
     fp.arch          = arch_id < 0 ? "" : gguf_get_val_str(g, arch_id);
     fp.n_layer       = moe_get_u32(g, fp.arch + ".block_count");
@@ -78,7 +78,7 @@ common_moe_fingerprint common_moe_fingerprint_of(const std::string & path) {
     fp.meta_hash     = moe_meta_hash(path, gguf_get_data_offset(g));
 
     const uint32_t n_split = moe_get_u32(g, "split.count");
-    gguf_free(g);
+    gp.reset();
 
     std::vector<std::string> paths = { path };
     if (n_split > 1) {
@@ -99,31 +99,31 @@ common_moe_fingerprint common_moe_fingerprint_of(const std::string & path) {
         if (stat(p.c_str(), &st) == 0) {
             fp.size += (uint64_t) st.st_size;
         }
-        ggml_context * ctx = nullptr;
-        gguf_init_params sp = { /*.no_alloc =*/ true, /*.ctx =*/ &ctx };
-        gguf_context * gs = gguf_init_from_file(p.c_str(), sp);
-        if (gs == nullptr) {
+        ggml_context * ctx_raw = nullptr;
+        gguf_init_params sp = { /*.no_alloc =*/ true, /*.ctx =*/ &ctx_raw };
+        gguf_context_ptr gs_ptr { gguf_init_from_file(p.c_str(), sp) };
+        ggml_context_ptr ctx { ctx_raw };
+        if (!gs_ptr) {
             throw std::runtime_error("cannot read the GGUF header of " + p);
         }
+        const gguf_context * gs = gs_ptr.get();
         for (int64_t i = 0; i < gguf_get_n_tensors(gs); ++i) {
             const std::string name = gguf_get_tensor_name(gs, i);
             if (!moe_is_expert_tensor(name)) {
                 continue;
             }
-            const ggml_tensor * t = ggml_get_tensor(ctx, name.c_str());
+            const ggml_tensor * t = ggml_get_tensor(ctx.get(), name.c_str());
             fp.expert_tensors.push_back(name);
             for (int d = 0; d < 4; ++d) {
                 fp.expert_shapes.push_back(t->ne[d]);
             }
             fp.expert_types.push_back((int32_t) gguf_get_tensor_type(gs, i));
         }
-        gguf_free(gs);
-        ggml_free(ctx);
     }
     return fp;
 }
 
-void common_moe_set_arr_str(gguf_context * g, const char * key, const std::vector<std::string> & v) {
+void common_moeplug_set_arr_str(gguf_context * g, const char * key, const std::vector<std::string> & v) {
     std::vector<const char *> ptrs;
     for (const auto & s : v) {
         ptrs.push_back(s.c_str());
@@ -131,14 +131,14 @@ void common_moe_set_arr_str(gguf_context * g, const char * key, const std::vecto
     gguf_set_arr_str(g, key, ptrs.data(), ptrs.size());
 }
 
-void common_moe_fingerprint_write(gguf_context * g, const common_moe_fingerprint & fp) {
+void common_moeplug_fingerprint_write(gguf_context * g, const common_moeplug_fingerprint & fp) {
     gguf_set_val_str(g, "moe_profile.model.arch", fp.arch.c_str());
     gguf_set_val_u32(g, "moe_profile.model.n_layer", fp.n_layer);
     gguf_set_val_u32(g, "moe_profile.model.n_expert", fp.n_expert);
     gguf_set_val_u32(g, "moe_profile.model.n_expert_used", fp.n_expert_used);
     gguf_set_val_u64(g, "moe_profile.model.size", fp.size);
     gguf_set_val_str(g, "moe_profile.model.meta_hash", fp.meta_hash.c_str());
-    common_moe_set_arr_str(g, "moe_profile.model.expert_tensors", fp.expert_tensors);
+    common_moeplug_set_arr_str(g, "moe_profile.model.expert_tensors", fp.expert_tensors);
     gguf_set_arr_data(g, "moe_profile.model.expert_shapes", GGUF_TYPE_INT64, fp.expert_shapes.data(), fp.expert_shapes.size());
     gguf_set_arr_data(g, "moe_profile.model.expert_types", GGUF_TYPE_INT32, fp.expert_types.data(), fp.expert_types.size());
 }
@@ -174,7 +174,40 @@ static uint64_t moe_get_u64(const gguf_context * g, const char * key) {
     return id >= 0 && gguf_get_kv_type(g, id) == GGUF_TYPE_UINT64 ? gguf_get_val_u64(g, id) : 0;
 }
 
-std::string common_moe_fingerprint_diff(const gguf_context * g, const common_moe_fingerprint & fp) {
+// a profile must hold every key the cache reads, with the type PROFILE-FORMAT.md gives it: a
+// missing or mistyped key is named, never read as 0 or ""
+static void moe_profile_check_keys(const gguf_context * g, const std::string & path) {
+    struct key_type { const char * key; gguf_type type; gguf_type arr_type; };
+    static const key_type keys[] = {
+        { "moe_profile.version",               GGUF_TYPE_UINT32, GGUF_TYPE_COUNT  },
+        { "moe_profile.model.arch",            GGUF_TYPE_STRING, GGUF_TYPE_COUNT  },
+        { "moe_profile.model.n_layer",         GGUF_TYPE_UINT32, GGUF_TYPE_COUNT  },
+        { "moe_profile.model.n_expert",        GGUF_TYPE_UINT32, GGUF_TYPE_COUNT  },
+        { "moe_profile.model.n_expert_used",   GGUF_TYPE_UINT32, GGUF_TYPE_COUNT  },
+        { "moe_profile.model.size",            GGUF_TYPE_UINT64, GGUF_TYPE_COUNT  },
+        { "moe_profile.model.meta_hash",       GGUF_TYPE_STRING, GGUF_TYPE_COUNT  },
+        { "moe_profile.model.expert_tensors",  GGUF_TYPE_ARRAY,  GGUF_TYPE_STRING },
+        { "moe_profile.model.expert_shapes",   GGUF_TYPE_ARRAY,  GGUF_TYPE_INT64  },
+        { "moe_profile.model.expert_types",    GGUF_TYPE_ARRAY,  GGUF_TYPE_INT32  },
+        { "moe_profile.tensors",               GGUF_TYPE_ARRAY,  GGUF_TYPE_STRING },
+    };
+    for (const auto & k : keys) {
+        const int64_t id = gguf_find_key(g, k.key);
+        if (id < 0) {
+            throw std::runtime_error(path + " has no key " + k.key);
+        }
+        const gguf_type type = gguf_get_kv_type(g, id);
+        if (type != k.type || (type == GGUF_TYPE_ARRAY && gguf_get_arr_type(g, id) != k.arr_type)) {
+            throw std::runtime_error(string_format("%s: key %s is %s%s%s, expected %s%s%s", path.c_str(), k.key,
+                gguf_type_name(type), type == GGUF_TYPE_ARRAY ? " of " : "",
+                type == GGUF_TYPE_ARRAY ? gguf_type_name(gguf_get_arr_type(g, id)) : "",
+                gguf_type_name(k.type), k.type == GGUF_TYPE_ARRAY ? " of " : "",
+                k.type == GGUF_TYPE_ARRAY ? gguf_type_name(k.arr_type) : ""));
+        }
+    }
+}
+
+std::string common_moeplug_fingerprint_diff(const gguf_context * g, const common_moeplug_fingerprint & fp) {
     std::vector<std::string> diff;
     auto check = [&](bool same, const char * key) {
         if (!same) {
@@ -198,7 +231,7 @@ std::string common_moe_fingerprint_diff(const gguf_context * g, const common_moe
     return res;
 }
 
-std::vector<int32_t> common_moe_parse_slots(const std::string & spec) {
+std::vector<int32_t> common_moeplug_parse_slots(const std::string & spec) {
     std::vector<int32_t> res;
     for (const std::string & item : string_split<std::string>(spec, ',')) {
         size_t end = 0;
@@ -216,28 +249,28 @@ std::vector<int32_t> common_moe_parse_slots(const std::string & spec) {
     return res;
 }
 
-std::vector<common_moe_cache_choice> common_moe_cache_choose(
-        const std::string & profile_path, const common_moe_fingerprint & model, const std::vector<int32_t> & n_slots) {
-    ggml_context * ctx = nullptr;
-    gguf_init_params ip = { /*.no_alloc =*/ false, /*.ctx =*/ &ctx };
-    gguf_context * g = gguf_init_from_file(profile_path.c_str(), ip);
-    if (g == nullptr) {
+std::vector<common_moeplug_cache_choice> common_moeplug_cache_choose(
+        const std::string & profile_path, const common_moeplug_fingerprint & model, const std::vector<int32_t> & n_slots) {
+    ggml_context * ctx_raw = nullptr;
+    gguf_init_params ip = { /*.no_alloc =*/ false, /*.ctx =*/ &ctx_raw };
+    gguf_context_ptr gp { gguf_init_from_file(profile_path.c_str(), ip) };
+    ggml_context_ptr ctx_ptr { ctx_raw };
+    if (!gp) {
         throw std::runtime_error("cannot read the profile " + profile_path + " (missing, truncated or not GGUF)");
     }
-    struct free_on_exit {
-        gguf_context * g; ggml_context * ctx;
-        ~free_on_exit() { gguf_free(g); ggml_free(ctx); }
-    } guard { g, ctx };
+    const gguf_context * g = gp.get();
+    ggml_context * ctx = ctx_ptr.get();
 
     if (moe_get_str(g, "general.type") != "moe-profile") {
         throw std::runtime_error(profile_path + " is not a moe profile");
     }
+    moe_profile_check_keys(g, profile_path);
     const uint32_t version = moe_get_u32(g, "moe_profile.version");
-    if (version != MOE_PROFILE_VERSION) {
+    if (version != COMMON_MOEPLUG_PROFILE_VERSION) {
         throw std::runtime_error(string_format("%s is a version %u moe profile; this build reads version %u",
-            profile_path.c_str(), version, MOE_PROFILE_VERSION));
+            profile_path.c_str(), version, COMMON_MOEPLUG_PROFILE_VERSION));
     }
-    const std::string diff = common_moe_fingerprint_diff(g, model);
+    const std::string diff = common_moeplug_fingerprint_diff(g, model);
     if (!diff.empty()) {
         throw std::runtime_error("the profile " + profile_path + " is of another model (" + diff + " differ)");
     }
@@ -263,7 +296,7 @@ std::vector<common_moe_cache_choice> common_moe_cache_choose(
         }
     }
 
-    std::vector<common_moe_cache_choice> res;
+    std::vector<common_moeplug_cache_choice> res;
     for (size_t it = 0; it < tensors.size(); ++it) {
         const int32_t * nd = (const int32_t *) decode->data  + it*n_expert;
         const int32_t * np = (const int32_t *) prefill->data + it*n_expert;
@@ -282,12 +315,12 @@ std::vector<common_moe_cache_choice> common_moe_cache_choose(
     return res;
 }
 
-bool common_moe_cache_enable(llama_model * model, const std::string & model_path, const std::string & profile_path,
+bool common_moeplug_cache_enable(llama_model * model, const std::string & model_path, const std::string & profile_path,
         const std::string & slots, int32_t max_batch, int32_t margin_mib, bool count) {
-    llama_moe_cache_result result = {};
+    llama_moeplug_cache_result result = {};
     try {
-        const common_moe_fingerprint fp = common_moe_fingerprint_of(model_path);
-        const auto choice = common_moe_cache_choose(profile_path, fp, common_moe_parse_slots(slots));
+        const common_moeplug_fingerprint fp = common_moeplug_fingerprint_of(model_path);
+        const auto choice = common_moeplug_cache_choose(profile_path, fp, common_moeplug_parse_slots(slots));
         if (choice.empty()) {
             throw std::runtime_error("--moe-cache-slots " + slots + " gives no layer a slot");
         }
@@ -296,11 +329,11 @@ bool common_moe_cache_enable(llama_model * model, const std::string & model_path
             files.push_back(f.c_str());
         }
 
-        std::vector<llama_moe_cache_layer_experts> layers;
+        std::vector<llama_moeplug_cache_layer_experts> layers;
         for (const auto & c : choice) {
             layers.push_back({ c.tensor.c_str(), c.experts.data(), (int32_t) c.experts.size() });
         }
-        llama_moe_cache_params mp = {};
+        llama_moeplug_cache_params mp = {};
         mp.model_files   = files.data();
         mp.n_model_files = files.size();
         mp.layers     = layers.data();
@@ -308,7 +341,7 @@ bool common_moe_cache_enable(llama_model * model, const std::string & model_path
         mp.max_batch  = max_batch;
         mp.margin     = (size_t) std::max(margin_mib, 0) * 1024 * 1024;
         mp.count      = count;
-        if (!llama_model_moe_cache_init(model, &mp, &result)) {
+        if (!llama_model_moeplug_cache_init(model, &mp, &result)) {
             throw std::runtime_error(result.reason);
         }
     } catch (const std::exception & err) {
@@ -328,23 +361,23 @@ bool common_moe_cache_enable(llama_model * model, const std::string & model_path
     return true;
 }
 
-bool common_moe_cache_init(llama_model * model, const common_params & params) {
-    if (params.moe_cache_profile.empty()) {
-        if (!params.moe_cache_slots.empty()) {
+bool common_moeplug_cache_init(llama_model * model, const common_params & params) {
+    if (params.moeplug_cache_profile.empty()) {
+        if (!params.moeplug_cache_slots.empty()) {
             LOG_WRN("moe-cache: not engaged, running without it: --moe-cache-slots needs --moe-cache-profile\n");
         }
         return false;
     }
-    return common_moe_cache_enable(model, params.model.path, params.moe_cache_profile, params.moe_cache_slots,
-        params.moe_cache_max_batch, params.moe_cache_margin_mib, params.endpoint_metrics);
+    return common_moeplug_cache_enable(model, params.model.path, params.moeplug_cache_profile, params.moeplug_cache_slots,
+        params.moeplug_cache_max_batch, params.moeplug_cache_margin_mib, params.endpoint_metrics);
 }
 
-std::string common_moe_cache_metrics(const llama_model * model) {
-    std::vector<llama_moe_cache_layer_stats> stats(llama_model_moe_cache_stats(model, nullptr, 0));
+std::string common_moeplug_cache_metrics(const llama_model * model) {
+    std::vector<llama_moeplug_cache_layer_stats> stats(llama_model_moeplug_cache_stats(model, nullptr, 0));
     if (stats.empty()) {
         return "";
     }
-    llama_model_moe_cache_stats(model, stats.data(), stats.size());
+    llama_model_moeplug_cache_stats(model, stats.data(), stats.size());
 
     uint64_t selected = 0, resident = 0, cpu_bytes = 0;
     std::string layers_selected, layers_resident;
@@ -367,4 +400,24 @@ std::string common_moe_cache_metrics(const llama_model * model) {
            "# TYPE llamacpp:moe_cache_layer_selections_total counter\n" + layers_selected +
            "# HELP llamacpp:moe_cache_layer_hits_total Resident-slot hits per MoE layer.\n"
            "# TYPE llamacpp:moe_cache_layer_hits_total counter\n" + layers_resident;
+}
+
+bool common_moeplug_replay_load(llama_model * model, const std::string & path) {
+    llama_moeplug_replay_result result = {};
+    if (!llama_model_moeplug_replay_init(model, path.c_str(), &result)) {
+        LOG_ERR("moe-replay: %s\n", result.reason);
+        return false;
+    }
+    LOG_INF("moe-replay: %s, %d prompts, %lld tokens, %d layers x %d of %d%s\n", path.c_str(),
+        result.n_prompts, (long long) result.n_tokens, result.n_layer, result.n_expert_used, result.n_expert,
+        result.has_weights ? ", with weights" : "");
+    return true;
+}
+
+bool common_moeplug_replay_init(llama_model * model, const common_params & params) {
+    return params.moeplug_route_replay.empty() || common_moeplug_replay_load(model, params.moeplug_route_replay);
+}
+
+void common_moeplug_replay_reset(const llama_model * model) {
+    llama_model_moeplug_replay_reset(model);
 }

@@ -2,18 +2,21 @@
 
 // Expert slot cache (moeplug), the common side: the model fingerprint that ties a moe profile
 // to one model, and the start-up call that reads a profile, picks each layer's hottest experts
-// and asks libllama to keep them resident (llama_model_moe_cache_init).
+// and asks libllama to keep them resident (llama_model_moeplug_cache_init).
 
 #include <cstdint>
 #include <string>
 #include <vector>
+
+// the profile format this build reads and writes (native/PROFILE-FORMAT.md)
+#define COMMON_MOEPLUG_PROFILE_VERSION 1u
 
 struct common_params;
 struct gguf_context;
 struct llama_model;
 
 // what a moe profile records of the model it was made with (native/PROFILE-FORMAT.md)
-struct common_moe_fingerprint {
+struct common_moeplug_fingerprint {
     std::string              arch;
     uint32_t                 n_layer       = 0;
     uint32_t                 n_expert      = 0;
@@ -28,45 +31,59 @@ struct common_moe_fingerprint {
 };
 
 // reads the fingerprint of the model whose (first) file is path; throws std::runtime_error
-common_moe_fingerprint common_moe_fingerprint_of(const std::string & path);
+common_moeplug_fingerprint common_moeplug_fingerprint_of(const std::string & path);
 
 // writes the fingerprint keys (moe_profile.model.*) into a profile
-void common_moe_fingerprint_write(gguf_context * profile, const common_moe_fingerprint & fp);
+void common_moeplug_fingerprint_write(gguf_context * profile, const common_moeplug_fingerprint & fp);
 
 // gguf_set_arr_str for a vector of strings
-void common_moe_set_arr_str(gguf_context * g, const char * key, const std::vector<std::string> & v);
+void common_moeplug_set_arr_str(gguf_context * g, const char * key, const std::vector<std::string> & v);
 
 // "" when the profile's fingerprint is fp, else which key differs
-std::string common_moe_fingerprint_diff(const gguf_context * profile, const common_moe_fingerprint & fp);
+std::string common_moeplug_fingerprint_diff(const gguf_context * profile, const common_moeplug_fingerprint & fp);
 
 // the slots each profiled layer asks for: "N" (every layer) or "N0,N1,..." (one per layer of the
 // profile, in its order; 0 leaves a layer out); throws std::invalid_argument
-std::vector<int32_t> common_moe_parse_slots(const std::string & spec);
+std::vector<int32_t> common_moeplug_parse_slots(const std::string & spec);
 
 // reads the profile, checks it against the model's fingerprint and picks the slots of each layer:
 // the experts with the most decode selections (then prefill, then the lower id); n_slots holds one
-// count for every layer or one per layer (common_moe_parse_slots); throws std::runtime_error
-struct common_moe_cache_choice {
+// count for every layer or one per layer (common_moeplug_parse_slots); throws std::runtime_error
+struct common_moeplug_cache_choice {
     std::string          tensor;  // the layer's expert down weight
     std::vector<int32_t> experts; // hottest first
 };
-std::vector<common_moe_cache_choice> common_moe_cache_choose(
-        const std::string & profile_path, const common_moe_fingerprint & model, const std::vector<int32_t> & n_slots);
+std::vector<common_moeplug_cache_choice> common_moeplug_cache_choose(
+        const std::string & profile_path, const common_moeplug_fingerprint & model, const std::vector<int32_t> & n_slots);
 
 // sets up the cache with the hottest experts of each layer from the profile (slots: as
-// common_moe_parse_slots reads it); logs one line:
+// common_moeplug_parse_slots reads it); logs one line:
 //   moe-cache: L layers x N slots, X MiB uploaded to DEV in T s
 //   moe-cache: L layers x N0-N1 slots (S in all, F whole layers), X MiB uploaded to DEV in T s
 // (the part in parentheses when layers differ or some hold every expert, N0- when they differ)
 // or, when it cannot engage (the model then runs without it):
 //   moe-cache: not engaged, running without it: REASON
 // returns whether it engaged
-bool common_moe_cache_enable(llama_model * model, const std::string & model_path, const std::string & profile_path,
+bool common_moeplug_cache_enable(llama_model * model, const std::string & model_path, const std::string & profile_path,
         const std::string & slots, int32_t max_batch, int32_t margin_mib, bool count = false);
 
-// common_moe_cache_enable from params.moe_cache_*, when a profile is given; counts slot hits
+// common_moeplug_cache_enable from params.moeplug_cache_*, when a profile is given; counts slot hits
 // when the server's metrics endpoint is on
-bool common_moe_cache_init(llama_model * model, const common_params & params);
+bool common_moeplug_cache_init(llama_model * model, const common_params & params);
 
 // the cache's counters in the Prometheus text format of llama-server's /metrics ("" without a cache)
-std::string common_moe_cache_metrics(const llama_model * model);
+std::string common_moeplug_cache_metrics(const llama_model * model);
+
+// route replay (src/llama-moeplug-replay.h): loads the replay file into the model and logs
+//   moe-replay: FILE, P prompts, T tokens, L layers x K of E[, with weights]
+// or, refusing a file that cannot be read or does not match the model (a benchmark switch must
+// never fall back silently):
+//   moe-replay: REASON
+// returns false when the file was refused
+bool common_moeplug_replay_load(llama_model * model, const std::string & path);
+
+// common_moeplug_replay_load of params.moeplug_route_replay, when given (true when not)
+bool common_moeplug_replay_init(llama_model * model, const common_params & params);
+
+// forgets which prompt each sequence replays (after the warm-up run)
+void common_moeplug_replay_reset(const llama_model * model);

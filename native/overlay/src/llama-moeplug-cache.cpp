@@ -1,10 +1,12 @@
-#include "llama-moe-cache.h"
+#include "llama-moeplug-cache.h"
 
+#include "llama-adapter.h"
 #include "llama-ext.h"
 #include "llama-impl.h"
 #include "llama-model.h"
 
 #include "gguf.h"
+#include "ggml-cpp.h"
 
 #include <algorithm>
 #include <cinttypes>
@@ -16,8 +18,9 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <unordered_set>
 
-ggml_tensor * llama_moe_cache_layer::slot(const ggml_tensor * src) const {
+ggml_tensor * llama_moeplug_cache_layer::slot(const ggml_tensor * src) const {
     if (src == nullptr) {
         return nullptr;
     }
@@ -25,7 +28,7 @@ ggml_tensor * llama_moe_cache_layer::slot(const ggml_tensor * src) const {
     return it == slots.end() ? nullptr : it->second;
 }
 
-const llama_moe_cache_layer * llama_moe_cache::find(const ggml_tensor * down_exps, int64_t n_tokens) const {
+const llama_moeplug_cache_layer * llama_moeplug_cache::find(const ggml_tensor * down_exps, int64_t n_tokens) const {
     const auto it = layers.find(down_exps);
     if (it == layers.end() || (n_tokens > max_batch && !it->second->full)) {
         return nullptr;
@@ -33,7 +36,7 @@ const llama_moe_cache_layer * llama_moe_cache::find(const ggml_tensor * down_exp
     return it->second.get();
 }
 
-void llama_moe_cache_count(const llama_moe_cache & cache, ggml_cgraph * gf) {
+void llama_moeplug_cache_count(const llama_moeplug_cache & cache, ggml_cgraph * gf) {
     std::vector<int32_t> ids;
     for (const auto & [down, layer] : cache.layers) {
         char name[GGML_MAX_NAME];
@@ -63,12 +66,12 @@ void llama_moe_cache_count(const llama_moe_cache & cache, ggml_cgraph * gf) {
     }
 }
 
-size_t llama_model_moe_cache_stats(const llama_model * model, llama_moe_cache_layer_stats * out, size_t n_max) {
-    if (!model->moe_cache) {
+size_t llama_model_moeplug_cache_stats(const llama_model * model, llama_moeplug_cache_layer_stats * out, size_t n_max) {
+    if (!model->moeplug_cache) {
         return 0;
     }
-    std::vector<const llama_moe_cache_layer *> layers;
-    for (const auto & [down, layer] : model->moe_cache->layers) {
+    std::vector<const llama_moeplug_cache_layer *> layers;
+    for (const auto & [down, layer] : model->moeplug_cache->layers) {
         layers.push_back(layer.get());
     }
     std::sort(layers.begin(), layers.end(), [](auto * a, auto * b) { return a->il < b->il; });
@@ -78,9 +81,131 @@ size_t llama_model_moe_cache_stats(const llama_model * model, llama_moe_cache_la
     return layers.size();
 }
 
-uint32_t llama_moe_cache::n_extra_nodes() const {
-    // the remaps, a second expert pass and the merge: well under 64 nodes per layer
-    return 64u * (uint32_t) layers.size();
+uint32_t llama_moeplug_cache::n_extra_nodes() const {
+    return MOEPLUG_CACHE_EXTRA_NODES_PER_LAYER * (uint32_t) layers.size();
+}
+
+namespace {
+
+// flags every MUL_MAT_ID and ADD_ID between out and the pass's inputs so that a negative id
+// contributes an exact zero
+void moe_set_skip_neg_ids(ggml_tensor * t, const std::unordered_set<const ggml_tensor *> & inputs,
+        std::unordered_set<const ggml_tensor *> & seen) {
+    if (t == nullptr || inputs.count(t) || !seen.insert(t).second) {
+        return;
+    }
+    if (t->op == GGML_OP_MUL_MAT_ID || t->op == GGML_OP_ADD_ID) {
+        ggml_set_skip_neg_ids(t);
+    }
+    for (int i = 0; i < GGML_MAX_SRC; ++i) {
+        moe_set_skip_neg_ids(t->src[i], inputs, seen);
+    }
+}
+
+// whether graph g can run the layer on its cache (the layer logs once why not)
+bool moe_cache_usable(const llm_graph_context & g, const llm_moe_experts & w, const llama_moeplug_cache_layer & cache, int il) {
+    const char * why = nullptr;
+    for (ggml_tensor * t : { w.up, w.up_b, w.up_s, w.gate, w.gate_b, w.gate_s, w.gate_up, w.gate_up_b, w.down, w.down_b, w.down_s }) {
+        if (t == nullptr) {
+            continue;
+        }
+        if (cache.slot(t) == nullptr) {
+            why = "an expert tensor has no slot copy";
+        }
+        for (const auto & lora : *g.loras) {
+            if (lora.first->get_weight(t) != nullptr) {
+                why = "a LoRA adapter changes its experts";
+            }
+        }
+    }
+    if (why != nullptr && !cache.warned.exchange(true)) {
+        LLAMA_LOG_WARN("moe-cache: layer %d runs without the cache: %s\n", il, why);
+    }
+    return why == nullptr;
+}
+
+} // namespace
+
+ggml_tensor * llama_moeplug_cache::build_experts(
+        const llm_graph_context & g,
+                ggml_tensor * cur,
+                ggml_tensor * selected_experts,
+      const llm_moe_experts & w,
+            llm_ffn_op_type   type_op,
+                        int   il) const {
+    const llama_moeplug_cache_layer * cache = find(w.down, selected_experts->ne[1]);
+    if (cache == nullptr || !moe_cache_usable(g, w, *cache, il)) {
+        return nullptr;
+    }
+
+    ggml_context * ctx0 = g.ctx0;
+    ggml_cgraph  * gf   = g.gf;
+
+    const llm_moe_experts ws = {
+        /*.up        =*/ cache->slot(w.up),
+        /*.up_b      =*/ cache->slot(w.up_b),
+        /*.up_s      =*/ cache->slot(w.up_s),
+        /*.gate      =*/ cache->slot(w.gate),
+        /*.gate_b    =*/ cache->slot(w.gate_b),
+        /*.gate_s    =*/ cache->slot(w.gate_s),
+        /*.gate_up   =*/ cache->slot(w.gate_up),
+        /*.gate_up_b =*/ cache->slot(w.gate_up_b),
+        /*.down      =*/ cache->slot(w.down),
+        /*.down_b    =*/ cache->slot(w.down_b),
+        /*.down_s    =*/ cache->slot(w.down_s),
+    };
+
+    if (cache->full) {
+        // slot i holds expert i: the stock expert pass on the slots
+        return g.build_moe_experts(cur, selected_experts, nullptr, ws, type_op, il);
+    }
+
+    const int64_t n_used   = selected_experts->ne[0];
+    const int64_t n_tokens = selected_experts->ne[1];
+
+    ggml_tensor * sel = ggml_is_contiguous(selected_experts) ? selected_experts : ggml_cont(ctx0, selected_experts);
+    sel = ggml_reshape_1d(ctx0, sel, n_used*n_tokens);
+
+    auto remap = [&](ggml_tensor * map, const char * name) {
+        ggml_tensor * rows = ggml_get_rows(ctx0, map, sel);
+        if (count) {
+            ggml_set_output(rows); // read after the graph ran (llama_moeplug_cache_count)
+        }
+        ggml_tensor * ids = ggml_reshape_2d(ctx0, rows, n_used, n_tokens); // [n_expert_used, n_tokens]
+        g.cb(ids, name, il);
+        ggml_build_forward_expand(gf, ids);
+        return ids;
+    };
+
+    const bool has_scales = w.up_s || w.gate_s || w.down_s;
+
+    ggml_tensor * ids_src    = remap(cache->map_src,  "ffn_moe_ids_src");
+    ggml_tensor * ids_slot   = remap(cache->map_slot, "ffn_moe_ids_slot");
+    ggml_tensor * ids_slot_s = has_scales ? remap(cache->map_slot_clamped, "ffn_moe_ids_slot_clamped") : nullptr;
+
+    // the experts that are not resident, on the source weights; scale rows by the real ids
+    ggml_tensor * e_src = g.build_moe_experts(cur, ids_src, selected_experts, w, type_op, il);
+    {
+        std::unordered_set<const ggml_tensor *> seen;
+        moe_set_skip_neg_ids(e_src, { cur, ids_src, selected_experts }, seen);
+    }
+    g.cb(e_src, "ffn_moe_experts_src", il);
+    ggml_build_forward_expand(gf, e_src);
+
+    // the resident experts, on their slots
+    ggml_tensor * e_slot = g.build_moe_experts(cur, ids_slot, ids_slot_s, ws, type_op, il);
+    {
+        std::unordered_set<const ggml_tensor *> seen;
+        moe_set_skip_neg_ids(e_slot, { cur, ids_slot, ids_slot_s }, seen);
+    }
+    g.cb(e_slot, "ffn_moe_experts_slot", il);
+    ggml_build_forward_expand(gf, e_slot);
+
+    // each (expert, token) is exactly zero in one of the two: the sum is the stock value
+    ggml_tensor * experts = ggml_add(ctx0, e_slot, e_src);
+    g.cb(experts, "ffn_moe_experts_merged", il);
+
+    return experts;
 }
 
 namespace {
@@ -120,21 +245,24 @@ std::unordered_map<std::string, moe_file_slice> moe_file_slices(const std::vecto
     std::unordered_map<std::string, moe_file_slice> slices;
     for (const auto & p : paths) {
         gguf_init_params ip = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
-        gguf_context * g = gguf_init_from_file(p.c_str(), ip);
-        if (g == nullptr) {
+        gguf_context_ptr g { gguf_init_from_file(p.c_str(), ip) };
+        if (!g) {
             throw std::runtime_error("cannot read the GGUF header of " + p);
         }
-        for (int64_t i = 0; i < gguf_get_n_tensors(g); ++i) {
-            slices[gguf_get_tensor_name(g, i)] = { p, gguf_get_data_offset(g) + gguf_get_tensor_offset(g, i) };
+        for (int64_t i = 0; i < gguf_get_n_tensors(g.get()); ++i) {
+            slices[gguf_get_tensor_name(g.get(), i)] = { p, gguf_get_data_offset(g.get()) + gguf_get_tensor_offset(g.get(), i) };
         }
-        gguf_free(g);
     }
     return slices;
 }
 
 // can dev compute a MUL_MAT_ID with negative ids on a weight of type `type` in buft?
 bool moe_dev_supports_skip_neg(ggml_backend_dev_t dev, ggml_backend_buffer_type_t buft, const ggml_tensor * w) {
-    ggml_init_params params = { ggml_tensor_overhead()*8, nullptr, true };
+    ggml_init_params params = {
+        /*.mem_size   =*/ ggml_tensor_overhead()*8,
+        /*.mem_buffer =*/ nullptr,
+        /*.no_alloc   =*/ true,
+    };
     ggml_context_ptr ctx { ggml_init(params) };
 
     ggml_tensor * as  = ggml_new_tensor_3d(ctx.get(), w->type, w->ne[0], w->ne[1], 2);
@@ -152,10 +280,19 @@ bool moe_is_cpu_dev(ggml_backend_dev_t dev) {
     return dev == nullptr || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
 }
 
+// N of a "blk.N.*" tensor name, or -1
+int moe_block_index(const std::string & name) {
+    int il = -1;
+    int n  = 0;
+    if (sscanf(name.c_str(), "blk.%d.%n", &il, &n) != 1 || n == 0 || il < 0) {
+        return -1;
+    }
+    return il;
+}
+
 // the layer's expert tensors: blk.N.ffn_{gate,up,gate_up,down}_exps.* (or _chexps.*, after down)
 std::vector<const ggml_tensor *> moe_layer_sources(const llama_model & model, const std::string & down_name) {
-    const size_t dot   = down_name.find('.', 4);
-    const std::string prefix = down_name.substr(0, dot + 1) + "ffn_";
+    const std::string prefix = format("blk.%d.ffn_", moe_block_index(down_name));
     const std::string infix  = down_name.find("_chexps.") != std::string::npos ? "_chexps." : "_exps.";
 
     std::vector<const ggml_tensor *> res;
@@ -172,18 +309,18 @@ std::vector<const ggml_tensor *> moe_layer_sources(const llama_model & model, co
 // fills plan from one layer of the request; returns "" or why the layer is left stock
 using moe_support_cache = std::map<std::pair<ggml_backend_buffer_type_t, ggml_type>, bool>;
 
-std::string moe_plan_layer(const llama_model & model, const llama_moe_cache_layer_experts & req, bool debug_cpu,
+std::string moe_plan_layer(const llama_model & model, const llama_moeplug_cache_layer_experts & req, bool debug_cpu,
         moe_support_cache & supported, moe_layer_plan & plan) {
     const std::string name = req.tensor ? req.tensor : "";
     const ggml_tensor * down = model.get_tensor(name.c_str());
-    if (down == nullptr || name.rfind("blk.", 0) != 0) {
+    if (down == nullptr || moe_block_index(name) < 0) {
         throw std::runtime_error("the model has no expert tensor " + name);
     }
     if (ggml_n_dims(down) != 3) {
         throw std::runtime_error(name + " is not a 3-d expert tensor");
     }
     plan.down = down;
-    plan.il   = atoi(name.c_str() + 4);
+    plan.il   = moe_block_index(name);
 
     const int64_t n_expert = down->ne[2];
     if (req.n_experts < 1 || req.n_experts > n_expert) {
@@ -300,7 +437,7 @@ std::string moe_plans_failure(const std::map<std::string, int> & reasons) {
 
 } // namespace
 
-bool llama_moe_cache_build(llama_model & model, const llama_moe_cache_params & params, llama_moe_cache_result & result) {
+bool llama_moeplug_cache_build(llama_model & model, const llama_moeplug_cache_params & params, llama_moeplug_cache_result & result) {
     const int64_t t_start = ggml_time_us();
     const bool debug_cpu = moe_debug_cpu();
 
@@ -328,7 +465,7 @@ bool llama_moe_cache_build(llama_model & model, const llama_moe_cache_params & p
         LLAMA_LOG_WARN("moe-cache: %d %s left stock: %s\n", n, n == 1 ? "layer" : "layers", why.c_str());
     }
 
-    auto cache = std::make_unique<llama_moe_cache>();
+    auto cache = std::make_unique<llama_moeplug_cache>();
     cache->max_batch = params.max_batch;
     cache->count     = params.count;
 
@@ -339,7 +476,11 @@ bool llama_moe_cache_build(llama_model & model, const llama_moe_cache_params & p
         if (it != ctx_of.end()) {
             return it->second;
         }
-        ggml_init_params ip = { ggml_tensor_overhead() * 64 * (plans.size() + 1), nullptr, true };
+        ggml_init_params ip = {
+            /*.mem_size   =*/ ggml_tensor_overhead() * MOEPLUG_CACHE_TENSORS_PER_LAYER * (plans.size() + 1),
+            /*.mem_buffer =*/ nullptr,
+            /*.no_alloc   =*/ true,
+        };
         ggml_context * ctx = ggml_init(ip);
         cache->ctxs.emplace_back(ctx);
         ctx_of[buft] = ctx;
@@ -349,7 +490,7 @@ bool llama_moe_cache_build(llama_model & model, const llama_moe_cache_params & p
     std::map<ggml_backend_dev_t, size_t> bytes_on;
     std::map<ggml_backend_dev_t, size_t> bytes_per_slot_on;
     for (const auto & plan : plans) {
-        auto layer = std::make_unique<llama_moe_cache_layer>();
+        auto layer = std::make_unique<llama_moeplug_cache_layer>();
         layer->il       = plan.il;
         layer->n_expert = plan.down->ne[2];
         layer->experts  = plan.experts;
@@ -459,18 +600,18 @@ bool llama_moe_cache_build(llama_model & model, const llama_moe_cache_params & p
     result.t_upload_s = (ggml_time_us() - t_start) / 1e6;
     snprintf(result.device, sizeof(result.device), "%s", ggml_backend_dev_name(plans[0].dev));
 
-    model.moe_cache = std::move(cache);
+    model.moeplug_cache = std::move(cache);
     return true;
 }
 
-bool llama_model_moe_cache_init(llama_model * model, const llama_moe_cache_params * params, llama_moe_cache_result * result) {
+bool llama_model_moeplug_cache_init(llama_model * model, const llama_moeplug_cache_params * params, llama_moeplug_cache_result * result) {
     *result = {};
-    if (model->moe_cache) {
+    if (model->moeplug_cache) {
         snprintf(result->reason, sizeof(result->reason), "the model has a cache already");
         return false;
     }
     try {
-        return llama_moe_cache_build(*model, *params, *result);
+        return llama_moeplug_cache_build(*model, *params, *result);
     } catch (const std::exception & err) {
         snprintf(result->reason, sizeof(result->reason), "%s", err.what());
         return false;
