@@ -66,3 +66,30 @@ def gpu_arch() -> str | None:
     """GPU 0's compute capability as a CMake architecture ("90"), or None."""
     found = gpus()
     return found[0].compute_capability if found else None
+
+
+def process_vram_bytes(pid: int) -> int | None:
+    """GPU memory the process `pid` holds on every NVIDIA GPU together (NVML's per-process
+    accounting), or None without an NVIDIA GPU or where NVML does not list the process (another
+    PID namespace)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        total, found = 0, False
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+                if proc.pid == pid and proc.usedGpuMemory is not None:
+                    total, found = total + int(proc.usedGpuMemory), True
+        return total if found else None
+    except Exception:
+        return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass

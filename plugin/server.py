@@ -49,6 +49,18 @@ def health(port: int) -> dict[str, Any] | None:
         return {"http_status": r.status_code}
 
 
+def complete(url: str, prompt: str | list[int], n_predict: int = 16, seed: int = 42, timeout: float = 300,
+             **params: Any) -> dict[str, Any]:
+    """A greedy /completion on the llama-server at url (no prompt cache); the reply includes the
+    generated token ids and llama-server's `timings`."""
+    body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "seed": seed,
+            "cache_prompt": False, "return_tokens": True, **params}
+    r = requests.post(f"{url}/completion", json=body, timeout=timeout)
+    if r.status_code != 200:
+        raise MoeplugError(f"llama-server /completion answered {r.status_code}: {r.text[:200]}")
+    return dict(r.json())
+
+
 @dataclass
 class Server:
     proc: subprocess.Popen[bytes]
@@ -79,12 +91,7 @@ class Server:
 
     def complete(self, prompt: str | list[int], n_predict: int = 16, seed: int = 42, **params: Any) -> dict[str, Any]:
         """A greedy /completion; the reply includes the generated token ids."""
-        body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "seed": seed,
-                "cache_prompt": False, "return_tokens": True, **params}
-        r = requests.post(f"{self.url}/completion", json=body, timeout=300)
-        if r.status_code != 200:
-            raise MoeplugError(f"llama-server /completion answered {r.status_code}: {r.text[:200]}")
-        return dict(r.json())
+        return complete(self.url, prompt, n_predict, seed, **params)
 
     def stop(self, timeout: float = 10) -> None:
         if self.proc.poll() is not None:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from moeplug.synth import ARCHS, ModelSpec, make_model
@@ -50,3 +51,22 @@ def stock_build():
     from moeplug.native import build, resolve_options
 
     return build(resolve_options("cpu", stock=True, jobs=0, cuda_arch=None))
+
+
+def write_npz(path: Path, prompts: int = 12, seed: int = 3, layers: int = 24, experts: int = 32,
+              used: int = 4, **override: np.ndarray) -> dict[str, np.ndarray]:
+    """A routing trace in the npz layout of shared/data/traces (default: gpt-oss-20b's 24 layers x 4
+    of 32): skewed, random, every expert id present, each token's ids distinct."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(5, 40, size=prompts)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    n = int(offsets[-1])
+    skew = rng.dirichlet(np.full(experts, 0.5), size=layers)
+    ex = np.stack([np.stack([rng.choice(experts, used, replace=False, p=skew[layer]) for layer in range(layers)])
+                   for _ in range(n)]).astype(np.uint8)
+    k = min(n, experts)  # layer 0 of the first tokens selects every expert id
+    ex[:k, 0] = (np.arange(k)[:, None] + np.arange(used)) % experts
+    probs = rng.random(ex.shape).astype(np.float16)
+    arrays = {"experts": ex, "probs": probs, "offsets": offsets, **override}
+    np.savez_compressed(path, **arrays)
+    return arrays

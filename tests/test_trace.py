@@ -14,32 +14,13 @@ import gguf
 import numpy as np
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, write_npz
 from moeplug.profile.format import model_fingerprint, read_profile
 from moeplug.synth import ModelSpec, make_model
 from moeplug.trace import load_trace, read_replay
 
 LAYERS, EXPERTS, USED = 24, 32, 4  # gpt-oss-20b's routing layout
 REAL_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "gpt-oss-20b" / "decode-routing-mmlu.npz"
-
-
-def write_npz(path: Path, prompts: int = 12, seed: int = 3, layers: int = LAYERS, experts: int = EXPERTS,
-              used: int = USED, **override: np.ndarray) -> dict[str, np.ndarray]:
-    """A skewed random trace; every expert id appears, each token's ids distinct."""
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(5, 40, size=prompts)
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    n = int(offsets[-1])
-    skew = rng.dirichlet(np.full(experts, 0.5), size=layers)
-    ex = np.stack([np.stack([rng.choice(experts, used, replace=False, p=skew[layer]) for layer in range(layers)])
-                   for _ in range(n)]).astype(np.uint8)
-    ex[0, :, 0] = np.arange(experts)[np.arange(layers) % experts]
-    ex[: experts, 0, 0] = np.arange(experts)
-    ex[: experts, 0, 1:] = (np.arange(experts)[:, None] + np.arange(1, used)) % experts
-    probs = rng.random(ex.shape).astype(np.float16)
-    arrays = {"experts": ex, "probs": probs, "offsets": offsets, **override}
-    np.savez_compressed(path, **arrays)
-    return arrays
 
 
 def numpy_counts(experts: np.ndarray, n_expert: int) -> np.ndarray:

@@ -171,13 +171,23 @@ def run_rounds(rows: list[Row], binary_of: Callable[[Row], Path], model: Path, l
     deadline (a time.time()): no round starts that would end after it at the pace of the last one
     (every load mode runs at least one round), so every row keeps the same number of rounds."""
     for load in loads:
-        for i in range(rounds):
-            started = time.time()
-            for row in rows if i % 2 == 0 else rows[::-1]:
-                run_once(binary_of(row), model, row, load, pp, tg, reps, pp_reps)
-            if deadline is not None and i + 1 < rounds and time.time() + (time.time() - started) > deadline:
-                print(f"# {load}: {i + 1} of {rounds} rounds, another would pass the time limit", file=sys.stderr)
-                break
+        interleaved_rounds(rows, rounds, lambda row: run_once(binary_of(row), model, row, load, pp, tg, reps, pp_reps),
+                           deadline, load)
+
+
+def interleaved_rounds(rows: list, rounds: int, run_row: Callable, deadline: float | None = None,
+                       label: str = "rows") -> int:
+    """run_row(row) for every row, round after round, every other round in reverse order; no round
+    starts that would end after deadline (a time.time()) at the pace of the last one (at least one
+    round runs). Returns the rounds run. serve_bench.py runs its rows through here too."""
+    for i in range(rounds):
+        started = time.time()
+        for row in rows if i % 2 == 0 else rows[::-1]:
+            run_row(row)
+        if deadline is not None and i + 1 < rounds and time.time() + (time.time() - started) > deadline:
+            print(f"# {label}: {i + 1} of {rounds} rounds, another would pass the time limit", file=sys.stderr)
+            return i + 1
+    return rounds
 
 
 def cache_desc(plan, info) -> str:

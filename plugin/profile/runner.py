@@ -46,9 +46,14 @@ def resolve_prompt_set(name: str) -> tuple[str, Path]:
     raise MoeplugError(f"unknown prompt set '{name}' (bundled: {', '.join(known)}; or a path to a .txt file)")
 
 
-def count_prompts(path: Path) -> int:
+def read_prompts(path: Path) -> list[str]:
+    """The prompts of a prompts file: separated by lines of '---', blank ones skipped."""
     text = path.read_text(encoding="utf-8")
-    return sum(1 for chunk in re.split(r"^---$", text, flags=re.M) if chunk.strip())
+    return [chunk.strip() for chunk in re.split(r"^---$", text, flags=re.M) if chunk.strip()]
+
+
+def count_prompts(path: Path) -> int:
+    return len(read_prompts(path))
 
 
 def default_profile_path(fingerprint: ModelFingerprint) -> Path:

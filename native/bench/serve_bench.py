@@ -1,0 +1,414 @@
+"""Server-level benchmark: moeplug's plan, served as `moeplug serve` serves it, against stock
+llama-server `--fit on` at the same VRAM budget, on text, recorded routing and random tokens.
+
+    python native/bench/serve_bench.py --shape qwen3-30b-a3b --budgets 8,12,16 --workloads text,random
+    python native/bench/serve_bench.py --shape gpt-oss-20b --budgets 25%,50% --workloads replay,text \\
+        --trace ../shared/data/traces/gpt-oss-20b/decode-routing-mmlu.npz --train-prompts 0:400 --replay-prompts 400:
+
+For each budget (GiB, or `N%`: the planner's other VRAM plus N% of the model's expert bytes) and
+each server configuration, one llama-server is launched per round through moeplug's own library
+(`moeplug.install.plan_for` -> `Plan.server_args` -> `moeplug.serving.launch`, exactly what
+`moeplug serve` runs, with --metrics), the workload's prompts are sent one by one to
+`/completion` (greedy, no prompt cache, `ignore_eos`), and it is stopped again:
+
+  moeplug   the plan's flags on the patched build (a profile of the bundled text prompts for the
+            text and random workloads; for the replay workload, a profile of the trace's training
+            prompts, `moeplug profile --from-trace`)
+  stock     stock llama-server `--fit on -fitt (free VRAM - budget)` from a stock build, with the
+            same context, load mode (-lm), threads and parallel slots
+
+Workloads: `text` (the bundled profiling prompts, profiles/*.txt, and prompts/unseen.txt, which
+profiling never sees: code in other languages, prose, German, French, Chinese, repetitive text),
+`replay` (both servers run `--moe-route-replay` with the same replay file of the held-out
+prompts: every request takes the file's next prompt, the launch's context probe the first one on
+both sides alike; the trace is split by prompt, never by token), `random` (uniformly random token ids). Per prompt: prefill and decode t/s from
+llama-server's `timings`; per server run: the VRAM the process holds (NVML; null without a GPU)
+and the slot hit rate from `/metrics`. Rows run interleaved in rounds (bench.interleaved_rounds:
+every other round reversed; `--time-limit S` starts no round that would end later than S seconds
+after the start). One markdown table per workload: per budget the median over prompts of the
+per-prompt ratio moeplug/stock (each prompt's t/s is its median over rounds), the lowest
+per-prompt ratio, the VRAM and the measured hit rate.
+
+The replay workload needs a build whose llama-server lists --moe-route-replay; a stock build
+never does (the flag is ours), so there the stock rows run on the patched build with stock flags
+(the patches are opt-in: without the cache flags it runs stock's code). On a CPU build (no NVIDIA
+GPU) it runs as a smoke test: the moeplug side holds its slots in RAM (LLAMA_MOE_CACHE_DEVICE=CPU,
+as the demo does), stock --fit has nothing to fit, VRAM is null.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import GIB, MIB, Prebuilt, free_vram_or_say, interleaved_rounds, median  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+UNSEEN_PROMPTS = HERE / "prompts" / "unseen.txt"
+DEFAULT_TRACE = HERE.parents[1] / ".." / "shared" / "data" / "traces" / "gpt-oss-20b" / "decode-routing-mmlu.npz"
+REPLAY_FLAG = "--moe-route-replay"
+WORKLOADS = ("text", "replay", "random")
+TABLES = {"text-profiled": "text: the bundled profiling prompts (profiles/*.txt)",
+          "text-unseen": "text: prompts profiling never sees (native/bench/prompts/unseen.txt)",
+          "replay": "trace replay: held-out prompts of the trace, moeplug planned from its training prompts",
+          "random": "random token ids"}
+
+
+@dataclass
+class Config:
+    """One server configuration: launched once per round, serving some workloads."""
+
+    budget: str
+    side: str  # "moeplug" or "stock"
+    binary: Path
+    build_id: str
+    server_args: list[str]
+    workloads: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    desc: str = ""
+    # (workload, prompt index) -> [prefill t/s, decode t/s] of each round
+    samples: dict[tuple[str, int], list[tuple[float, float]]] = field(default_factory=dict)
+    vram: list[int | None] = field(default_factory=list)
+    hits: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # workload -> (hits, selections) per round
+    errors: list[str] = field(default_factory=list)
+
+
+def parse_budgets(text: str) -> list[tuple[str, float, bool]]:
+    """'8,12,16' (GiB) or '25%,50%' (of the expert bytes): (label, value, is_fraction)."""
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        try:
+            out.append((item, float(item[:-1]) / 100, True) if item.endswith("%") else (f"{item} GiB", float(item), False))
+        except ValueError:
+            raise SystemExit(f"--budgets: {item!r} is neither GiB (8) nor a share of the expert bytes (25%)") from None
+    return out
+
+
+def budget_bytes(info, ctx: int, value: float, fraction: bool) -> int:
+    """Bytes of VRAM; a fraction buys that share of the expert bytes beside what the planner puts
+    on the GPU anyway (its own estimate of weights, KV cache, buffers and margin)."""
+    from moeplug.plan import make_plan
+
+    if not fraction:
+        return int(value * GIB)
+    p = make_plan(info, ctx, 1 << 50)
+    other = p.non_expert_vram_bytes + p.kv_cache_bytes + p.compute_bytes + p.margin_bytes
+    return int(other + value * info.expert_bytes)
+
+
+def lists_flag(binary: Path, flag: str) -> bool:
+    r = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=60)
+    return flag in r.stdout + r.stderr
+
+
+def build_of(prebuilt: Path | None, stock: bool, backend: str | None, jobs: int):
+    from moeplug.native.build import build, resolve_options
+
+    return Prebuilt(prebuilt) if prebuilt else build(resolve_options(backend, stock=stock, jobs=jobs, cuda_arch=None))
+
+
+def vocab_size(model: Path) -> int:
+    """Tokens of the model's vocabulary (the random workload draws from all of them)."""
+    import gguf
+
+    from moeplug.model_inspect import shard_paths
+
+    field = gguf.GGUFReader(shard_paths(model)[0]).get_field("tokenizer.ggml.tokens")
+    return len(field.data) if field is not None else 32000
+
+
+def make_prompts(a: argparse.Namespace, n_vocab: int, n_replay: int) -> dict[str, list[str | list[int]]]:
+    from moeplug.profile.runner import read_prompts, resolve_prompt_set
+
+    rng = np.random.default_rng(a.seed)
+    cap = (lambda xs: xs[: a.max_prompts]) if a.max_prompts else (lambda xs: xs)
+    profiled = [p for name in ("codeish", "chatty") for p in read_prompts(resolve_prompt_set(name)[1])]
+    return {
+        "text-profiled": cap(profiled),
+        "text-unseen": cap(read_prompts(UNSEEN_PROMPTS)),
+        "random": [rng.integers(0, n_vocab, a.random_tokens).tolist() for _ in range(a.random_prompts)],
+        # token ids do not steer the router here: the replay file does
+        "replay": cap([rng.integers(0, n_vocab, a.replay_prompt_tokens).tolist() for _ in range(n_replay)]),
+    }
+
+
+def run_config(cfg: Config, model: Path, ctx: int, prompts: dict[str, list], n_predict: int) -> None:
+    """One round of one configuration: launch, every prompt of its workloads, VRAM, stop."""
+    import requests
+
+    from moeplug.errors import MoeplugError
+    from moeplug.gpu import process_vram_bytes
+    from moeplug.metrics import fetch_cache_counters
+    from moeplug.server import complete
+    from moeplug.serving import launch, stop
+
+    name = f"serve-bench-{os.getpid()}"
+    started = time.time()
+    try:
+        srv = launch(name, model, cfg.binary, cfg.build_id, cfg.server_args, ctx, env=cfg.env, metrics=True)
+    except MoeplugError as exc:
+        cfg.errors.append(str(exc))
+        print(f"# {cfg.budget} {cfg.side}: could not serve: {exc}", file=sys.stderr)
+        return
+    try:
+        for w in cfg.workloads:
+            before = fetch_cache_counters(srv.port)
+            for i, prompt in enumerate(prompts[w]):
+                t = complete(srv.url, prompt, n_predict, ignore_eos=True)["timings"]
+                cfg.samples.setdefault((w, i), []).append((float(t["prompt_per_second"]),
+                                                           float(t["predicted_per_second"])))
+            after = fetch_cache_counters(srv.port)
+            if before is not None and after is not None:
+                cfg.hits.setdefault(w, []).append((after.hits - before.hits, after.selections - before.selections))
+        cfg.vram.append(process_vram_bytes(srv.pid))
+    except (MoeplugError, requests.RequestException, KeyError, ValueError) as exc:
+        cfg.errors.append(f"{type(exc).__name__}: {exc}")
+        print(f"# {cfg.budget} {cfg.side}: a request failed: {exc}", file=sys.stderr)
+    finally:
+        stop(name)
+    print(f"# {cfg.budget:>8} {cfg.side:<8} {'+'.join(cfg.workloads):<32} {time.time() - started:5.0f} s",
+          file=sys.stderr)
+
+
+def per_prompt(cfg: Config, workload: str, test: int) -> dict[int, float]:
+    """prompt index -> median over rounds of its t/s (test 0 prefill, 1 decode)."""
+    return {i: median([s[test] for s in v]) for (w, i), v in cfg.samples.items() if w == workload and v}
+
+
+def ratios(mine: Config, stock: Config, workload: str, test: int) -> list[float]:
+    a, b = per_prompt(mine, workload, test), per_prompt(stock, workload, test)
+    return [a[i] / b[i] for i in sorted(a) if i in b and b[i] > 0]
+
+
+def hit_rate(cfg: Config, workload: str) -> float | None:
+    h = cfg.hits.get(workload) or []
+    sel = sum(s for _, s in h)
+    return sum(x for x, _ in h) / sel if sel else None
+
+
+def _mib(values: list[int | None]) -> str:
+    known = [v for v in values if v is not None]
+    return f"{max(known) / MIB:.0f}" if known else "null"
+
+
+def table_rows(pairs: list[tuple[Config, Config]], workload: str) -> list[dict[str, Any]]:
+    rows = []
+    for mine, stock in pairs:
+        if workload not in mine.workloads:
+            continue
+        row: dict[str, Any] = {"budget": mine.budget, "moeplug": mine.desc, "prompts": len(per_prompt(mine, workload, 0))}
+        for test, key in ((0, "prefill"), (1, "decode")):
+            r = ratios(mine, stock, workload, test)
+            row[key] = {"moeplug_tps": median(list(per_prompt(mine, workload, test).values())),
+                        "stock_tps": median(list(per_prompt(stock, workload, test).values())),
+                        "ratio_median": statistics.median(r) if r else None, "ratio_lowest": min(r) if r else None}
+        row["vram_mib"] = {"moeplug": _mib(mine.vram), "stock": _mib(stock.vram)}
+        row["hit_rate"] = hit_rate(mine, workload)
+        row["errors"] = mine.errors + stock.errors
+        rows.append(row)
+    return rows
+
+
+def print_table(workload: str, rows: list[dict[str, Any]]) -> None:
+    def ratio(d: dict[str, Any]) -> str:
+        if d["ratio_median"] is None:
+            return "-"
+        return f"{d['ratio_median']:.2f}x (lowest {d['ratio_lowest']:.2f}x)"
+
+    print(f"\n### {workload}: {TABLES[workload]}\n")
+    print("| budget | moeplug | prompts | prefill t/s moeplug / stock | prefill vs stock | decode t/s moeplug / stock "
+          "| decode vs stock | VRAM MiB moeplug / stock | slot hit rate |")
+    print("|---|---|---:|---:|---:|---:|---:|---|---:|")
+    for r in rows:
+        p, d = r["prefill"], r["decode"]
+        hit = "-" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.1f}%"
+        print(f"| {r['budget']} | {r['moeplug']} | {r['prompts']} | {p['moeplug_tps']:.1f} / {p['stock_tps']:.1f} "
+              f"| {ratio(p)} | {d['moeplug_tps']:.1f} / {d['stock_tps']:.1f} | {ratio(d)} "
+              f"| {r['vram_mib']['moeplug']} / {r['vram_mib']['stock']} | {hit} |")
+        for e in r["errors"]:
+            print(f"\n(failed: {e})")
+
+
+def prepare_model(a: argparse.Namespace) -> Path:
+    from moeplug.synth import make_model, shape_spec
+
+    model = a.model or Path(f"/tmp/moeplug-bench/{a.shape}-shape.gguf")
+    if not model.exists():
+        print(f"# writing the {a.shape} shape to {model}", file=sys.stderr)
+        make_model(shape_spec(a.shape), model)
+    return model
+
+
+def text_profile(model: Path, patched, a: argparse.Namespace) -> Path:
+    """The bundled prompts' profile, as `moeplug install` makes it (cached beside the model)."""
+    from moeplug.profile.runner import DEFAULT_PROMPT_SETS, ProfileRun, run_profile
+
+    dest = model.with_suffix(f".text-n{a.profile_tokens}.profile.gguf")
+    if not dest.exists():
+        run = ProfileRun(tool=patched.binary("llama-moe-profile"), model=model, n_predict=a.profile_tokens, ctx=2048,
+                         threads=a.threads)
+        run_profile(run, list(DEFAULT_PROMPT_SETS), dest)
+    return dest
+
+
+def replay_inputs(model: Path, a: argparse.Namespace) -> tuple[Path, Path, int] | str:
+    """(trace profile, replay file of the held-out prompts, their number), or why there is no replay."""
+    from moeplug.errors import MoeplugError
+    from moeplug.profile.format import write_profile
+    from moeplug.profile.from_trace import profile_from_trace
+    from moeplug.trace import load_trace, write_replay
+
+    if not a.trace.exists():
+        return f"no trace at {a.trace} (--trace)"
+    try:
+        trace = load_trace(a.trace)
+        profile = profile_from_trace(trace.select(a.train_prompts), model)
+        held_out = trace.select(a.replay_prompts)
+    except MoeplugError as exc:
+        return str(exc)
+    tag = f"{a.train_prompts}-{a.replay_prompts}".replace(":", "_")
+    prof_path = model.with_suffix(f".trace-{tag}.profile.gguf")
+    write_profile(profile, prof_path)
+    replay = write_replay(held_out, model.with_suffix(f".replay-{tag}.gguf"), weights=not a.no_replay_weights)
+    return prof_path, replay, held_out.n_prompts
+
+
+def main(argv: list[str] | None = None) -> int:
+    from moeplug.install import SLOTS_ON_CPU_ENV, plan_for
+    from moeplug.model_inspect import inspect_model
+    from moeplug.plan import describe_slots
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="qwen3-30b-a3b", help="synthetic model shape written when --model is missing "
+                    "(moeplug dev make-model --shape)")
+    ap.add_argument("--model", type=Path, help="the model (default /tmp/moeplug-bench/SHAPE-shape.gguf, written)")
+    ap.add_argument("--budgets", default="8,12,16", help="VRAM budgets: GiB (8,12,16) or shares of the expert bytes "
+                    "beside the rest of the plan's VRAM (25%%,50%%)")
+    ap.add_argument("--workloads", default="text,replay,random", help=f"of {', '.join(WORKLOADS)}")
+    ap.add_argument("--ctx", type=int, default=4096, help="context of both servers")
+    ap.add_argument("--threads", "-t", type=int, help="threads of both servers (default: llama.cpp's)")
+    ap.add_argument("--parallel", "-np", type=int, default=1, help="parallel slots of both servers")
+    ap.add_argument("--n-predict", "-n", type=int, default=128, help="tokens generated per prompt")
+    ap.add_argument("--max-prompts", type=int, default=0, help="at most this many prompts per text/replay set (0: all)")
+    ap.add_argument("--random-prompts", type=int, default=8)
+    ap.add_argument("--random-tokens", type=int, default=256, help="prompt length of the random workload")
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="npz trace or replay file for the replay workload")
+    ap.add_argument("--train-prompts", default="0:400", help="trace prompts moeplug's profile is made of")
+    ap.add_argument("--replay-prompts", default="400:", help="trace prompts the servers replay (held out)")
+    ap.add_argument("--replay-prompt-tokens", type=int, default=64, help="prompt length of a replayed request")
+    ap.add_argument("--no-replay-weights", action="store_true", help="replay the experts only, weights from the router")
+    ap.add_argument("--profile-tokens", type=int, default=256, help="tokens per prompt of the text profile")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--time-limit", type=float, default=0, help="seconds from the start after which no round starts "
+                    "that would not end in time at the pace of the last one (0: none)")
+    ap.add_argument("--prebuilt-moeplug", type=Path, help="bin/ folder of a patched build (skip building)")
+    ap.add_argument("--prebuilt-stock", type=Path, help="bin/ folder of a stock build (skip building)")
+    ap.add_argument("--backend", choices=("cpu", "cuda"), help="builds to make (default: CUDA where there is a GPU)")
+    ap.add_argument("--jobs", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=7, help="random prompts")
+    ap.add_argument("--json", type=Path, help="also write every sample and the tables here")
+    ap.add_argument("--build-only", action="store_true", help="build, write the model, its profiles and the replay "
+                    "file, then stop (a first call on a cold machine)")
+    a = ap.parse_args(argv)
+    workloads = [w.strip() for w in a.workloads.split(",") if w.strip()]
+    if not workloads or any(w not in WORKLOADS for w in workloads):
+        ap.error(f"--workloads: choose from {', '.join(WORKLOADS)}")
+    if a.rounds < 1 or a.time_limit < 0:
+        ap.error("--rounds must be at least 1 and --time-limit not negative")
+    budgets = parse_budgets(a.budgets)
+
+    t0 = time.time()
+    patched = build_of(a.prebuilt_moeplug, False, a.backend, a.jobs)
+    stock = build_of(a.prebuilt_stock, True, a.backend, a.jobs)
+    print(f"# builds ready in {time.time() - t0:.0f} s: {patched.build_id}, {stock.build_id}", file=sys.stderr)
+    model = prepare_model(a)
+    info = inspect_model(model)
+    free = free_vram_or_say("VRAM budgets (running as a CPU smoke test: slots in RAM, no VRAM)")
+    slots_env = dict(SLOTS_ON_CPU_ENV) if free is None else {}
+
+    skipped: dict[str, str] = {}
+    replay = None
+    if "replay" in workloads:
+        if not lists_flag(patched.binary("llama-server"), REPLAY_FLAG):
+            skipped["replay"] = f"the patched llama-server does not list {REPLAY_FLAG} (not built into this build)"
+        else:
+            got = replay_inputs(model, a)
+            if isinstance(got, str):
+                skipped["replay"] = got
+            else:
+                replay = got
+    for w, why in skipped.items():
+        print(f"# {w} workload skipped: {why}", file=sys.stderr)
+    stock_replay_bin, stock_replay_id = stock.binary("llama-server"), stock.build_id
+    if replay and not lists_flag(stock_replay_bin, REPLAY_FLAG):
+        stock_replay_bin, stock_replay_id = patched.binary("llama-server"), patched.build_id  # stock flags, patched build
+
+    n_vocab = vocab_size(model)
+    prompts = make_prompts(a, n_vocab, replay[2] if replay else 0)
+    plain = [w for w in ("text-profiled", "text-unseen", "random")
+             if (w.startswith("text") and "text" in workloads) or w in workloads]
+    common = (["-t", str(a.threads)] if a.threads else []) + ["-np", str(a.parallel)]
+    text_prof = text_profile(model, patched, a) if plain else None
+    if a.build_only:
+        print(f"# ready in {time.time() - t0:.0f} s: builds, {model}, {text_prof}, {replay}", file=sys.stderr)
+        return 0
+    configs: list[Config] = []
+    pairs: list[tuple[Config, Config]] = []
+    for label, value, fraction in budgets:
+        budget = budget_bytes(info, a.ctx, value, fraction)
+        label = label if not fraction else f"{label} ({budget / GIB:.2f} GiB)"
+        margin = max(0, (free - budget) // MIB) if free is not None else 0
+        groups = [(plain, text_prof, [], patched.binary("llama-server"), stock.binary("llama-server"), stock.build_id)]
+        if replay:
+            groups.append((["replay"], replay[0], [REPLAY_FLAG, str(replay[1])], patched.binary("llama-server"),
+                           stock_replay_bin, stock_replay_id))
+        for group, profile, extra, mine_bin, stock_bin, stock_id in groups:
+            if not group:
+                continue
+            plan = plan_for(info, a.ctx, budget, profile, slots_on_cpu=False)
+            load = ["-lm", "none"] if plan.load_mode == "pinned" else []
+            mine = Config(label, "moeplug", mine_bin, patched.build_id, [*plan.server_args, *common, *extra], group,
+                          slots_env, describe_slots(plan.slots_per_layer, info.n_expert))
+            theirs = Config(label, "stock", stock_bin, stock_id,
+                            ["-c", str(a.ctx), "--fit", "on", "-fitt", str(margin), *load, *common, *extra], group,
+                            desc="--fit")
+            print(f"# {label} {'+'.join(group)}: moeplug {' '.join(mine.server_args)} | stock "
+                  f"{' '.join(theirs.server_args)}", file=sys.stderr)
+            configs += [theirs, mine]
+            pairs.append((mine, theirs))
+
+    interleaved_rounds(configs, a.rounds, lambda cfg: run_config(cfg, model, a.ctx, prompts, a.n_predict),
+                       t0 + a.time_limit if a.time_limit else None, "servers")
+    tables = {}
+    for w in ("text-profiled", "text-unseen", "replay", "random"):
+        if w in plain or (w == "replay" and replay):
+            tables[w] = table_rows(pairs, w)
+            print_table(w, tables[w])
+    for w, why in skipped.items():
+        print(f"\n### {w}: skipped: {why}")
+    print(f"\n{info.arch}, {len(info.layers)} MoE layers x {info.n_expert} experts ({info.n_expert_used} used), "
+          f"{info.total_bytes / GIB:.2f} GiB; ctx {a.ctx}, -np {a.parallel}, {a.n_predict} tokens per prompt; "
+          f"free VRAM {'none (CPU)' if free is None else f'{free / GIB:.1f} GiB'}; stock build {stock.build_id}, "
+          f"patched {patched.build_id}; {time.time() - t0:.0f} s")
+    if a.json:
+        doc = {"tables": tables, "skipped": skipped, "configs": [
+            asdict(c) | {"binary": str(c.binary), "samples": {f"{w}/{i}": v for (w, i), v in c.samples.items()}}
+            for c in configs]}
+        a.json.write_text(json.dumps(doc, indent=1) + "\n")
+    failed = any(c.errors for c in configs)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

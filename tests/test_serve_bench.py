@@ -1,0 +1,94 @@
+"""native/bench/serve_bench.py end to end on the CPU builds (a smoke test of the GPU benchmark):
+real stock and patched llama-servers, launched by moeplug's library, on a tiny gpt-oss model of
+the trace's layout (24 layers x 4 of 32 experts, experts in MXFP4)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import write_npz
+from moeplug.synth import ModelSpec, make_model
+
+pytestmark = pytest.mark.native
+
+SERVE_BENCH = Path(__file__).resolve().parents[1] / "native" / "bench" / "serve_bench.py"
+REPLAY_FLAG = "--moe-route-replay"
+
+
+@pytest.fixture(scope="module")
+def bench_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    spec = ModelSpec(arch="gpt-oss", layers=24, experts=32, used=4, embd=64, expert_ff=64, heads=4, heads_kv=2,
+                     head_dim=16, dtype="f16", expert_dtype="mxfp4", seed=11)
+    return make_model(spec, tmp_path_factory.mktemp("serve-bench") / "goss-mxfp4.gguf")[0]
+
+
+def run_bench(patched_build, stock_build, model: Path, tmp_path: Path, *extra: str) -> tuple[str, dict]:
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(SERVE_BENCH), "--model", str(model), "--budgets", "25%", "--ctx", "256", "-t", "2",
+           "-n", "4", "--max-prompts", "2", "--random-prompts", "2", "--random-tokens", "16", "--profile-tokens", "4",
+           "--rounds", "2", "--prebuilt-moeplug", str(patched_build.binary("llama-server").parent),
+           "--prebuilt-stock", str(stock_build.binary("llama-server").parent), "--json", str(out), *extra]
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")}  # server records and logs stay here
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    return r.stdout, json.loads(out.read_text())
+
+
+def check_table(stdout: str, doc: dict, workload: str) -> None:
+    """The markdown table has the budget's row with its ratios, and they are the per-prompt ratios
+    of the recorded samples (median over rounds per prompt, then median and lowest over prompts)."""
+    section = stdout.split(f"### {workload}:")[1].split("###")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| 25% (")]
+    assert len(rows) == 1, section
+    ratios = re.findall(r"([\d.]+)x \(lowest ([\d.]+)x\)", rows[0])
+    assert len(ratios) == 2, rows[0]  # prefill and decode
+    (row,) = doc["tables"][workload]
+    mine, stock = (next(c for c in doc["configs"] if c["side"] == side and workload in c["workloads"])
+                   for side in ("moeplug", "stock"))
+    for test, key in ((0, "prefill"), (1, "decode")):
+        per = [statistics.median(s[test] for s in mine["samples"][k]) /
+               statistics.median(s[test] for s in stock["samples"][k])
+               for k in sorted(mine["samples"]) if k.startswith(workload + "/")]
+        assert len(per) == row["prompts"] > 0
+        assert all(len(mine["samples"][k]) == 2 for k in mine["samples"])  # one sample per round
+        assert row[key]["ratio_median"] == pytest.approx(statistics.median(per))
+        assert row[key]["ratio_lowest"] == pytest.approx(min(per))
+        assert f"{row[key]['ratio_median']:.2f}x (lowest {row[key]['ratio_lowest']:.2f}x)" in rows[0]
+    assert row["vram_mib"] == {"moeplug": "null", "stock": "null"}  # no GPU: NVML holds nothing
+
+
+def test_serve_bench_text_and_random(patched_build, stock_build, bench_model: Path, tmp_path: Path) -> None:
+    stdout, doc = run_bench(patched_build, stock_build, bench_model, tmp_path, "--workloads", "text,random")
+    for workload in ("text-profiled", "text-unseen", "random"):
+        check_table(stdout, doc, workload)
+    stock = next(c for c in doc["configs"] if c["side"] == "stock")
+    mine = next(c for c in doc["configs"] if c["side"] == "moeplug")
+    assert stock["binary"] == str(stock_build.binary("llama-server"))
+    assert stock["server_args"][:6] == ["-c", "256", "--fit", "on", "-fitt", "0"]
+    assert mine["binary"] == str(patched_build.binary("llama-server")) and "-fit" in mine["server_args"]
+    # same context, threads and slots on both sides
+    for flag in ("-c", "-t", "-np"):
+        assert mine["server_args"][mine["server_args"].index(flag) + 1] == \
+            stock["server_args"][stock["server_args"].index(flag) + 1]
+
+
+def test_serve_bench_replay(patched_build, stock_build, bench_model: Path, tmp_path: Path) -> None:
+    help_text = subprocess.run([str(patched_build.binary("llama-server")), "--help"], capture_output=True,
+                               text=True).stdout
+    if REPLAY_FLAG not in help_text:
+        pytest.skip(f"the patched llama-server does not list {REPLAY_FLAG} yet (the engine half of issue 18)")
+    write_npz(tmp_path / "trace.npz", prompts=12)
+    stdout, doc = run_bench(patched_build, stock_build, bench_model, tmp_path, "--workloads", "replay",
+                            "--trace", str(tmp_path / "trace.npz"), "--train-prompts", "0:8",
+                            "--replay-prompts", "8:")
+    check_table(stdout, doc, "replay")
+    for c in doc["configs"]:
+        assert c["server_args"][c["server_args"].index(REPLAY_FLAG) + 1].endswith(".gguf")
