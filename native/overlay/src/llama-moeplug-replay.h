@@ -15,7 +15,8 @@
 //                          build_weights() for their weights                               (0014)
 //   src/llama-ext.h        the C API: llama_model_moeplug_replay_init/_reset               (0014)
 //   src/CMakeLists.txt     this file's .cpp in libllama                                    (0014)
-//   common/common.cpp      common_init: --moe-route-replay, reset after the warm-up         (0015)
+//   common/common.cpp      common_init: --moe-route-replay; reset after the warm-up and
+//                          the context probe (common_context_can_seq_rm)                  (0015)
 //   tools/llama-bench      --moe-route-replay                                              (0016)
 
 #include "ggml.h"
