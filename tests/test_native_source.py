@@ -141,3 +141,13 @@ def test_a_copy_that_fails_leaves_no_tree_and_one_line(private_dirs: Path, monke
     assert f"{LOCAL_SOURCE_ENV}={local}: copy failed: " in errors[0] and "pipe" in errors[0]
     src_dir = private_dirs / "cache" / "moeplug" / "src"
     assert not src_dir.exists() or not any(src_dir.iterdir())  # no tree, not even a temporary one
+
+
+def test_an_in_source_build_is_refused_in_one_line(private_dirs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    local = _small_tree(private_dirs / "local")
+    (local / "CMakeCache.txt").write_text("CMAKE_HOME_DIRECTORY:INTERNAL=.\n")
+    monkeypatch.setenv(LOCAL_SOURCE_ENV, str(local))
+    r = run_cli("native", "build", "--cpu", "--stock")
+    assert r.returncode == 4 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].endswith(f"{LOCAL_SOURCE_ENV}={local}: holds a CMakeCache.txt (an in-source "
+                                                      f"build); use a clean checkout or build in a build/ folder")
