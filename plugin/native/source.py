@@ -96,7 +96,7 @@ def _local_files(src: Path) -> Iterator[tuple[str, os.stat_result]]:
         top = here == src
         dirs[:] = [d for d in dirs if not _is_build_output(here, d, top)]
         for name in [*files, *(d for d in dirs if (here / d).is_symlink())]:
-            if _is_build_output(here, name, top):  # a worktree's .git file
+            if _is_build_output(here, name, top):  # the top-level .git can be a file (a worktree's)
                 continue
             st = (here / name).lstat()
             if stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
