@@ -99,9 +99,12 @@ def build_id(spec: NativeSpec, opts: BuildOptions, origin: str | None = None) ->
     return f"{spec.lock.tag}-{opts.backend}-{kind}-{h.hexdigest()[:12]}"
 
 
-def tree_id(spec: NativeSpec, stock: bool) -> str:
-    """The id of the prepared source tree (stock, or with this patch series and overlay)."""
-    return f"{spec.lock.tag}-{spec.digest(stock)[:16]}"
+def tree_id(spec: NativeSpec, stock: bool, origin: str | None = None) -> str:
+    """The id of the prepared source tree (stock, or with this patch series and overlay), from
+    the sdist or, with its own id, from a local tree."""
+    origin = origin or source_origin()
+    local = "" if origin == "sdist" else f"-local-{hashlib.sha256(origin.encode()).hexdigest()[:8]}"
+    return f"{spec.lock.tag}-{spec.digest(stock)[:16]}{local}"
 
 
 def detect_gpu_arch() -> str | None:
@@ -274,7 +277,7 @@ def prune(spec: NativeSpec | None = None, dry_run: bool = False) -> list[Path]:
     for b in installed_builds():
         if not is_current(b, spec):
             doomed += [b.path, cache_dir() / "build" / b.build_id]
-    keep_trees = {tree_id(spec, stock) for stock in (True, False)}
+    keep_trees = {tree_id(spec, stock, origin) for stock in (True, False) for origin in {"sdist", source_origin()}}
     src = cache_dir() / "src"
     if src.is_dir():
         doomed += [t for t in sorted(src.iterdir()) if t.name not in keep_trees]

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from moeplug.errors import BuildError
@@ -79,11 +81,62 @@ def extract_sdist(sdist: Path, lock: Lock, dest: Path) -> None:
         raise BuildError(f"{sdist.name}: no {lock.subdir}/CMakeLists.txt inside: not the expected sdist")
 
 
+def _is_build_output(folder: Path, name: str, top: bool) -> bool:
+    """A folder of a local tree that must not travel: the top-level .git, a top-level build or
+    build-* folder, or, at any depth, a folder CMake configured (it holds a CMakeCache.txt)."""
+    if top and (name == ".git" or ((name == "build" or name.startswith("build-")) and (folder / name).is_dir())):
+        return True
+    return (folder / name / "CMakeCache.txt").is_file()
+
+
+def _local_files(src: Path) -> Iterator[tuple[str, os.stat_result]]:
+    """Every regular file and symlink of the local tree that travels, relative path and lstat."""
+    for root, dirs, files in os.walk(src):
+        here = Path(root)
+        top = here == src
+        dirs[:] = [d for d in dirs if not _is_build_output(here, d, top)]
+        for name in [*files, *(d for d in dirs if (here / d).is_symlink())]:
+            if _is_build_output(here, name, top):  # the top-level .git can be a file (a worktree's)
+                continue
+            st = (here / name).lstat()
+            if stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
+                yield str((here / name).relative_to(src)), st
+
+
+def verify_copy(src: Path, dest: Path) -> None:
+    """Every regular file of the local tree is in the copy with the same size (symlinks: same target)."""
+    for rel, st in _local_files(src):
+        try:
+            got = (dest / rel).lstat()
+        except OSError:
+            raise BuildError(f"{LOCAL_SOURCE_ENV}={src}: {rel} is missing from the copy; nothing was kept") from None
+        if stat.S_ISLNK(st.st_mode):
+            ok = stat.S_ISLNK(got.st_mode) and os.readlink(dest / rel) == os.readlink(src / rel)
+        else:
+            ok = stat.S_ISREG(got.st_mode) and got.st_size == st.st_size
+        if not ok:
+            raise BuildError(f"{LOCAL_SOURCE_ENV}={src}: {rel} differs in the copy (the tree changed while "
+                             f"it was copied?); nothing was kept")
+
+
 def _copy_local_source(src: Path, dest: Path) -> None:
+    """Copy a local llama.cpp tree without its .git and build output, and check the copy."""
     if not (src / "CMakeLists.txt").exists() or not (src / "ggml").is_dir():
         raise BuildError(f"{LOCAL_SOURCE_ENV}={src}: not a llama.cpp source tree")
-    shutil.copytree(src, dest, dirs_exist_ok=True, symlinks=True,
-                    ignore=shutil.ignore_patterns(".git", "build", "build-*"))
+    if (src / "CMakeCache.txt").exists():
+        raise BuildError(f"{LOCAL_SOURCE_ENV}={src}: holds a CMakeCache.txt (an in-source build); "
+                         f"use a clean checkout or build in a build/ folder")
+
+    def ignore(folder: str, names: list[str]) -> set[str]:
+        here = Path(folder)
+        return {n for n in names if _is_build_output(here, n, here == src)}
+
+    try:
+        shutil.copytree(src, dest, dirs_exist_ok=True, symlinks=True, ignore=ignore)
+    except (shutil.Error, OSError) as e:
+        detail = e.args[0][0][2] if isinstance(e, shutil.Error) and e.args[0] else e
+        raise BuildError(f"{LOCAL_SOURCE_ENV}={src}: copy failed: {detail}; nothing was kept") from None
+    verify_copy(src, dest)
 
 
 def apply_overlay(spec: NativeSpec, tree: Path) -> None:
@@ -113,20 +166,27 @@ def source_origin() -> str:
 
 
 def prepare_tree(spec: NativeSpec, stock: bool, tree_id: str, log: Path) -> Path:
-    """The source tree for `tree_id`, made once and reused."""
+    """The source tree for `tree_id`, made once and reused.
+
+    The completion marker names the origin: a tree made from another origin, or by a moeplug
+    that did not record it (its local copies could miss files), is made again."""
     tree = cache_dir() / "src" / tree_id
-    if (tree / ".moeplug-complete").exists():
-        return tree
+    marker = f"{tree_id}\nsource: {source_origin()}\n"
+    try:
+        if (tree / ".moeplug-complete").read_text() == marker:
+            return tree
+    except OSError:
+        pass
     local = os.environ.get(LOCAL_SOURCE_ENV)
     sdist = None if local else fetch_sdist(spec.lock, log)
     with atomic_dir(tree) as tmp:
         if local:
-            _copy_local_source(Path(local), tmp)
+            _copy_local_source(Path(local).resolve(), tmp)
         else:
             assert sdist is not None
             extract_sdist(sdist, spec.lock, tmp)
         if not stock:
             apply_overlay(spec, tmp)
             apply_patches(spec.patches, tmp, log)
-        (tmp / ".moeplug-complete").write_text(tree_id + "\n")
+        (tmp / ".moeplug-complete").write_text(marker)
     return tree
