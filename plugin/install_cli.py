@@ -106,17 +106,14 @@ def cmd_install(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from moeplug.install import plan_for, read_installed
-    from moeplug.model_inspect import inspect_model
+    from moeplug.install import read_installed, replan
     from moeplug.native.build import installed_builds
     from moeplug.serving import launch, model_lock
 
     m = read_installed(args.model)
     plan = m.plan
     if args.vram_budget or args.ctx:
-        ctx = args.ctx or m.ctx
-        plan = plan_for(inspect_model(m.path), ctx, _budget(args), Path(m.profile) if m.profile else None,
-                        m.slots_on_cpu).to_json()
+        plan = replan(m, args.ctx, _budget(args)).plan  # the new plan becomes the model's; the hooks follow
     builds = {b.build_id: b for b in installed_builds()}
     if m.build_id not in builds:
         raise MoeplugError(f"the build {m.build_id} that '{m.name}' was installed with is gone; "
