@@ -130,10 +130,8 @@ def merge(text: str, commands: list[ModelCommand], where: str) -> str:
     body = "".join(out)
     if blocks:
         if body and not body.endswith(("\n", "\r")):
-            body += "\n"
-        if body.strip() and not body.endswith(("\n\n", "\r\n\r\n")):
-            body += "\n"
-        body += "\n".join(blocks.values())
+            body += "\n"  # the one byte moeplug adds to the user's text: a last line's end
+        body += "".join(blocks.values())  # no blank lines between: removing the blocks gives the file back
     return body
 
 

@@ -57,9 +57,8 @@ OWN_SCHEMA: dict[str, Any] = {
 def entry(cmd: ModelCommand, ttl: int = DEFAULT_TTL) -> dict[str, Any]:
     """One model's entry: the patched llama-server with the installed plan's flags."""
     argv = cmd.argv("${PORT}")
-    lines = [" ".join(_quote(a) for a in argv[:3])]  # binary -m MODEL
-    lines += [" ".join(_quote(a) for a in (flag, *([value] if value is not None else [])))
-              for flag, value in flag_pairs(argv[3:])]
+    lines = [_quote(argv[0])] + [" ".join(_quote(a) for a in (flag, *([value] if value is not None else [])))
+                                 for flag, value in flag_pairs(argv[1:])]
     doc: dict[str, Any] = {
         "cmd": "\n".join(lines) + "\n",
         "proxy": "http://127.0.0.1:${PORT}",
@@ -69,7 +68,7 @@ def entry(cmd: ModelCommand, ttl: int = DEFAULT_TTL) -> dict[str, Any]:
         "aliases": _aliases(cmd),
         "description": f"moeplug: {cmd.ref}, expert slots from the installed plan",
     }
-    return doc
+    return {k: v for k, v in doc.items() if v != []}
 
 
 def _quote(token: str) -> str:
