@@ -372,3 +372,45 @@ def _sha(path: Path) -> str:
 def _profile_digest(preset: Path, name: str) -> str:
     block = re.search(rf"; >>> moeplug {name} (.*?); <<< moeplug {name}\n", preset.read_text(), re.S)[1]
     return re.search(r"^; profile \S+ sha256:(\w+)$", block, re.M)[1]
+
+
+def test_profiling_an_installed_model_again_rewrites_its_hooks(home: dict[str, str], tmp_path: Path) -> None:
+    preset = tmp_path / "router.ini"
+    assert moeplug(home, "hook", "llama-server", "--preset", str(preset)).returncode == 0
+    demo, other = _profile_digest(preset, "demo"), _profile_digest(preset, "other")
+    m = installed()["other"]
+    r = moeplug(home, "profile", m.path, "-n", "4", "--prompts", "chatty")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert _profile_digest(preset, "other") == _sha(Path(m.profile))[:16] != other
+    assert _profile_digest(preset, "demo") == demo
+
+
+def test_hook_watch_service_regenerates_and_stops_on_ctrl_c(home: dict[str, str], tmp_path: Path) -> None:
+    from moeplug.fsutil import write_text_atomic
+    from moeplug.hooks.store import read_hooks
+    from moeplug.install import installed_dir
+
+    preset = tmp_path / "router.ini"
+    assert moeplug(home, "hook", "llama-server", "--preset", str(preset)).returncode == 0
+    updated = read_hooks()[0].updated
+    proc = subprocess.Popen([sys.executable, "-m", "moeplug", "hook", "watch"], env=home, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        assert "watching" in proc.stderr.readline()
+        record = installed_dir() / "demo.json"
+        write_text_atomic(record, record.read_text())  # a record copied in again
+        deadline = time.monotonic() + 2
+        while read_hooks()[0].updated == updated:
+            assert time.monotonic() < deadline, "the service did not regenerate within 2 s"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "moeplug: interrupted"
+
+
+def test_hook_usage_errors_are_one_line(home: dict[str, str], tmp_path: Path) -> None:
+    one_line_error(moeplug(home, "hook", "llama-server"), 2, "--preset")
+    one_line_error(moeplug(home, "hook", "llama-swap"), 2, "--config-dir")
+    one_line_error(moeplug(home, "hook", "llama-swap", "--config-dir", str(tmp_path / "none")), 1, "no such folder")
+    one_line_error(moeplug(home, "hook", "remove", str(tmp_path / "x.ini")), 1, "no hook")

@@ -151,33 +151,33 @@ def add_hook_commands(sub: Any) -> None:
                           epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     hsub = hook.add_subparsers(dest="hook_command", metavar="HOOK_COMMAND", required=True)  # parsers of hook's class
 
-    p = hsub.add_parser("llama-server", help="an INI preset for llama-server --models-preset (router mode)")
+    p = _command(hsub, "llama-server", "an INI preset for llama-server --models-preset (router mode)", cmd_llama_server)
     p.add_argument("--preset", help="the preset file to write or update (other sections are kept byte for byte)")
     p.add_argument("--print", action="store_true", help="print moeplug's sections, write nothing")
     p.add_argument("--models-max", type=int, default=1, help="for the printed router command (default 1)")
     p.add_argument("--port", type=int, default=8080, help="for the printed router command (default 8080)")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_llama_server)
 
-    p = hsub.add_parser("llama-swap", help="llama-swap models: DIR/moeplug.yaml, or a block in one config file")
+    p = _command(hsub, "llama-swap", "llama-swap models: DIR/moeplug.yaml, or a block in one config file",
+                 cmd_llama_swap)
     p.add_argument("--config-dir", help="llama-swap's -config-dir: writes DIR/moeplug.yaml")
     p.add_argument("--file", help="a single llama-swap config: moeplug's entries between marker comments")
     p.add_argument("--ttl", type=int, help="seconds idle before llama-swap unloads a model (default 300)")
     p.add_argument("--schema", help="llama-swap's config-schema.json to validate against")
     p.add_argument("--print", action="store_true", help="print the fragment, write nothing")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_llama_swap)
 
-    p = hsub.add_parser("list", help="the hooks moeplug maintains")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_list)
-
-    p = hsub.add_parser("remove", help="take moeplug's part out of a hook's file and stop maintaining it")
-    p.add_argument("path", nargs="?", help="the hook's path as 'moeplug hook list' shows it")
+    _command(hsub, "list", "the hooks moeplug maintains", cmd_list)
+    p = _command(hsub, "remove", "take moeplug's part out of a hook's file and stop maintaining it", cmd_remove)
+    p.add_argument("path", nargs="?", help="the hook's path as 'moeplug hook list' shows it (or --all)")
     p.add_argument("--all", action="store_true")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_remove)
 
-    p = hsub.add_parser("watch", help="regenerate the hooks when installed models or profiles change on disk")
+    p = _command(hsub, "watch", "regenerate the hooks when installed models or profiles change on disk", cmd_watch,
+                 json=False)
     p.add_argument("--debounce", type=float, default=0.3, help="seconds of quiet before regenerating (default 0.3)")
-    p.set_defaults(func=cmd_watch)
+
+
+def _command(hsub: Any, name: str, help: str, func: Any, json: bool = True) -> argparse.ArgumentParser:
+    p = hsub.add_parser(name, help=help)
+    if json:
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=func)
+    return p
