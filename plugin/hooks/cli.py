@@ -38,14 +38,16 @@ def _commands() -> list[Any]:
 def _report(args: argparse.Namespace, record: Any, changed: bool, extra: dict[str, Any]) -> None:
     from moeplug.hooks.maintain import hook_file
 
-    doc = {"hook": asdict(record), "file": str(hook_file(record.target, Path(record.path))), "changed": changed, **extra}
+    doc = {"hook": asdict(record), "file": str(hook_file(record.target, Path(record.path))), "changed": changed,
+           **extra}
     if args.json:
         print_json(doc)
         return
     state = "wrote" if changed else "up to date:"
     print(f"{state} {doc['file']} ({len(record.models)} model{'s' if len(record.models) != 1 else ''}: "
           f"{', '.join(record.models) or 'none yet; installs add them'})")
-    print("moeplug keeps it current on install, re-plan and profile change ('moeplug hook list', 'moeplug hook remove')")
+    print("moeplug keeps it current on install, re-plan and profile change "
+          "('moeplug hook list', 'moeplug hook remove')")
 
 
 def cmd_llama_server(args: argparse.Namespace) -> int:

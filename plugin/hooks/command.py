@@ -50,7 +50,8 @@ def model_commands(models: list[Installed]) -> list[ModelCommand]:
         if m.build_id not in builds:
             raise MoeplugError(f"the build {m.build_id} that '{m.name}' was installed with is gone; "
                                f"run 'moeplug install {m.ref}' again")
-        out.append(ModelCommand(name=m.name, ref=m.ref, binary=builds[m.build_id].binary("llama-server"), model=Path(m.path),
+        out.append(ModelCommand(name=m.name, ref=m.ref, binary=builds[m.build_id].binary("llama-server"),
+                                model=Path(m.path),
                                 server_args=tuple(m.plan["server_args"]), env=tuple(sorted(m.server_env().items())),
                                 profile=Path(m.profile) if m.profile else None, profile_sha256=_digest(m.profile)))
     return out

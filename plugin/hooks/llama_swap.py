@@ -158,9 +158,10 @@ def check_clashes(ours: dict[str, Any], others: dict[Path, Any]) -> None:
     for path, doc in others.items():
         for name, owner in model_ids(doc).items():
             if name in mine:
-                raise MoeplugError(f"{path} already defines the model '{owner}'" + (f" (alias '{name}')" if name != owner
-                                   else "") + f", which moeplug's fragment defines too; llama-swap would refuse the "
-                                   f"folder: rename or remove one of them; nothing was written")
+                alias = f" (alias '{name}')" if name != owner else ""
+                raise MoeplugError(f"{path} already defines the model '{owner}'{alias}, which moeplug's fragment "
+                                   f"defines too; llama-swap would refuse the folder: rename or remove one of them; "
+                                   f"nothing was written")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -64,7 +64,7 @@ def refresh_hooks(models: Sequence[Installed]) -> list[HookRecord]:
         records = read_hooks()
         for record in records:
             try:
-                commands = model_commands(list(models))
+                commands = model_commands(list(models))  # per hook: its error is recorded with it
                 if _write(record, commands):
                     note(f"hook {record.target}: updated {hook_file(record.target, Path(record.path))}")
                 record.models, record.error = [c.name for c in commands], None
