@@ -223,8 +223,8 @@ def add_install_commands(sub: Any) -> None:
 
     p = sub.add_parser("serve", help="launch an installed model's llama-server and verify it")
     p.add_argument("model", help="an installed name (see 'moeplug list')")
-    p.add_argument("--vram-budget", help="re-plan for this budget")
-    p.add_argument("--ctx", type=int, help="re-plan for this context size")
+    p.add_argument("--vram-budget", help="re-plan for this budget (kept as the model's plan)")
+    p.add_argument("--ctx", type=int, help="re-plan for this context size (kept as the model's plan)")
     _serve_args(p)
     p.set_defaults(func=cmd_serve)
 
