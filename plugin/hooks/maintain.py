@@ -25,8 +25,8 @@ def hook_file(target: str, path: Path) -> Path:
     return path / llama_swap.FRAGMENT_NAME if target == "llama-swap" else path
 
 
-def _write(record: HookRecord, commands: list[ModelCommand], schema: Path | None = None) -> bool:
-    path = Path(record.path)
+def _write(record: HookRecord, commands: list[ModelCommand]) -> bool:
+    path, schema = Path(record.path), Path(record.schema) if record.schema else None
     ttl = record.ttl if record.ttl is not None else llama_swap.DEFAULT_TTL
     if record.target == "llama-server":
         return presets.write_preset(path, commands)
@@ -45,9 +45,10 @@ def add_hook(target: str, path: Path, models: Sequence[Installed], ttl: int | No
         old = find_hook(target, path)
         record = HookRecord(target=target, path=str(path),
                             created_file=old.created_file if old else not hook_file(target, path).exists(),
-                            ttl=ttl if ttl is not None else (old.ttl if old else None))
+                            ttl=ttl if ttl is not None else (old.ttl if old else None),
+                            schema=str(schema.absolute()) if schema else (old.schema if old else None))
         commands = model_commands(list(models))
-        changed = _write(record, commands, schema)
+        changed = _write(record, commands)
         record.models = [c.name for c in commands]
         put_hook(record)
     return record, changed
@@ -68,7 +69,7 @@ def refresh_hooks(models: Sequence[Installed]) -> list[HookRecord]:
                 if _write(record, commands):
                     note(f"hook {record.target}: updated {hook_file(record.target, Path(record.path))}")
                 record.models, record.error = [c.name for c in commands], None
-            except MoeplugError as exc:
+            except (MoeplugError, OSError) as exc:  # e.g. the user's file made read-only
                 record.error = str(exc)
                 note(f"hook {record.target} {record.path}: not updated: {exc}")
             record.updated = time.time()

@@ -24,6 +24,7 @@ class HookRecord:
     created_file: bool  # moeplug made the file (remove deletes it when nothing of the user's is left)
     models: list[str] = field(default_factory=list)  # the models it held when last written
     ttl: int | None = None  # llama-swap: seconds idle before it unloads a model
+    schema: str | None = None  # llama-swap: the config-schema.json given when the hook was added
     updated: float = field(default_factory=time.time)
     error: str | None = None  # why the last regeneration failed, if it did
 
