@@ -224,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_make_model(dev)
 
+    from moeplug.hooks.cli import add_hook_commands
     from moeplug.install_cli import add_install_commands
     from moeplug.native.cli import add_native_commands
     from moeplug.profile.cli import add_profile_command
@@ -233,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_profile_command(sub)
     add_trace_command(sub)
     add_native_commands(sub)
+    add_hook_commands(sub)
     return parser
 
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from moeplug.errors import MoeplugError, NotApplicableError
 from moeplug.fsutil import write_text_atomic
+from moeplug.hooks import refresh_hooks
 from moeplug.model_inspect import ModelInfo, inspect_model
 from moeplug.output import human_bytes, note
 from moeplug.paths import data_dir
@@ -145,6 +146,7 @@ def install(text: str, *, ctx: int, vram_budget: int | None, backend: str | None
                                 build_id=result.build_id, ctx=ctx, plan=plan.to_json(),
                                 slots_on_cpu=slots_on_cpu and plan.backend == "cpu")
         write_text_atomic(installed_dir() / f"{name}.json", json.dumps(asdict(record), indent=2) + "\n")
+        refresh_hooks(list_installed())
         doc: dict[str, Any] = {"name": name, "model": str(resolved.path), "profile": str(profile),
                                "build_id": result.build_id, "plan": plan.to_json(), "server": None}
         if serve:
@@ -152,3 +154,20 @@ def install(text: str, *, ctx: int, vram_budget: int | None, backend: str | None
                          ctx, port=port, allow_fallback=allow_fallback, env=record.server_env(), metrics=metrics)
             doc["server"] = asdict(srv) | {"url": srv.url}
     return doc
+
+
+def replan(m: InstalledModel, ctx: int | None = None, vram_budget: int | None = None) -> InstalledModel:
+    """Plan an installed model again (a new budget or context, or its profile changed: the stored
+    budget and context otherwise) and keep that plan as the model's own; the hooks follow."""
+    budget = vram_budget if vram_budget is not None else m.plan.get("vram_budget_bytes")
+    profile = Path(m.profile) if m.profile and Path(m.profile).exists() else None
+    plan = plan_for(inspect_model(m.path), ctx or m.ctx, budget, profile, m.slots_on_cpu)
+    record = replace(m, ctx=ctx or m.ctx, plan=plan.to_json())
+    write_text_atomic(installed_dir() / f"{m.name}.json", json.dumps(asdict(record), indent=2) + "\n")
+    refresh_hooks(list_installed())
+    return record
+
+
+def replan_profile_users(profile: Path) -> list[InstalledModel]:
+    """Re-plan the installed models whose profile is this file (made again, or replaced)."""
+    return [replan(m) for m in list_installed() if m.profile and Path(m.profile).resolve() == profile.resolve()]

@@ -106,17 +106,14 @@ def cmd_install(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from moeplug.install import plan_for, read_installed
-    from moeplug.model_inspect import inspect_model
+    from moeplug.install import read_installed, replan
     from moeplug.native.build import installed_builds
     from moeplug.serving import launch, model_lock
 
     m = read_installed(args.model)
     plan = m.plan
     if args.vram_budget or args.ctx:
-        ctx = args.ctx or m.ctx
-        plan = plan_for(inspect_model(m.path), ctx, _budget(args), Path(m.profile) if m.profile else None,
-                        m.slots_on_cpu).to_json()
+        plan = replan(m, args.ctx, _budget(args)).plan  # the new plan becomes the model's; the hooks follow
     builds = {b.build_id: b for b in installed_builds()}
     if m.build_id not in builds:
         raise MoeplugError(f"the build {m.build_id} that '{m.name}' was installed with is gone; "
@@ -226,8 +223,8 @@ def add_install_commands(sub: Any) -> None:
 
     p = sub.add_parser("serve", help="launch an installed model's llama-server and verify it")
     p.add_argument("model", help="an installed name (see 'moeplug list')")
-    p.add_argument("--vram-budget", help="re-plan for this budget")
-    p.add_argument("--ctx", type=int, help="re-plan for this context size")
+    p.add_argument("--vram-budget", help="re-plan for this budget (kept as the model's plan)")
+    p.add_argument("--ctx", type=int, help="re-plan for this context size (kept as the model's plan)")
     _serve_args(p)
     p.set_defaults(func=cmd_serve)
 

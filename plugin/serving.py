@@ -144,6 +144,14 @@ def model_lock(name: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def server_argv(binary: Path, model: Path, port: int | str, server_args: list[str], metrics: bool = False) -> list[str]:
+    """llama-server's command line for a model and its plan's server args: `launch` runs it, and the
+    proxy hooks (moeplug.hooks) write it for llama-swap (port "${PORT}")."""
+    # -lv 4: the log then holds the buffer sizes (about 20 lines per request)
+    return [str(binary), "-m", str(model), "--host", HOST, "--port", str(port), "--no-webui", "-lv", "4",
+            *(["--metrics"] if metrics else []), *server_args]
+
+
 def launch(name: str, model: Path, binary: Path, build_id: str, server_args: list[str], ctx: int,
            port: int | None = None, allow_fallback: bool = False, env: dict[str, str] | None = None,
            timeout: float = 300, metrics: bool = False) -> ServerRecord:
@@ -158,9 +166,7 @@ def launch(name: str, model: Path, binary: Path, build_id: str, server_args: lis
     port = port or free_port()
     if port_in_use(port):
         raise MoeplugError(f"port {port} on {HOST} is already in use; pick another with --port")
-    # -lv 4: the log then holds the buffer sizes (about 20 lines per request)
-    args = [str(binary), "-m", str(model), "--host", HOST, "--port", str(port), "--no-webui", "-lv", "4",
-            *(["--metrics"] if metrics else []), *server_args]
+    args = server_argv(binary, model, port, server_args, metrics)
     log_path = logs_dir() / f"server-{name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:

@@ -131,6 +131,7 @@ def _from_trace(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, model: Path) -> int:
+    from moeplug.install import replan_profile_users
     from moeplug.model_inspect import inspect_model
     from moeplug.native.build import build, resolve_options
     from moeplug.profile import analyze
@@ -148,6 +149,7 @@ def _run(args: argparse.Namespace, model: Path) -> int:
                      seed=args.seed, temp=args.temp, ignore_eos=args.ignore_eos, extra_args=tuple(extra))
     sets = [s.strip() for s in args.prompts.split(",") if s.strip()]
     dest, profile = run_profile(run, sets, Path(args.out) if args.out else None)
+    replan_profile_users(dest)  # installed models planned from this profile, and their hooks, follow it
     analysis = analyze(profile, _slots(args.slots), args.repick_every)
     if args.json:
         print_json({"profile": str(dest), **analysis.to_json()})

@@ -1,0 +1,185 @@
+"""`moeplug hook llama-server | llama-swap | list | remove | watch`: argument parsing and printing;
+the work is in moeplug.hooks. Registered by `add_hook_commands(sub)`."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from moeplug.errors import EXIT_OK, EXIT_USAGE, MoeplugError
+from moeplug.output import print_json, table
+
+EXAMPLES = """examples:
+  moeplug hook llama-server --preset ~/router.ini     one [section] per installed model
+  moeplug hook llama-server --print                   the sections, nothing written
+  moeplug hook llama-swap --config-dir ~/llama-swap.d writes ~/llama-swap.d/moeplug.yaml
+  moeplug hook llama-swap --file ~/llama-swap.yaml    a marked block inside a single config
+  moeplug hook list                                   the hooks moeplug keeps current
+  moeplug hook remove ~/router.ini                    takes moeplug's part out again
+  moeplug hook watch                                  keep them current when files change (a user service)
+"""
+
+
+def _installed() -> list[Any]:
+    from moeplug.install import list_installed
+
+    return list_installed()
+
+
+def _commands() -> list[Any]:
+    from moeplug.hooks.command import model_commands
+
+    return model_commands(_installed())
+
+
+def _report(args: argparse.Namespace, record: Any, changed: bool, extra: dict[str, Any]) -> None:
+    from moeplug.hooks.maintain import hook_file
+
+    doc = {"hook": asdict(record), "file": str(hook_file(record.target, Path(record.path))), "changed": changed,
+           **extra}
+    if args.json:
+        print_json(doc)
+        return
+    state = "wrote" if changed else "up to date:"
+    print(f"{state} {doc['file']} ({len(record.models)} model{'s' if len(record.models) != 1 else ''}: "
+          f"{', '.join(record.models) or 'none yet; installs add them'})")
+    print("moeplug keeps it current on install, re-plan and profile change "
+          "('moeplug hook list', 'moeplug hook remove')")
+
+
+def cmd_llama_server(args: argparse.Namespace) -> int:
+    from moeplug.hooks import llama_server_presets as presets
+    from moeplug.hooks.maintain import add_hook
+
+    if args.print:
+        commands = _commands()
+        if args.json:
+            print_json({"sections": {c.name: presets.section(c) for c in commands}})
+        else:
+            print(presets.render(commands), end="")
+        return EXIT_OK
+    if not args.preset:
+        raise MoeplugError("hook llama-server: give --preset FILE (or --print)", EXIT_USAGE)
+    record, changed = add_hook("llama-server", Path(args.preset), _installed())
+    command = presets.router_command(_commands(), Path(record.path), args.models_max, args.port)
+    _report(args, record, changed, {"router_command": command})
+    if not args.json and command:
+        print("run the router with moeplug's patched llama-server (its children run the same binary):")
+        print(f"  {command}")
+    return EXIT_OK
+
+
+def cmd_llama_swap(args: argparse.Namespace) -> int:
+    from moeplug.hooks import llama_swap
+    from moeplug.hooks.maintain import add_hook
+
+    schema = Path(args.schema) if args.schema else None
+    if args.print:
+        doc = llama_swap.fragment(_commands(), args.ttl if args.ttl is not None else llama_swap.DEFAULT_TTL)
+        llama_swap.validate(doc, schema)
+        if args.json:
+            print_json(doc)
+        else:
+            print(llama_swap.render(doc), end="")
+        return EXIT_OK
+    if bool(args.config_dir) == bool(args.file):
+        raise MoeplugError("hook llama-swap: give --config-dir DIR or --file PATH (or --print)", EXIT_USAGE)
+    target, path = ("llama-swap", args.config_dir) if args.config_dir else ("llama-swap-file", args.file)
+    record, changed = add_hook(target, Path(path), _installed(), ttl=args.ttl, schema=schema)
+    _report(args, record, changed, {})
+    if not args.json:
+        print("llama-swap reads it on start; with -watch-config (or a SIGHUP) it reloads it")
+    return EXIT_OK
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from moeplug.hooks.maintain import hook_file
+    from moeplug.hooks.store import read_hooks
+
+    records = read_hooks()
+    if args.json:
+        print_json({"hooks": [asdict(r) | {"file": str(hook_file(r.target, Path(r.path)))} for r in records]})
+        return EXIT_OK
+    if not records:
+        print("moeplug maintains no hook ('moeplug hook llama-server --preset FILE' or 'moeplug hook llama-swap "
+              "--config-dir DIR' adds one)")
+        return EXIT_OK
+    rows = [[r.target, str(hook_file(r.target, Path(r.path))), ", ".join(r.models) or "-",
+             time.strftime("%Y-%m-%d %H:%M", time.localtime(r.updated)), f"error: {r.error}" if r.error else "ok"]
+            for r in records]
+    print(table(["target", "file", "models", "updated", "state"], rows, "lllll"))
+    return EXIT_OK
+
+
+def cmd_remove(args: argparse.Namespace) -> int:
+    from moeplug.hooks.maintain import find, remove_hook
+    from moeplug.hooks.store import read_hooks
+
+    if args.all == bool(args.path):
+        raise MoeplugError("hook remove: give the hook's path (see 'moeplug hook list') or --all", EXIT_USAGE)
+    records = read_hooks() if args.all else [find(None, Path(args.path))]
+    for r in records:
+        remove_hook(r)
+    if args.json:
+        print_json({"removed": [asdict(r) for r in records]})
+    else:
+        for r in records:
+            print(f"removed the {r.target} hook at {r.path}")
+    return EXIT_OK
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    from moeplug.hooks.store import read_hooks
+    from moeplug.hooks.watch import watch_store
+    from moeplug.install import installed_dir
+    from moeplug.output import note
+
+    watcher = watch_store(debounce=args.debounce)
+    note(f"watching {installed_dir()} and the profiles for {len(read_hooks())} hook(s); Ctrl-C stops")
+    try:
+        while True:
+            time.sleep(3600)
+    finally:
+        watcher.stop()
+
+
+def add_hook_commands(sub: Any) -> None:
+    hook = sub.add_parser("hook", help="keep model-swap proxies (llama-server router, llama-swap) configured",
+                          description="Write moeplug's installed models, with their planned flags, into a "
+                          "llama-server router preset or a llama-swap config, and keep them current.",
+                          epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    hsub = hook.add_subparsers(dest="hook_command", metavar="HOOK_COMMAND", required=True)  # parsers of hook's class
+
+    p = _command(hsub, "llama-server", "an INI preset for llama-server --models-preset (router mode)", cmd_llama_server)
+    p.add_argument("--preset", help="the preset file to write or update (other sections are kept byte for byte)")
+    p.add_argument("--print", action="store_true", help="print moeplug's sections, write nothing")
+    p.add_argument("--models-max", type=int, default=1, help="for the printed router command (default 1)")
+    p.add_argument("--port", type=int, default=8080, help="for the printed router command (default 8080)")
+
+    p = _command(hsub, "llama-swap", "llama-swap models: DIR/moeplug.yaml, or a block in one config file",
+                 cmd_llama_swap)
+    p.add_argument("--config-dir", help="llama-swap's -config-dir: writes DIR/moeplug.yaml")
+    p.add_argument("--file", help="a single llama-swap config: moeplug's entries between marker comments")
+    p.add_argument("--ttl", type=int, help="seconds idle before llama-swap unloads a model (default 300)")
+    p.add_argument("--schema", help="llama-swap's config-schema.json to validate against")
+    p.add_argument("--print", action="store_true", help="print the fragment, write nothing")
+
+    _command(hsub, "list", "the hooks moeplug maintains", cmd_list)
+    p = _command(hsub, "remove", "take moeplug's part out of a hook's file and stop maintaining it", cmd_remove)
+    p.add_argument("path", nargs="?", help="the hook's path as 'moeplug hook list' shows it (or --all)")
+    p.add_argument("--all", action="store_true")
+
+    p = _command(hsub, "watch", "regenerate the hooks when installed models or profiles change on disk", cmd_watch,
+                 json=False)
+    p.add_argument("--debounce", type=float, default=0.3, help="seconds of quiet before regenerating (default 0.3)")
+
+
+def _command(hsub: Any, name: str, help: str, func: Any, json: bool = True) -> argparse.ArgumentParser:
+    p = hsub.add_parser(name, help=help)
+    if json:
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=func)
+    return p

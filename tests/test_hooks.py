@@ -1,0 +1,416 @@
+"""`moeplug hook`: llama-server router presets and llama-swap fragments made from the installed
+plans, against the real pinned llama-server in router mode and llama-swap's own schema.
+
+Two synthetic models are installed once for the module in temp XDG homes: the demo through the
+real `moeplug install`, and a second model through the same library calls (profile, plan with
+its slots held in RAM as the demo's, record). Each test gets its own state home, so the hook
+records of one test are not the next test's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import jsonschema
+import pytest
+import requests
+import yaml
+
+from moeplug.hooks.command import flag_pairs
+from moeplug.paths import builds_dir
+from moeplug.server import free_port
+
+pytestmark = pytest.mark.native
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA_SWAP = ROOT.parent / "shared" / "data" / "llama-swap"
+XDG = ("XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CONFIG_HOME")
+
+
+@pytest.fixture(scope="module")
+def store(patched_build, tmp_path_factory: pytest.TempPathFactory):
+    """XDG homes holding two installed models, demo and other, both with slots in RAM."""
+    from moeplug.fsutil import write_text_atomic
+    from moeplug.install import InstalledModel, ensure_profile, installed_dir, plan_for
+    from moeplug.model_inspect import inspect_model
+    from moeplug.synth import ModelSpec, make_model
+
+    root = tmp_path_factory.mktemp("hooks")
+    builds = builds_dir()  # the real one, before the homes move
+    with pytest.MonkeyPatch.context() as mp:
+        for var in XDG:
+            mp.setenv(var, str(root / var.lower()))
+        shared = root / "xdg_data_home" / "moeplug" / "builds"
+        shared.parent.mkdir(parents=True)
+        shared.symlink_to(builds)
+        r = subprocess.run([sys.executable, "-m", "moeplug", "install", "demo", "--no-serve", "--ctx", "1024"],
+                           capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+
+        path = make_model(ModelSpec(arch="qwen3moe", layers=4, experts=32, used=4, embd=256, expert_ff=256,
+                                    dtype="q8_0", seed=99, name="other"), root / "other.gguf")[0]
+        profile = ensure_profile(path, patched_build.binary("llama-moe-profile"), 16, ["codeish"])
+        plan = plan_for(inspect_model(path), 1024, None, profile, slots_on_cpu=True)
+        record = InstalledModel(name="other", ref=str(path), path=str(path), profile=str(profile),
+                                build_id=patched_build.build_id, ctx=1024, plan=plan.to_json(), slots_on_cpu=True)
+        write_text_atomic(installed_dir() / "other.json", json.dumps(asdict(record), indent=2) + "\n")
+        yield root
+
+
+@pytest.fixture
+def home(store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """The module's installed models, a fresh state home (no hooks yet); env for the CLI."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    return dict(os.environ)
+
+
+def moeplug(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "moeplug", *args], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+def one_line_error(r: subprocess.CompletedProcess[str], code: int, *words: str) -> str:
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moeplug: error: "), r.stderr
+    assert "Traceback" not in r.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+    return lines[0]
+
+
+def installed() -> dict[str, object]:
+    from moeplug.install import list_installed
+
+    return {m.name: m for m in list_installed()}
+
+
+def without_moeplug_blocks(text: str) -> str:
+    return re.sub(r"; >>> moeplug (\S+) .*?; <<< moeplug \1\n", "", text, flags=re.S)
+
+
+# ---------------------------------------------------------------------------------------------
+# llama-server router mode
+
+
+def test_router_starts_each_model_with_moeplugs_flags_and_swaps(home: dict[str, str], tmp_path: Path) -> None:
+    preset = tmp_path / "router.ini"
+    preset.write_text("; my router\n[*]\nc = 2048 ; shared by every model\n")
+    port = free_port()
+    r = moeplug(home, "hook", "llama-server", "--preset", str(preset), "--port", str(port), "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["hook"]["models"] == ["demo", "other"] and doc["changed"]
+    command = doc["router_command"]
+    assert command.startswith("LLAMA_MOE_CACHE_DEVICE=CPU ")  # both hold their slots in RAM
+    assert "--models-preset" in command and "--models-max 1" in command
+
+    log = tmp_path / "router.log"
+    with open(log, "wb") as out:  # the printed command, as a user pastes it
+        router = subprocess.Popen(["sh", "-c", command], stdout=out, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if requests.get(f"{url}/models", timeout=2).ok:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert router.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+
+        models = installed()
+        for name in ("demo", "other"):
+            r2 = requests.post(f"{url}/v1/chat/completions", timeout=300, json={
+                "model": name, "max_tokens": 8, "messages": [{"role": "user", "content": "Hello"}]})
+            assert r2.status_code == 200, r2.text
+            assert r2.json()["model"] == name and r2.json()["choices"][0]["message"]["content"]
+            status = {m["id"]: m["status"] for m in requests.get(f"{url}/models", timeout=10).json()["data"]}
+            assert status[name]["value"] == "loaded"
+            # the child ran with the installed plan's flags, in the router's long spelling
+            args = status[name]["args"]
+            plan = dict(flag_pairs(models[name].plan["server_args"]))
+            assert args[args.index("--model") + 1] == models[name].path
+            assert args[args.index("--ctx-size") + 1] == plan["-c"] == "1024"  # the model's, over [*]'s 2048
+            assert args[args.index("--moe-cache-slots") + 1] == plan["--moe-cache-slots"] == "8"
+            assert args[args.index("--moe-cache-profile") + 1] == plan["--moe-cache-profile"] == models[name].profile
+        # --models-max 1: asking for other swapped demo out
+        assert status["demo"]["value"] == "unloaded"
+
+        text = log.read_text(errors="replace")
+        ports = dict(re.findall(r"spawning server instance with name=(\S+) on port (\d+)", text))
+        assert sorted(ports) == ["demo", "other"]
+        for name, child in ports.items():
+            cache = re.findall(rf"\[\s*{child}\] .*moe-cache: (\d+) layers x (\d+) slots", text)
+            assert cache == [("4", "8")], f"{name}: {cache}"
+    finally:
+        if router.poll() is None:
+            os.killpg(router.pid, signal.SIGTERM)  # its own session: the router and its children
+        router.wait(timeout=30)
+
+
+USER_PRESET = (
+    "; shared settings, and my own model\r\n"
+    "version = 1\r\n"
+    "\r\n"
+    "[*]\r\n"
+    "c = 4096   # a comment after a value\r\n"
+    "\r\n"
+    "[mine]\r\n"
+    "model = /models/mine.gguf\r\n"
+    "# mine stays mine\r\n"
+)
+
+
+def test_preset_update_keeps_the_users_sections_and_comments_byte_for_byte(home: dict[str, str],
+                                                                          tmp_path: Path) -> None:
+    from moeplug.install import replan
+
+    preset = tmp_path / "router.ini"
+    preset.write_bytes(USER_PRESET.encode())
+    os.chmod(preset, 0o640)
+    assert moeplug(home, "hook", "llama-server", "--preset", str(preset)).returncode == 0
+    text = preset.read_bytes().decode()
+    assert text.startswith(USER_PRESET) and without_moeplug_blocks(text) == USER_PRESET
+    assert "[demo]\n" in text and "[other]\n" in text and "load-on-startup = false\n" in text
+    assert (tmp_path / "router.ini.moeplug-backup").read_bytes() == USER_PRESET.encode()
+    assert preset.stat().st_mode & 0o777 == 0o640
+
+    # the user edits their part; a re-plan (as `serve --ctx` makes) updates moeplug's section in place
+    edited = text.replace("# mine stays mine\r\n", "# mine stays mine\r\nctx-size = 512\r\n")
+    preset.write_bytes(edited.encode())
+    replan(installed()["demo"], ctx=2048)
+    after = preset.read_bytes().decode()
+    assert without_moeplug_blocks(after) == without_moeplug_blocks(edited)
+    demo = re.search(r"\[demo\]\n(.*?); <<<", after, re.S)[1]
+    assert "c = 2048\n" in demo
+    assert (tmp_path / "router.ini.moeplug-backup").read_bytes() == USER_PRESET.encode()  # the first version
+    replan(installed()["demo"], ctx=1024)
+
+    # the hook is listed, and removing it gives the user's file back, byte for byte
+    listed = json.loads(moeplug(home, "hook", "list", "--json").stdout)["hooks"]
+    assert [(h["target"], h["file"], h["error"]) for h in listed] == [("llama-server", str(preset), None)]
+    assert moeplug(home, "hook", "remove", str(preset)).returncode == 0
+    assert preset.read_bytes() == without_moeplug_blocks(edited).encode()
+    assert json.loads(moeplug(home, "hook", "list", "--json").stdout)["hooks"] == []
+
+
+def test_print_shows_the_plans_flags_without_writing(home: dict[str, str]) -> None:
+    r = moeplug(home, "hook", "llama-server", "--print")
+    assert r.returncode == 0, r.stderr
+    models = installed()
+    for name, m in models.items():
+        section = re.search(rf"^\[{name}\]\n(.*?)^; <<< moeplug {name}$", r.stdout, re.S | re.M)[1]
+        keys = [line.split(" = ", 1) for line in section.splitlines()]
+        expected = [["model", m.path]] + [[f.lstrip("-"), v if v is not None else "true"]
+                                          for f, v in flag_pairs(m.plan["server_args"])]
+        assert keys == [*expected, ["load-on-startup", "false"]]
+    assert json.loads(moeplug(home, "hook", "list", "--json").stdout)["hooks"] == []
+
+
+@pytest.mark.parametrize("content", [b'{"models": ["demo"]}\n', b"[demo\nmodel = x\n", b"\xff\xfe\x00binary"])
+def test_a_broken_preset_is_refused_in_one_line_and_left_untouched(home: dict[str, str], tmp_path: Path,
+                                                                    content: bytes) -> None:
+    preset = tmp_path / "router.ini"
+    preset.write_bytes(content)
+    one_line_error(moeplug(home, "hook", "llama-server", "--preset", str(preset)), 1, str(preset))
+    assert preset.read_bytes() == content
+    assert [p.name for p in tmp_path.iterdir() if p.name != "state"] == ["router.ini"]  # no backup, no temp file
+    assert json.loads(moeplug(home, "hook", "list", "--json").stdout)["hooks"] == []
+
+
+def test_a_users_section_named_like_a_model_is_a_clash(home: dict[str, str], tmp_path: Path) -> None:
+    preset = tmp_path / "router.ini"
+    preset.write_text("[demo]\nmodel = /elsewhere/demo.gguf\n")
+    one_line_error(moeplug(home, "hook", "llama-server", "--preset", str(preset)), 1, "[demo]")
+    assert preset.read_text() == "[demo]\nmodel = /elsewhere/demo.gguf\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# llama-swap
+
+
+def swap_schema() -> dict[str, object]:
+    return json.loads((LLAMA_SWAP / "config-schema.json").read_text())
+
+
+def test_llama_swap_fragment_is_valid_and_runs_the_plans_flags(home: dict[str, str], tmp_path: Path) -> None:
+    folder = tmp_path / "swap.d"
+    folder.mkdir()
+    (folder / "00-main.yaml").write_text((LLAMA_SWAP / "config.example.yaml").read_text())
+    r = moeplug(home, "hook", "llama-swap", "--config-dir", str(folder), "--json")
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in folder.iterdir()) == ["00-main.yaml", "moeplug.yaml"]
+    fragment = yaml.safe_load((folder / "moeplug.yaml").read_text())
+    jsonschema.Draft7Validator(swap_schema()).validate(fragment)
+    assert sorted(fragment) == ["models"] and sorted(fragment["models"]) == ["demo", "other"]
+    for name, m in installed().items():
+        entry = fragment["models"][name]
+        assert entry["checkEndpoint"] == "/health" and entry["ttl"] == 300
+        assert entry["env"] == ["LLAMA_MOE_CACHE_DEVICE=CPU"]
+        argv = shlex.split(entry["cmd"])
+        binary = Path(argv[0])
+        assert binary.name == "llama-server" and binary.parent.parent.name == m.build_id
+        assert argv[argv.index("--port") + 1] == "${PORT}" and argv[argv.index("-m") + 1] == m.path
+        assert argv[-len(m.plan["server_args"]):] == m.plan["server_args"]
+    # merged on top of the example config, as llama-swap merges the folder, it is still valid
+    main = yaml.safe_load((LLAMA_SWAP / "config.example.yaml").read_text())
+    main["models"].update(fragment["models"])
+    jsonschema.Draft7Validator(swap_schema()).validate(main)
+
+
+def test_llama_swap_clash_with_another_fragment_is_refused(home: dict[str, str], tmp_path: Path) -> None:
+    folder = tmp_path / "swap.d"
+    folder.mkdir()
+    assert moeplug(home, "hook", "llama-swap", "--config-dir", str(folder)).returncode == 0
+    before = (folder / "moeplug.yaml").read_bytes()
+    (folder / "zz-mine.yaml").write_text("models:\n  mine:\n    cmd: llama-server --port ${PORT}\n"
+                                         "    aliases: [other]\n")
+    one_line_error(moeplug(home, "hook", "llama-swap", "--config-dir", str(folder)), 1, "zz-mine.yaml", "'other'")
+    assert (folder / "moeplug.yaml").read_bytes() == before
+    # the recorded hook meets the clash at the next regeneration too: reported, file kept
+    from moeplug.hooks import refresh_hooks
+
+    records = refresh_hooks(list(installed().values()))
+    assert "zz-mine.yaml" in (records[0].error or "") and (folder / "moeplug.yaml").read_bytes() == before
+
+
+def test_an_interrupted_llama_swap_write_leaves_no_yaml(home: dict[str, str], tmp_path: Path) -> None:
+    """The writer dies between writing the fragment and renaming it into place."""
+    folder = tmp_path / "swap.d"
+    folder.mkdir()
+    script = textwrap.dedent(f"""
+        import os, signal
+        from pathlib import Path
+        from moeplug.hooks.maintain import add_hook
+        from moeplug.install import list_installed
+        os.replace = lambda *a: os.kill(os.getpid(), signal.SIGKILL)  # the crash, at the worst moment
+        add_hook("llama-swap", Path({str(folder)!r}), list_installed())
+    """)
+    r = subprocess.run([sys.executable, "-c", script], env=home, capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    assert list(folder.glob("*.yaml")) == []
+    left = [p.name for p in folder.iterdir()]
+    assert len(left) == 1 and left[0].startswith(".moeplug.yaml.") and left[0].endswith(".tmp")
+
+
+def test_llama_swap_single_file_keeps_everything_else(home: dict[str, str], tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    example = (LLAMA_SWAP / "config.example.yaml").read_bytes()
+    config.write_bytes(example)
+    assert moeplug(home, "hook", "llama-swap", "--file", str(config)).returncode == 0
+    text = config.read_text()
+    doc = yaml.safe_load(text)
+    jsonschema.Draft7Validator(swap_schema()).validate(doc)
+    assert {"demo", "other", "gpt-oss-120b"} <= set(doc["models"])
+    kept = re.sub(r"\n *# >>> moeplug .*?# <<< moeplug", "", text, flags=re.S)
+    assert kept.encode() == example and (tmp_path / "config.yaml.moeplug-backup").read_bytes() == example
+    assert moeplug(home, "hook", "remove", "--all").returncode == 0
+    assert config.read_bytes() == example
+
+
+# ---------------------------------------------------------------------------------------------
+# the watcher
+
+
+def test_watcher_regenerates_after_a_profile_is_replaced_and_not_for_other_files(home: dict[str, str],
+                                                                                 tmp_path: Path) -> None:
+    from moeplug.hooks.maintain import add_hook
+    from moeplug.hooks.store import read_hooks
+    from moeplug.hooks.watch import watch_store
+    from moeplug.install import installed_dir
+    from moeplug.profile import merge_profiles, read_profile, write_profile
+
+    preset = tmp_path / "router.ini"
+    add_hook("llama-server", preset, list(installed().values()))
+    profile = Path(installed()["other"].profile)
+    old_digest = _profile_digest(preset, "other")
+    # a profile made elsewhere (as a cron job would): the same model's runs, counted twice
+    replacement = tmp_path / "new-profile.gguf"
+    write_profile(merge_profiles([read_profile(profile), read_profile(profile)]), replacement)
+
+    watcher = watch_store()
+    try:
+        # unrelated files: no regeneration at all
+        updated = read_hooks()[0].updated
+        (profile.parent / "README.txt").write_text("not a profile\n")
+        (installed_dir() / "notes.md").write_text("not a model record\n")
+        (installed_dir() / ".other.json.123.tmp").write_text("{}")  # someone's temporary file
+        (tmp_path / "elsewhere.json").write_text("{}")
+        time.sleep(1.5)
+        assert read_hooks()[0].updated == updated
+
+        os.replace(replacement, profile)
+        replaced = time.monotonic()
+        while _profile_digest(preset, "other") == old_digest:
+            assert time.monotonic() - replaced < 2.0, "the preset was not regenerated within 2 s"
+            time.sleep(0.05)
+        assert _profile_digest(preset, "other") == _sha(profile)[:16]
+        assert read_hooks()[0].updated > updated and read_hooks()[0].error is None
+    finally:
+        watcher.stop()
+
+
+def _sha(path: Path) -> str:
+    from moeplug.fsutil import sha256_file
+
+    return sha256_file(path)
+
+
+def _profile_digest(preset: Path, name: str) -> str:
+    block = re.search(rf"; >>> moeplug {name} (.*?); <<< moeplug {name}\n", preset.read_text(), re.S)[1]
+    return re.search(r"^; profile \S+ sha256:(\w+)$", block, re.M)[1]
+
+
+def test_profiling_an_installed_model_again_rewrites_its_hooks(home: dict[str, str], tmp_path: Path) -> None:
+    preset = tmp_path / "router.ini"
+    assert moeplug(home, "hook", "llama-server", "--preset", str(preset)).returncode == 0
+    demo, other = _profile_digest(preset, "demo"), _profile_digest(preset, "other")
+    m = installed()["other"]
+    r = moeplug(home, "profile", m.path, "-n", "4", "--prompts", "chatty")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert _profile_digest(preset, "other") == _sha(Path(m.profile))[:16] != other
+    assert _profile_digest(preset, "demo") == demo
+
+
+def test_hook_watch_service_regenerates_and_stops_on_ctrl_c(home: dict[str, str], tmp_path: Path) -> None:
+    from moeplug.fsutil import write_text_atomic
+    from moeplug.hooks.store import read_hooks
+    from moeplug.install import installed_dir
+
+    preset = tmp_path / "router.ini"
+    assert moeplug(home, "hook", "llama-server", "--preset", str(preset)).returncode == 0
+    updated = read_hooks()[0].updated
+    proc = subprocess.Popen([sys.executable, "-m", "moeplug", "hook", "watch"], env=home, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        assert "watching" in proc.stderr.readline()
+        record = installed_dir() / "demo.json"
+        write_text_atomic(record, record.read_text())  # a record copied in again
+        deadline = time.monotonic() + 2
+        while read_hooks()[0].updated == updated:
+            assert time.monotonic() < deadline, "the service did not regenerate within 2 s"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "moeplug: interrupted"
+
+
+def test_hook_usage_errors_are_one_line(home: dict[str, str], tmp_path: Path) -> None:
+    one_line_error(moeplug(home, "hook", "llama-server"), 2, "--preset")
+    one_line_error(moeplug(home, "hook", "llama-swap"), 2, "--config-dir")
+    one_line_error(moeplug(home, "hook", "llama-swap", "--config-dir", str(tmp_path / "none")), 1, "no such folder")
+    one_line_error(moeplug(home, "hook", "remove", str(tmp_path / "x.ini")), 1, "no hook")
