@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,17 +101,19 @@ def require_moe(info: ModelInfo) -> None:
                                  f"offload; run it with stock llama.cpp")
 
 
-def ensure_profile(model: Path, tool: Path, n_predict: int, prompt_sets: list[str]) -> Path:
-    """The model's stored profile, made with the bundled prompts when there is none yet."""
+def ensure_profile(model: Path, tool: Path, n_predict: int, prompt_sets: list[str], remake: bool = False,
+                   progress: Callable[[int, int], None] | None = None) -> Path:
+    """The model's stored profile, made with the bundled prompts when there is none yet (remake:
+    made again, replacing it atomically). progress(prompts done, prompts in all)."""
     from moeplug.profile.format import model_fingerprint
     from moeplug.profile.runner import ProfileRun, default_profile_path, run_profile
 
     dest = default_profile_path(model_fingerprint(model))
-    if dest.exists():
+    if dest.exists() and not remake:
         note(f"profile: {dest} (already made; 'moeplug profile' re-makes it)")
         return dest
     run = ProfileRun(tool=tool, model=model, n_predict=n_predict, ctx=2048)
-    path, _ = run_profile(run, prompt_sets, dest)
+    path, _ = run_profile(run, prompt_sets, dest, progress=progress)
     return path
 
 
@@ -119,6 +122,34 @@ def plan_for(info: ModelInfo, ctx: int, vram_budget: int | None, profile: Path |
     budget = vram_budget if vram_budget is not None else free_vram_bytes()
     slots_in_ram = max(1, info.n_expert // 4) if slots_on_cpu else 0  # the demo without a GPU
     return make_plan(info, ctx, budget, profile, available_ram_bytes(), slots_in_ram)
+
+
+def installed_build(m: InstalledModel) -> Any:
+    """The native build a model was installed with (a BuildResult), or an error saying what to do."""
+    from moeplug.native.build import installed_builds
+
+    builds = {b.build_id: b for b in installed_builds()}
+    if m.build_id not in builds:
+        raise MoeplugError(f"the build {m.build_id} that '{m.name}' was installed with is gone; "
+                           f"run 'moeplug install {m.ref}' again")
+    return builds[m.build_id]
+
+
+def serve_installed(name: str, *, port: int | None = None, vram_budget: int | None = None, ctx: int | None = None,
+                    allow_fallback: bool = False, metrics: bool = False) -> Any:
+    """Launch an installed model again (`moeplug serve`): its plan, or one re-made for another
+    budget or context; returns the running server's record (moeplug.serving.ServerRecord)."""
+    from moeplug.serving import launch, model_lock
+
+    m = read_installed(name)
+    plan = m.plan
+    if vram_budget is not None or ctx:
+        plan = plan_for(inspect_model(m.path), ctx or m.ctx, vram_budget, Path(m.profile) if m.profile else None,
+                        m.slots_on_cpu).to_json()
+    binary = installed_build(m).binary("llama-server")
+    with model_lock(m.name):
+        return launch(m.name, Path(m.path), binary, m.build_id, plan["server_args"], plan["ctx"], port=port,
+                      allow_fallback=allow_fallback, env=m.server_env(), metrics=metrics)
 
 
 def install(text: str, *, ctx: int, vram_budget: int | None, backend: str | None, jobs: int,
