@@ -117,6 +117,23 @@ def ensure_profile(model: Path, tool: Path, n_predict: int, prompt_sets: list[st
     return path
 
 
+def default_profile_tokens(ref: ModelRef) -> int:
+    """Tokens generated per profiling prompt: fewer for the demo's random weights."""
+    return DEMO_PROFILE_TOKENS if ref.kind == "demo" else 256
+
+
+def remake_profile(name: str, prompt_sets: list[str] | None = None,
+                   progress: Callable[[int, int], None] | None = None) -> Path:
+    """Profile an installed model again with its build and the bundled prompts (the dashboard's
+    re-profile); the stored profile is replaced atomically. Re-plan to use it."""
+    from moeplug.profile.runner import DEFAULT_PROMPT_SETS
+
+    m = read_installed(name)
+    tool = installed_build(m).binary("llama-moe-profile")
+    return ensure_profile(Path(m.path), tool, default_profile_tokens(parse_ref(m.ref)),
+                          list(prompt_sets or DEFAULT_PROMPT_SETS), remake=True, progress=progress)
+
+
 def plan_for(info: ModelInfo, ctx: int, vram_budget: int | None, profile: Path | None,
              slots_on_cpu: bool) -> Plan:
     budget = vram_budget if vram_budget is not None else free_vram_bytes()
@@ -168,7 +185,7 @@ def install(text: str, *, ctx: int, vram_budget: int | None, backend: str | None
         note(f"{name}: {info.arch}, {len(info.layers)} MoE layers x {info.n_expert} experts "
              f"({info.n_expert_used} used), {human_bytes(info.total_bytes)} at {resolved.path}")
         result = build(resolve_options(backend, stock=False, jobs=jobs, cuda_arch=None))
-        n_predict = profile_tokens or (DEMO_PROFILE_TOKENS if is_demo else 256)
+        n_predict = profile_tokens or default_profile_tokens(ref)
         profile = ensure_profile(resolved.path, result.binary("llama-moe-profile"), n_predict, prompt_sets)
         slots_on_cpu = is_demo and result.manifest.get("backend") == "cpu"
         plan = plan_for(info, ctx, vram_budget, profile, slots_on_cpu)

@@ -103,6 +103,41 @@ class LayerSlots:
 
 
 @dataclass(frozen=True)
+class ProfileSummary:
+    """A stored profile at a glance: where, when, from what, and its coverage curve."""
+
+    path: str
+    made_at: float  # the file's modification time
+    sources: list[str]  # prompt sets, one per profiler run
+    tokens_prefill: int
+    tokens_decode: int
+    coverage: dict[int, float | None]  # slots per layer -> static hit rate (`moeplug profile analyze`)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self) | {"coverage": {str(k): v for k, v in self.coverage.items()}}
+
+
+@functools.lru_cache(maxsize=8)
+def _profile_summary(path: str, mtime: float) -> ProfileSummary:
+    from moeplug.profile import analyze, read_profile
+
+    profile = read_profile(path)
+    a = analyze(profile)
+    return ProfileSummary(path, mtime, [s.label for s in profile.sources], a.tokens_prefill, a.tokens_decode,
+                          {n: a.overall_hit_rate("static", n) for n in a.slots})
+
+
+def profile_summary(path: str | None) -> ProfileSummary | None:
+    """None when there is no profile or it cannot be read (the plan panel says so)."""
+    if not path or not Path(path).exists():
+        return None
+    try:
+        return _profile_summary(path, Path(path).stat().st_mtime)
+    except Exception:
+        return None
+
+
+@dataclass(frozen=True)
 class ServerSnapshot:
     record: ServerRecord
     alive: bool
@@ -114,6 +149,7 @@ class ServerSnapshot:
     n_ctx: int | None = None  # per llama-server slot
     plan: dict[str, Any] | None = None  # the installed plan, when the server runs it
     layers: list[LayerSlots] = field(default_factory=list)
+    profile: ProfileSummary | None = None
 
     @property
     def name(self) -> str:
@@ -140,6 +176,7 @@ class ServerSnapshot:
             "ctx_used": self.ctx_used, "n_ctx": self.n_ctx,
             "cpu_bytes_per_token": self.cpu_bytes_per_token,
             "layers": [layer.to_json() for layer in self.layers],
+            "profile": self.profile.to_json() if self.profile else None,
         }
 
 
@@ -217,8 +254,9 @@ def layer_slots(plan: dict[str, Any], model: str, counters: CacheCounters | None
 
 
 def server_snapshot(record: ServerRecord, installed: dict[str, InstalledModel] | None = None,
-                    now: float | None = None) -> ServerSnapshot:
-    """Everything about one served model; a server that does not answer is down, never an error."""
+                    now: float | None = None, with_profile: bool = False) -> ServerSnapshot:
+    """Everything about one served model; a server that does not answer is down, never an error.
+    with_profile: also summarise its profile (analyzed once per profile file, then cached)."""
     alive = record.alive()
     h = health(record.port) if alive else None
     counters = metrics = None
@@ -232,15 +270,17 @@ def server_snapshot(record: ServerRecord, installed: dict[str, InstalledModel] |
     model = (installed or {}).get(record.name)
     plan = model.plan if model and _runs_plan(record, model.plan) else None
     layers = layer_slots(plan, record.model, counters) if plan else []
+    profile = profile_summary(model.profile if model else None) if with_profile else None
     return ServerSnapshot(record=record, alive=alive, healthy=bool(h and h.get("status") == "ok"),
                           uptime_s=(now or time.time()) - record.started, cache_counters=counters, metrics=metrics,
-                          ctx_used=ctx_used, n_ctx=n_ctx, plan=plan, layers=layers)
+                          ctx_used=ctx_used, n_ctx=n_ctx, plan=plan, layers=layers,
+                          profile=profile)
 
 
-def snapshot(with_gpus: bool = True) -> Snapshot:
+def snapshot(with_gpus: bool = True, with_profiles: bool = False) -> Snapshot:
     """Every served model, the installed ones, and the GPUs, now."""
     installed = list_installed()
     by_name = {m.name: m for m in installed}
     now = time.time()
-    servers = [server_snapshot(r, by_name, now) for r in read_records()]
+    servers = [server_snapshot(r, by_name, now, with_profiles) for r in read_records()]
     return Snapshot(taken_at=now, servers=servers, gpus=gpus() if with_gpus else [], installed=installed)
