@@ -113,9 +113,6 @@ class ProfileSummary:
     tokens_decode: int
     coverage: dict[int, float | None]  # slots per layer -> static hit rate (`moeplug profile analyze`)
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self) | {"coverage": {str(k): v for k, v in self.coverage.items()}}
-
 
 @functools.lru_cache(maxsize=8)
 def _profile_summary(path: str, mtime: float) -> ProfileSummary:
@@ -149,7 +146,7 @@ class ServerSnapshot:
     n_ctx: int | None = None  # per llama-server slot
     plan: dict[str, Any] | None = None  # the installed plan, when the server runs it
     layers: list[LayerSlots] = field(default_factory=list)
-    profile: ProfileSummary | None = None
+    profile: ProfileSummary | None = None  # with_profile only (the dashboard's plan panel)
 
     @property
     def name(self) -> str:
@@ -176,7 +173,6 @@ class ServerSnapshot:
             "ctx_used": self.ctx_used, "n_ctx": self.n_ctx,
             "cpu_bytes_per_token": self.cpu_bytes_per_token,
             "layers": [layer.to_json() for layer in self.layers],
-            "profile": self.profile.to_json() if self.profile else None,
         }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 import requests
 from textual.pilot import Pilot
-from textual.widgets import DataTable, Label, Static
+from textual.widgets import DataTable, Label, Log, ProgressBar, Static
 
 from moeplug.gpu import gpus
 from moeplug.paths import builds_dir
@@ -180,3 +181,49 @@ def test_start_from_the_ui_then_a_killed_server_turns_down(home: dict[str, str])
 
     run_app(check)
     assert [(s["name"], s["alive"], s["state"]) for s in status(home)["servers"]] == [("demo", False, "down")]
+
+
+def test_log_replan_and_reprofile_from_the_ui(home: dict[str, str]) -> None:
+    srv = served(home)
+    profile = Path(json.loads(moeplug(home, "list", "--json").stdout)["models"][0]["profile"])
+    made = profile.stat().st_mtime_ns
+    expected = json.loads(moeplug(home, "plan", "demo", "--vram-budget", "1GiB", "--ctx", "1024", "--json").stdout)
+
+    async def check(pilot: Pilot[None], screen: MainScreen) -> None:
+        # l: the server's log at its tail, the moe-cache line in it
+        await pilot.press("l")
+        await until(pilot, lambda: any("moe-cache:" in line for line in pilot.app.screen.query_one(Log).lines))
+        await pilot.press("escape")
+        await until(pilot, lambda: pilot.app.screen is screen)
+
+        # p: the plan `moeplug plan` makes for a budget typed in; ctrl+r restarts with it
+        await pilot.press("p")
+        await pilot.pause(0.1)
+        await pilot.press(*"1GiB", "enter")
+        shown = lambda: str(pilot.app.screen.query_one("#plan", Static).render())  # noqa: E731
+        await until(pilot, lambda: shown().startswith("budget 1.00 GiB"))
+        assert f"args {shlex.join(expected['server_args'])}" in shown()
+        await pilot.press("ctrl+r")
+        await until(pilot, lambda: activity(screen).startswith(("demo serving at", "error:")), timeout=300)
+        assert activity(screen).endswith("with the new plan"), activity(screen)
+        await until(pilot, lambda: cells(screen, "#servers", "demo")[1] == "healthy")
+
+        # r: re-profile in a worker, the progress bar moving, the UI answering meanwhile
+        await pilot.press("r")
+        await pilot.pause(0.1)
+        await pilot.press("y")
+        await until(pilot, lambda: activity(screen).startswith("profiling demo: prompt"), timeout=300)
+        bar = screen.query_one(ProgressBar)
+        assert bar.display and bar.total and 0 < bar.progress <= bar.total
+        await pilot.press("question_mark")  # the UI thread is free while the profiler runs
+        await pilot.pause(0.1)
+        await pilot.press("escape")
+        await until(pilot, lambda: activity(screen).startswith(("profile of demo made again", "error:")), timeout=600)
+        assert activity(screen).endswith("re-plan (p) to use it"), activity(screen)
+
+    run_app(check)
+    assert gone(srv["pid"])  # the re-plan stopped the old server
+    now = status(home)["servers"][0]
+    assert now["healthy"] and now["args"][-len(expected["server_args"]):] == expected["server_args"]
+    assert now["layers"] == []  # re-planned: the installed plan's per-layer view does not apply
+    assert profile.stat().st_mtime_ns > made
