@@ -50,11 +50,17 @@ class ServerMetrics:
     def decode_tokens_per_s(self) -> float | None:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else None
 
-    def since(self, before: ServerMetrics) -> ServerMetrics:
-        """The counters' growth since an earlier reading (the last requests' throughput)."""
-        return ServerMetrics(self.prompt_tokens - before.prompt_tokens, self.prompt_seconds - before.prompt_seconds,
-                             self.decode_tokens - before.decode_tokens, self.decode_seconds - before.decode_seconds,
-                             self.requests_processing, self.requests_deferred)
+    def since(self, before: ServerMetrics, last: ServerMetrics | None = None) -> ServerMetrics:
+        """The counters' growth since an earlier reading: the throughput of the requests in
+        between. A phase (prefill, decode) that did not run in between keeps `last`'s figures,
+        the growth of an earlier interval, so that an idle server shows its last requests."""
+        prompt = (self.prompt_tokens - before.prompt_tokens, self.prompt_seconds - before.prompt_seconds)
+        decode = (self.decode_tokens - before.decode_tokens, self.decode_seconds - before.decode_seconds)
+        if prompt[1] <= 0:
+            prompt = (last.prompt_tokens, last.prompt_seconds) if last else (0, 0.0)
+        if decode[1] <= 0:
+            decode = (last.decode_tokens, last.decode_seconds) if last else (0, 0.0)
+        return ServerMetrics(*prompt, *decode, self.requests_processing, self.requests_deferred)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self) | {"prompt_tokens_per_s": self.prompt_tokens_per_s,

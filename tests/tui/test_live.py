@@ -22,6 +22,7 @@ from textual.pilot import Pilot
 from textual.widgets import DataTable, Label, Log, ProgressBar, Static
 
 from moeplug.gpu import gpus
+from moeplug.monitor import parse_server_metrics
 from moeplug.paths import builds_dir
 from moeplug.tui.app import make_app
 from moeplug.tui.format import percent
@@ -127,6 +128,18 @@ def test_healthy_row_and_slots_as_status_says(home: dict[str, str]) -> None:
                 percent(layer["measured_hit_rate"])]
         summary = str(screen.query_one("#slots-summary", Static).render())
         assert f"meas {percent(doc['cache_counters']['hit_rate'])}" in summary
+
+        # a request: the row shows its decode throughput within two refreshes, as its counters say
+        before = parse_server_metrics(requests.get(f"{srv['url']}/metrics", timeout=5).text)
+        r = requests.post(f"{srv['url']}/completion", json={"prompt": "def main():", "n_predict": 24,
+                                                              "temperature": 0, "cache_prompt": False}, timeout=120)
+        assert r.status_code == 200
+        after = parse_server_metrics(requests.get(f"{srv['url']}/metrics", timeout=5).text)
+        assert before and after and after.decode_tokens - before.decode_tokens == 24
+        assert after.requests_processing == 0
+        shown = screen.refreshes
+        await until(pilot, lambda: screen.refreshes >= shown + 2)
+        assert float(cells(screen, "#servers", "demo")[4]) > 0
 
     run_app(check)
 

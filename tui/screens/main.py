@@ -75,22 +75,22 @@ class MainScreen(Screen[None]):
 
     @work(thread=True, exclusive=True, group="poll")
     def _read_snapshot(self) -> None:
-        snap = self.source()
+        try:
+            snap = self.source()
+        except Exception as exc:  # noqa: BLE001 - a damaged state file, say: one line, the next refresh retries
+            self.app.call_from_thread(self._say, f"refresh failed: {exc}")
+            return
         if not get_current_worker().is_cancelled:
             self.app.call_from_thread(self.show, snap)
 
     def show(self, snap: Snapshot) -> None:
         self.snap = snap
-        for s in snap.servers:  # the last requests' throughput: counters' growth since the last refresh
+        for s in snap.servers:  # the last requests' throughput: the counters' growth between refreshes
             before = self._previous.get(s.name)
-            if s.metrics and before and s.metrics.prompt_seconds >= before.prompt_seconds:
-                grown = s.metrics.since(before)
-                last = self._recent.get(s.name) or s.metrics
-                self._recent[s.name] = ServerMetrics(
-                    grown.prompt_tokens if grown.prompt_seconds > 0 else last.prompt_tokens,
-                    grown.prompt_seconds if grown.prompt_seconds > 0 else last.prompt_seconds,
-                    grown.decode_tokens if grown.decode_seconds > 0 else last.decode_tokens,
-                    grown.decode_seconds if grown.decode_seconds > 0 else last.decode_seconds)
+            if s.metrics and before and s.metrics.prompt_seconds >= before.prompt_seconds:  # not restarted
+                self._recent[s.name] = s.metrics.since(before, self._recent.get(s.name) or s.metrics)
+            else:
+                self._recent.pop(s.name, None)
             if s.metrics:
                 self._previous[s.name] = s.metrics
         served = len(snap.servers)
@@ -101,7 +101,7 @@ class MainScreen(Screen[None]):
         self.refreshes += 1
 
     def _show_selected(self) -> None:
-        s = self.snap.server(self.selected or "") if self.snap else None
+        s = self.snap.server(self.selected_name or "") if self.snap else None
         self.query_one(SlotsPanel).show(s)
         self.query_one(PlanPanel).show(s, self.snap.taken_at if self.snap else 0.0)
 
@@ -110,8 +110,8 @@ class MainScreen(Screen[None]):
             self._show_selected()
 
     @property
-    def selected(self) -> str | None:
-        return self.query_one(ServersTable).selected
+    def selected_name(self) -> str | None:
+        return self.query_one(ServersTable).selected_name
 
     # -- actions ---------------------------------------------------------------------------------
 
@@ -125,9 +125,9 @@ class MainScreen(Screen[None]):
         if self._busy:
             self._say("busy: wait for the running action to end")
             return None
-        if not self.selected:
+        if not self.selected_name:
             self._say(f"nothing to {what}: no model installed ('moeplug install demo' makes one)")
-        return self.selected
+        return self.selected_name
 
     def action_help(self) -> None:
         self.app.push_screen(HelpScreen())
@@ -171,7 +171,7 @@ class MainScreen(Screen[None]):
         return f"profile of {name} made again ({path.name}); re-plan (p) to use it"
 
     def action_log(self) -> None:
-        s = self.snap.server(self.selected or "") if self.snap else None
+        s = self.snap.server(self.selected_name or "") if self.snap else None
         if s is None:
             self._say("no log: the model is not served")
             return

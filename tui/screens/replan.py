@@ -27,7 +27,7 @@ def plan_text(p: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-class ReplanScreen(ModalScreen["int | None"]):
+class ReplanScreen(ModalScreen[int | None]):
     """Dismissed with the budget in bytes to restart with, or None (cancelled)."""
 
     BINDINGS = [("escape", "dismiss(None)", "cancel"), ("ctrl+r", "restart", "restart with this plan")]

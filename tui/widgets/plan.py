@@ -16,10 +16,10 @@ def plan_lines(s: ServerSnapshot | None, now: float) -> list[str]:
     lines = []
     p = s.profile
     if p:
-        lines.append(f"profile {duration(now - p.made_at)} old: {'+'.join(p.sources)}")
-        lines.append(f"tokens {p.tokens_prefill} pp + {p.tokens_decode} tg")
-        curve = " ".join(f"{n}:{'-' if v is None else f'{v:.0%}'}" for n, v in list(p.coverage.items())[-4:])
-        lines.append(f"hit@slots {curve}")
+        lines.append(f"profile {'+'.join(p.sources)}")
+        lines.append(f"  {duration(now - p.made_at)} old, {p.tokens_prefill}+{p.tokens_decode} tokens")
+        curve = " ".join(f"{n}:{'-' if v is None else f'{v:.0%}'}" for n, v in list(p.coverage.items())[-3:])
+        lines.append(f"  hit {curve}")  # static slots of N per layer, `moeplug profile analyze`
     else:
         lines.append("no profile")
     if s.plan:

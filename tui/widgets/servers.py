@@ -52,7 +52,7 @@ class ServersTable(DataTable):
     def show(self, rows: list[tuple[str, list[str]]]) -> None:
         keys = [k for k, _ in rows]
         if keys != [str(r.value) for r in self.rows]:
-            selected = self.selected
+            selected = self.selected_name
             self.clear()
             for key, cells in rows:
                 self.add_row(*cells, key=key)
@@ -64,7 +64,7 @@ class ServersTable(DataTable):
                 self.update_cell(key, col, value)
 
     @property
-    def selected(self) -> str | None:
+    def selected_name(self) -> str | None:
         if not self.row_count:
             return None
         return str(self.coordinate_to_cell_key(self.cursor_coordinate).row_key.value)
