@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from moeplug.errors import EXIT_OK, EXIT_USAGE, MoeplugError
@@ -11,6 +12,8 @@ from moeplug.errors import EXIT_OK, EXIT_USAGE, MoeplugError
 def cmd_tui(args: argparse.Namespace) -> int:
     if args.interval <= 0:
         raise MoeplugError(f"--interval must be above 0 seconds, got {args.interval}", EXIT_USAGE)
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise MoeplugError("the dashboard needs a terminal; for scripts use 'moeplug status --json'")
     from moeplug.tui.app import make_app
 
     make_app(interval=args.interval).run()

@@ -87,6 +87,13 @@ def test_keys_help_and_quit(recorded: Snapshot) -> None:
     asyncio.run(run())
 
 
-def test_tui_rejects_a_bad_interval() -> None:
-    r = subprocess.run([sys.executable, "-m", "moeplug", "tui", "--interval", "0"], capture_output=True, text=True)
+def test_tui_bad_input_is_one_line() -> None:
+    def tui(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "moeplug", "tui", *args], capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL, timeout=60)
+
+    r = tui("--interval", "0")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--interval must be above 0" in r.stderr, r.stderr
+    r = tui()  # output to a pipe: no terminal to draw on
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "needs a terminal" in r.stderr, r.stderr
+    assert r.stdout == ""
