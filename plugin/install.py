@@ -166,7 +166,7 @@ def serve_installed(name: str, *, port: int | None = None, vram_budget: int | No
     binary = installed_build(m).binary("llama-server")
     with model_lock(m.name):
         return launch(m.name, Path(m.path), binary, m.build_id, plan["server_args"], plan["ctx"], port=port,
-                      allow_fallback=allow_fallback, env=m.server_env(), metrics=metrics)
+                      allow_fallback=allow_fallback, env=m.server_env(), metrics=metrics, plan=plan)
 
 
 def install(text: str, *, ctx: int, vram_budget: int | None, backend: str | None, jobs: int,
@@ -197,6 +197,7 @@ def install(text: str, *, ctx: int, vram_budget: int | None, backend: str | None
                                "build_id": result.build_id, "plan": plan.to_json(), "server": None}
         if serve:
             srv = launch(name, resolved.path, result.binary("llama-server"), result.build_id, plan.server_args,
-                         ctx, port=port, allow_fallback=allow_fallback, env=record.server_env(), metrics=metrics)
+                         ctx, port=port, allow_fallback=allow_fallback, env=record.server_env(), metrics=metrics,
+                         plan=plan.to_json())
             doc["server"] = asdict(srv) | {"url": srv.url}
     return doc

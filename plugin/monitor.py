@@ -5,8 +5,8 @@ A snapshot reads, for every server record (moeplug.serving): whether the process
 /health answers ok, its uptime, the `moe-cache:` line its log held at launch, and, for a server
 run with `--metrics`, llama-server's /metrics page: the expert cache's slot-hit counters (total
 and per layer, moeplug.metrics) and the server's own token and request counters. /slots gives
-the context in use. Per MoE layer it sets the installed plan's slots beside the hit rate the
-profile predicts for them and the one measured. GPUs come from moeplug.gpu (NVML), an empty
+the context in use. Per MoE layer it sets the slots of the plan the server runs beside the hit
+rate the profile predicts for them and the one measured. GPUs come from moeplug.gpu (NVML), an empty
 list without an NVIDIA GPU. Nothing here prints or imports a UI toolkit; every call that can
 block (HTTP, NVML, reading a profile) is bounded by a timeout and belongs off a UI thread.
 """
@@ -150,7 +150,7 @@ class ServerSnapshot:
     metrics: ServerMetrics | None = None
     ctx_used: int | None = None  # tokens held by the fullest llama-server slot
     n_ctx: int | None = None  # per llama-server slot
-    plan: dict[str, Any] | None = None  # the installed plan, when the server runs it
+    plan: dict[str, Any] | None = None  # the plan the server runs, when known
     layers: list[LayerSlots] = field(default_factory=list)
     profile: ProfileSummary | None = None  # with_profile only (the dashboard's plan panel)
 
@@ -207,10 +207,13 @@ def _slots_info(port: int) -> tuple[int | None, int | None]:
         return None, None
 
 
-def _runs_plan(record: ServerRecord, plan: dict[str, Any]) -> bool:
-    """Whether the server was launched with this plan's arguments (not re-planned for it)."""
-    planned = list(plan.get("server_args") or [])
-    return bool(planned) and record.args[-len(planned):] == planned
+def _plan_of(record: ServerRecord, installed: InstalledModel | None) -> dict[str, Any] | None:
+    """The plan a server runs: its record's, or for a record without one (an older moeplug's) the
+    installed plan when the server was launched with its arguments."""
+    if record.plan:
+        return record.plan
+    planned = list(installed.plan.get("server_args") or []) if installed else []
+    return installed.plan if installed and planned and record.args[-len(planned):] == planned else None
 
 
 @functools.lru_cache(maxsize=16)
@@ -270,7 +273,7 @@ def server_snapshot(record: ServerRecord, installed: dict[str, InstalledModel] |
                 counters, metrics = parse_cache_counters(page), parse_server_metrics(page)
         ctx_used, n_ctx = _slots_info(record.port)
     model = (installed or {}).get(record.name)
-    plan = model.plan if model and _runs_plan(record, model.plan) else None
+    plan = _plan_of(record, model)
     layers = layer_slots(plan, record.model, counters) if plan else []
     profile = profile_summary(model.profile if model else None) if with_profile else None
     return ServerSnapshot(record=record, alive=alive, healthy=bool(h and h.get("status") == "ok"),

@@ -220,6 +220,7 @@ def test_log_replan_and_reprofile_from_the_ui(home: dict[str, str]) -> None:
         await until(pilot, lambda: activity(screen).startswith(("demo serving at", "error:")), timeout=300)
         assert activity(screen).endswith("with the new plan"), activity(screen)
         await until(pilot, lambda: cells(screen, "#servers", "demo")[1] == "healthy")
+        await until(pilot, lambda: cells(screen, "#layers", "0")[1] == f"{expected['slots_per_layer'][0]}/32")
 
         # r: re-profile in a worker, the progress bar moving, the UI answering meanwhile
         await pilot.press("r")
@@ -238,5 +239,6 @@ def test_log_replan_and_reprofile_from_the_ui(home: dict[str, str]) -> None:
     assert gone(srv["pid"])  # the re-plan stopped the old server
     now = status(home)["servers"][0]
     assert now["healthy"] and now["args"][-len(expected["server_args"]):] == expected["server_args"]
-    assert now["layers"] == []  # re-planned: the installed plan's per-layer view does not apply
+    # the slots of the plan it runs now, not the installed one's
+    assert [layer["slots"] for layer in now["layers"]] == expected["slots_per_layer"] != [8] * 4
     assert profile.stat().st_mtime_ns > made

@@ -23,7 +23,7 @@ def summary_lines(s: ServerSnapshot | None) -> list[str]:
     if s is None:
         return ["no served model selected"]
     if not s.plan:
-        return ["served with another plan than the installed one (re-planned): per layer unknown"]
+        return ["the plan it runs is not known (launched by an older moeplug): the cache line says the slots"]
     p = s.plan
     c = s.cache_counters
     lines = [f"fit {p['fit_fraction']:.0%} · hit pred {percent(p['predicted_hit_rate'])} "
