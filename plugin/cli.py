@@ -229,12 +229,14 @@ def build_parser() -> argparse.ArgumentParser:
     from moeplug.native.cli import add_native_commands
     from moeplug.profile.cli import add_profile_command
     from moeplug.trace_cli import add_trace_command
+    from moeplug.tui.cli import add_tui_command
 
     add_install_commands(sub)
     add_profile_command(sub)
     add_trace_command(sub)
     add_native_commands(sub)
     add_hook_commands(sub)
+    add_tui_command(sub)
     return parser
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -101,18 +102,37 @@ def require_moe(info: ModelInfo) -> None:
                                  f"offload; run it with stock llama.cpp")
 
 
-def ensure_profile(model: Path, tool: Path, n_predict: int, prompt_sets: list[str]) -> Path:
-    """The model's stored profile, made with the bundled prompts when there is none yet."""
+def ensure_profile(model: Path, tool: Path, n_predict: int, prompt_sets: list[str], remake: bool = False,
+                   progress: Callable[[int, int], None] | None = None) -> Path:
+    """The model's stored profile, made with the bundled prompts when there is none yet (remake:
+    made again, replacing it atomically). progress(prompts done, prompts in all)."""
     from moeplug.profile.format import model_fingerprint
     from moeplug.profile.runner import ProfileRun, default_profile_path, run_profile
 
     dest = default_profile_path(model_fingerprint(model))
-    if dest.exists():
+    if dest.exists() and not remake:
         note(f"profile: {dest} (already made; 'moeplug profile' re-makes it)")
         return dest
     run = ProfileRun(tool=tool, model=model, n_predict=n_predict, ctx=2048)
-    path, _ = run_profile(run, prompt_sets, dest)
+    path, _ = run_profile(run, prompt_sets, dest, progress=progress)
     return path
+
+
+def default_profile_tokens(ref: ModelRef) -> int:
+    """Tokens generated per profiling prompt: fewer for the demo's random weights."""
+    return DEMO_PROFILE_TOKENS if ref.kind == "demo" else 256
+
+
+def remake_profile(name: str, prompt_sets: list[str] | None = None,
+                   progress: Callable[[int, int], None] | None = None) -> Path:
+    """Profile an installed model again with its build and the bundled prompts (the dashboard's
+    re-profile); the stored profile is replaced atomically. Re-plan to use it."""
+    from moeplug.profile.runner import DEFAULT_PROMPT_SETS
+
+    m = read_installed(name)
+    tool = installed_build(m).binary("llama-moe-profile")
+    return ensure_profile(Path(m.path), tool, default_profile_tokens(parse_ref(m.ref)),
+                          list(prompt_sets or DEFAULT_PROMPT_SETS), remake=True, progress=progress)
 
 
 def plan_for(info: ModelInfo, ctx: int, vram_budget: int | None, profile: Path | None,
@@ -120,6 +140,33 @@ def plan_for(info: ModelInfo, ctx: int, vram_budget: int | None, profile: Path |
     budget = vram_budget if vram_budget is not None else free_vram_bytes()
     slots_in_ram = max(1, info.n_expert // 4) if slots_on_cpu else 0  # the demo without a GPU
     return make_plan(info, ctx, budget, profile, available_ram_bytes(), slots_in_ram)
+
+
+def installed_build(m: InstalledModel) -> Any:
+    """The native build a model was installed with (a BuildResult), or an error saying what to do."""
+    from moeplug.native.build import installed_builds
+
+    builds = {b.build_id: b for b in installed_builds()}
+    if m.build_id not in builds:
+        raise MoeplugError(f"the build {m.build_id} that '{m.name}' was installed with is gone; "
+                           f"run 'moeplug install {m.ref}' again")
+    return builds[m.build_id]
+
+
+def serve_installed(name: str, *, port: int | None = None, vram_budget: int | None = None, ctx: int | None = None,
+                    allow_fallback: bool = False, metrics: bool = False) -> Any:
+    """Launch an installed model again (`moeplug serve`): its plan, or one re-made for another
+    budget or context; returns the running server's record (moeplug.serving.ServerRecord)."""
+    from moeplug.serving import launch, model_lock
+
+    m = read_installed(name)
+    if vram_budget is not None or ctx:
+        m = replan(m, ctx, vram_budget)  # the new plan becomes the model's own; the hooks follow
+    plan = m.plan
+    binary = installed_build(m).binary("llama-server")
+    with model_lock(m.name):
+        return launch(m.name, Path(m.path), binary, m.build_id, plan["server_args"], plan["ctx"], port=port,
+                      allow_fallback=allow_fallback, env=m.server_env(), metrics=metrics, plan=plan)
 
 
 def install(text: str, *, ctx: int, vram_budget: int | None, backend: str | None, jobs: int,
@@ -138,7 +185,7 @@ def install(text: str, *, ctx: int, vram_budget: int | None, backend: str | None
         note(f"{name}: {info.arch}, {len(info.layers)} MoE layers x {info.n_expert} experts "
              f"({info.n_expert_used} used), {human_bytes(info.total_bytes)} at {resolved.path}")
         result = build(resolve_options(backend, stock=False, jobs=jobs, cuda_arch=None))
-        n_predict = profile_tokens or (DEMO_PROFILE_TOKENS if is_demo else 256)
+        n_predict = profile_tokens or default_profile_tokens(ref)
         profile = ensure_profile(resolved.path, result.binary("llama-moe-profile"), n_predict, prompt_sets)
         slots_on_cpu = is_demo and result.manifest.get("backend") == "cpu"
         plan = plan_for(info, ctx, vram_budget, profile, slots_on_cpu)
@@ -151,7 +198,8 @@ def install(text: str, *, ctx: int, vram_budget: int | None, backend: str | None
                                "build_id": result.build_id, "plan": plan.to_json(), "server": None}
         if serve:
             srv = launch(name, resolved.path, result.binary("llama-server"), result.build_id, plan.server_args,
-                         ctx, port=port, allow_fallback=allow_fallback, env=record.server_env(), metrics=metrics)
+                         ctx, port=port, allow_fallback=allow_fallback, env=record.server_env(), metrics=metrics,
+                         plan=plan.to_json())
             doc["server"] = asdict(srv) | {"url": srv.url}
     return doc
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -106,23 +105,11 @@ def cmd_install(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from moeplug.install import read_installed, replan
-    from moeplug.native.build import installed_builds
-    from moeplug.serving import launch, model_lock
+    from moeplug.install import serve_installed
 
-    m = read_installed(args.model)
-    plan = m.plan
-    if args.vram_budget or args.ctx:
-        plan = replan(m, args.ctx, _budget(args)).plan  # the new plan becomes the model's; the hooks follow
-    builds = {b.build_id: b for b in installed_builds()}
-    if m.build_id not in builds:
-        raise MoeplugError(f"the build {m.build_id} that '{m.name}' was installed with is gone; "
-                           f"run 'moeplug install {m.ref}' again")
-    with model_lock(m.name):
-        srv = launch(m.name, Path(m.path), builds[m.build_id].binary("llama-server"), m.build_id, plan["server_args"],
-                     plan["ctx"], port=args.port, allow_fallback=args.allow_fallback, env=m.server_env(),
-                     metrics=args.metrics)
-    doc = {"name": m.name, "server": asdict(srv) | {"url": srv.url}}
+    srv = serve_installed(args.model, port=args.port, vram_budget=_budget(args), ctx=args.ctx,
+                          allow_fallback=args.allow_fallback, metrics=args.metrics)
+    doc = {"name": args.model, "server": asdict(srv) | {"url": srv.url}}
     if args.json:
         print_json(doc)
     else:
@@ -154,30 +141,21 @@ def _hit_rate_text(counters: dict[str, Any] | None) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from moeplug.metrics import fetch_cache_counters
-    from moeplug.server import health
-    from moeplug.serving import read_records
+    from moeplug.monitor import snapshot
 
-    docs = []
-    for r in read_records():
-        alive = r.alive()
-        h = health(r.port) if alive else None
-        counters = fetch_cache_counters(r.port) if alive and "--metrics" in r.args else None
-        docs.append(asdict(r) | {"url": r.url, "alive": alive, "healthy": bool(h and h.get("status") == "ok"),
-                                 "uptime_s": round(time.time() - r.started, 1),
-                                 "cache_counters": counters.to_json() if counters else None})
+    snap = snapshot()
     if args.json:
-        print_json({"servers": docs})
+        print_json(snap.to_json())
         return EXIT_OK
-    if not docs:
+    if not snap.servers:
         print("no model is being served ('moeplug serve NAME' starts one)")
         return EXIT_OK
     rows = []
-    for d in docs:
-        c = d["cache"] or {}
+    for s in snap.servers:
+        c = s.record.cache or {}
         cache = f"{c['layers']}x{c['slots']} on {c['device']}" if c.get("engaged") else ("off" if not c else "not engaged")
-        state = "healthy" if d["healthy"] else ("starting/unhealthy" if d["alive"] else "dead")
-        rows.append([d["name"], d["url"], d["pid"], state, cache, _hit_rate_text(d["cache_counters"]), d["log"]])
+        counters = s.cache_counters.to_json() if s.cache_counters else None
+        rows.append([s.name, s.record.url, s.record.pid, s.state, cache, _hit_rate_text(counters), s.record.log])
     print(table(["name", "url", "pid", "state", "expert cache", "measured hit rate", "log"], rows, "llrllrl"))
     return EXIT_OK
 

@@ -53,12 +53,18 @@ def parse_cache_counters(text: str) -> CacheCounters | None:
     return c if found else None
 
 
-def fetch_cache_counters(port: int, timeout: float = 3) -> CacheCounters | None:
-    """None when nothing answers, the server runs without --metrics, or it has no cache."""
+def fetch_metrics_page(port: int, timeout: float = 3) -> str | None:
+    """llama-server's /metrics text, or None when nothing answers or it runs without --metrics."""
     import requests
 
     try:
         r = requests.get(f"http://{HOST}:{port}/metrics", timeout=timeout)
     except requests.RequestException:
         return None
-    return parse_cache_counters(r.text) if r.status_code == 200 else None
+    return r.text if r.status_code == 200 else None
+
+
+def fetch_cache_counters(port: int, timeout: float = 3) -> CacheCounters | None:
+    """None when nothing answers, the server runs without --metrics, or it has no cache."""
+    page = fetch_metrics_page(port, timeout)
+    return parse_cache_counters(page) if page is not None else None

@@ -83,6 +83,7 @@ class ServerRecord:
     build_id: str
     cache: dict[str, Any] | None = None
     buffers: dict[str, dict[str, float]] = field(default_factory=dict)
+    plan: dict[str, Any] | None = None  # the plan it runs (moeplug.plan.Plan.to_json()); None: not known
 
     @property
     def url(self) -> str:
@@ -154,9 +155,10 @@ def server_argv(binary: Path, model: Path, port: int | str, server_args: list[st
 
 def launch(name: str, model: Path, binary: Path, build_id: str, server_args: list[str], ctx: int,
            port: int | None = None, allow_fallback: bool = False, env: dict[str, str] | None = None,
-           timeout: float = 300, metrics: bool = False) -> ServerRecord:
+           timeout: float = 300, metrics: bool = False, plan: dict[str, Any] | None = None) -> ServerRecord:
     """Start llama-server detached, wait for /health, check the cache engaged, probe the context.
-    metrics: serve /metrics, with the cache's slot-hit counters (moeplug.metrics)."""
+    metrics: serve /metrics, with the cache's slot-hit counters (moeplug.metrics). plan: the plan
+    server_args come from, kept in the record (moeplug.monitor sets its slots beside the counters)."""
     existing = find_record(name)
     if existing and existing.alive():
         raise MoeplugError(f"'{name}' is already served at {existing.url} (pid {existing.pid}); "
@@ -187,7 +189,7 @@ def launch(name: str, model: Path, binary: Path, build_id: str, server_args: lis
         raise
     record = ServerRecord(name=name, model=str(model), pid=proc.pid, port=port, log=str(log_path), args=args,
                           started=time.time(), build_id=build_id, cache=asdict(cache) if cache else None,
-                          buffers=parse_buffers(text))
+                          buffers=parse_buffers(text), plan=plan)
     write_text_atomic(record_path(name), json.dumps(asdict(record), indent=2) + "\n")
     return record
 

@@ -1,4 +1,6 @@
-"""moeplug.tui: the Textual dashboard (per-layer slots, hit rates, server metrics).
+"""moeplug.tui: the Textual dashboard of served models, their expert slots, hit rates and GPUs.
 
-Not built yet: it comes with the dashboard issue, once the slot cache exposes runtime counters.
+`moeplug tui` runs it. `app.py` builds the App, `screens/` holds the main screen and the modal
+ones, `widgets/` one panel per file; the data comes from moeplug.monitor and every action calls
+the library function its CLI command calls (moeplug.install, moeplug.serving).
 """

@@ -102,25 +102,30 @@ class ProfileRun:
         return read_profile(out)
 
 
-def run_profile(run: ProfileRun, prompt_sets: list[str], out: Path | None = None) -> tuple[Path, Profile]:
-    """Profile the model with each prompt set, merge, check it is this model's, write atomically."""
+def run_profile(run: ProfileRun, prompt_sets: list[str], out: Path | None = None,
+                progress: Callable[[int, int], None] | None = None) -> tuple[Path, Profile]:
+    """Profile the model with each prompt set, merge, check it is this model's, write atomically.
+    progress(prompts done, prompts in all) replaces the progress bar and notes on stderr."""
     sets = [resolve_prompt_set(s) for s in prompt_sets]
     fingerprint = model_fingerprint(run.model)
     total = sum(count_prompts(p) for _, p in sets)
     done_before = 0
     profiles = []
-    bar = ProgressBar("profiling", "prompt", every=1)
+    bar = ProgressBar("profiling", "prompt", every=1) if progress is None else None
+    update = progress or bar.update  # type: ignore[union-attr]
     with tempfile.TemporaryDirectory(prefix="moeplug-profile-") as tmp:
         for label, prompts in sets:
             n = count_prompts(prompts)
-            note(f"profiling '{label}': {n} prompts x {run.n_predict} tokens")
+            if bar is not None:
+                note(f"profiling '{label}': {n} prompts x {run.n_predict} tokens")
 
             def on_prompt(i: int, base: int = done_before) -> None:
-                bar.update(base + i, total)
+                update(base + i, total)
 
             profiles.append(run.run_set(label, prompts, Path(tmp) / f"{label}.gguf", on_prompt))
             done_before += n
-    bar.close()
+    if bar is not None:
+        bar.close()
     merged = merge_profiles(profiles)
     merged.check_model(fingerprint)
     dest = out or default_profile_path(fingerprint)

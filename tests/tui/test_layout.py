@@ -1,0 +1,99 @@
+"""The dashboard's layout from a recorded snapshot (no server needed): the README's screenshot,
+80x24, the keys. The screenshot is rendered from the fixed snapshot of conftest.py at a fixed
+size and compared with the committed SVG, so a change to the dashboard shows up here; look at
+the new one and regenerate it with MOEPLUG_UPDATE_SCREENSHOT=1."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from textual.widgets import DataTable, Static
+
+from moeplug.monitor import Snapshot
+from moeplug.tui.app import make_app
+from moeplug.tui.screens.help import HelpScreen
+from moeplug.tui.screens.main import MainScreen
+
+SCREENSHOT = Path(__file__).resolve().parents[2] / "tui" / "dashboard.svg"
+SIZE = (80, 24)
+
+
+async def _render(snap: Snapshot, size: tuple[int, int]) -> str:
+    """The main screen once it has settled: the same frame three times, 0.2 s apart (layout and
+    scrollbars come a few frames after the data, later on a loaded machine)."""
+    app = make_app(interval=0, snapshots=[snap])
+    async with app.run_test(size=size) as pilot:
+        while not isinstance(app.screen, MainScreen) or app.screen.refreshes < 1:
+            await pilot.pause(0.05)
+        frames = [""]
+        while len(frames) < 4 or len(set(frames[-3:])) > 1:
+            assert len(frames) < 100, "the dashboard never settles"
+            await pilot.pause(0.2)
+            frames.append(app.export_screenshot(title="moeplug tui"))
+        return frames[-1]
+
+
+def test_screenshot_matches_the_committed_one(recorded: Snapshot) -> None:
+    svg = asyncio.run(_render(recorded, SIZE))
+    assert svg == asyncio.run(_render(recorded, SIZE)), "the render is not deterministic"
+    if os.environ.get("MOEPLUG_UPDATE_SCREENSHOT") or not SCREENSHOT.exists():
+        SCREENSHOT.write_text(svg, encoding="utf-8")
+    assert svg == SCREENSHOT.read_text(encoding="utf-8"), \
+        f"the dashboard renders differently from {SCREENSHOT}: check it, then MOEPLUG_UPDATE_SCREENSHOT=1"
+
+
+def test_everything_fits_80x24(recorded: Snapshot) -> None:
+    async def run() -> None:
+        app = make_app(interval=0, snapshots=[recorded])
+        async with app.run_test(size=(80, 24)) as pilot:
+            while not isinstance(app.screen, MainScreen) or app.screen.refreshes < 1:
+                await pilot.pause(0.05)
+            for selector in ("#servers", "#slots", "#gpus", "#plan", "#activity", "Footer"):
+                region = app.screen.query_one(selector).region
+                assert region.width > 0 and region.height > 0, selector
+                assert region.right <= 80 and region.bottom <= 24, (selector, region)
+            servers = app.screen.query_one("#servers", DataTable)
+            assert [str(k.value) for k in servers.rows] == ["qwen3-moe-a2b", "demo"]
+            assert servers.get_row("demo")[1] == "stopped"
+            layers = app.screen.query_one("#layers", DataTable)
+            assert layers.get_row("3") == ["3", "40/64", "partly", "86.0%", "84.0%"]
+            assert layers.get_row("0")[2] == "whole"
+            gpu = str(app.screen.query_one("#gpus", Static).render())
+            assert "RTX 4090" in gpu and "11.4/24.0 GiB" in gpu and "planned budget 12.0 GiB" in gpu
+
+    asyncio.run(run())
+
+
+def test_keys_help_and_quit(recorded: Snapshot) -> None:
+    async def run() -> None:
+        app = make_app(interval=0, snapshots=[recorded])
+        async with app.run_test(size=(80, 24)) as pilot:
+            while not isinstance(app.screen, MainScreen):
+                await pilot.pause(0.05)
+            await pilot.press("question_mark")
+            await pilot.pause(0.1)
+            assert isinstance(app.screen, HelpScreen)
+            await pilot.press("escape")
+            await pilot.pause(0.1)
+            assert isinstance(app.screen, MainScreen)
+            await pilot.press("q")
+            await pilot.pause(0.1)
+        assert app.return_code == 0
+
+    asyncio.run(run())
+
+
+def test_tui_bad_input_is_one_line() -> None:
+    def tui(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "moeplug", "tui", *args], capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL, timeout=60)
+
+    r = tui("--interval", "0")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--interval must be above 0" in r.stderr, r.stderr
+    r = tui()  # output to a pipe: no terminal to draw on
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "needs a terminal" in r.stderr, r.stderr
+    assert r.stdout == ""

@@ -1,0 +1,244 @@
+"""The dashboard against a real served demo (CPU build, slots in RAM): what it shows is what
+`moeplug status --json` says, its stop and start really stop and start llama-server, and a
+server killed behind its back turns "down"."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from textual.pilot import Pilot
+from textual.widgets import DataTable, Label, Log, ProgressBar, Static
+
+from moeplug.gpu import gpus
+from moeplug.monitor import parse_server_metrics
+from moeplug.paths import builds_dir
+from moeplug.tui.app import make_app
+from moeplug.tui.format import percent
+from moeplug.tui.screens.main import MainScreen
+
+pytestmark = pytest.mark.native
+INTERVAL = 0.5
+
+
+@pytest.fixture(scope="module")
+def home(patched_build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """Fresh XDG homes sharing the built binaries, set in this process too (the app runs here),
+    with the demo installed and served with --metrics."""
+    root = tmp_path_factory.mktemp("tui-home")
+    env = dict(os.environ)
+    real_builds = builds_dir()
+    with pytest.MonkeyPatch.context() as mp:
+        for var in ("XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CONFIG_HOME"):
+            env[var] = str(root / var.lower())
+            mp.setenv(var, env[var])
+        shared = Path(env["XDG_DATA_HOME"]) / "moeplug" / "builds"
+        shared.parent.mkdir(parents=True)
+        shared.symlink_to(real_builds)
+        r = moeplug(env, "install", "demo", "--ctx", "1024", "--metrics", "--json")
+        assert r.returncode == 0, r.stderr[-3000:]
+        try:
+            yield env
+        finally:
+            moeplug(env, "stop", "--all")
+
+
+def moeplug(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "moeplug", *args], capture_output=True, text=True, env=env,
+                          timeout=900)
+
+
+def status(env: dict[str, str]) -> dict[str, Any]:
+    r = moeplug(env, "status", "--json")
+    assert r.returncode == 0, r.stderr
+    return dict(json.loads(r.stdout))
+
+
+def served(env: dict[str, str]) -> dict[str, Any]:
+    """The demo's status entry, serving it again first when an earlier test stopped it."""
+    servers = status(env)["servers"]
+    if not servers or not servers[0]["alive"]:
+        moeplug(env, "stop", "--all")
+        r = moeplug(env, "serve", "demo", "--metrics", "--json")
+        assert r.returncode == 0, r.stderr[-3000:]
+        servers = status(env)["servers"]
+    return dict(servers[0])
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie still waiting for its parent counts as exited)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
+    except (OSError, IndexError):
+        return True
+
+
+def run_app(test: Callable[[Pilot[None], MainScreen], Awaitable[None]]) -> None:
+    async def main() -> None:
+        app = make_app(interval=INTERVAL)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await until(pilot, lambda: isinstance(app.screen, MainScreen) and app.screen.refreshes >= 1)
+            await test(pilot, app.screen)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+
+
+async def until(pilot: Pilot[None], cond: Callable[[], bool], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        await pilot.pause(0.05)
+
+
+def cells(screen: MainScreen, table: str, key: str) -> list[str]:
+    return [str(c) for c in screen.query_one(table, DataTable).get_row(key)]
+
+
+def activity(screen: MainScreen) -> str:
+    return str(screen.query_one("#activity-text", Label).render())
+
+
+def test_healthy_row_and_slots_as_status_says(home: dict[str, str]) -> None:
+    srv = served(home)
+
+    async def check(pilot: Pilot[None], screen: MainScreen) -> None:
+        row = cells(screen, "#servers", "demo")
+        assert row[0] == "demo" and row[1] == "healthy" and row[-1] == srv["url"]
+        assert row[7] == "4x8 on CPU"  # the cache line: 4 layers x 8 slots, in RAM
+        doc = status(home)["servers"][0]  # nothing ran since the app's snapshot: same counters
+        assert doc["metrics"]["prompt_tokens"] > 1000  # launch's context probe: a full 1024-token context
+        assert row[6] == f"{doc['ctx_used']}/{doc['n_ctx']}" and doc["n_ctx"] > 0
+        assert [layer["block"] for layer in doc["layers"]] == [0, 1, 2, 3]
+        for layer in doc["layers"]:
+            assert layer["slots"] == 8 and layer["n_expert"] == 32 and layer["kind"] == "partial"
+            assert layer["selections"] > 0 and layer["predicted_hit_rate"] is not None
+            assert cells(screen, "#layers", str(layer["block"])) == [
+                str(layer["block"]), "8/32", "partly", percent(layer["predicted_hit_rate"]),
+                percent(layer["measured_hit_rate"])]
+        summary = str(screen.query_one("#slots-summary", Static).render())
+        assert f"meas {percent(doc['cache_counters']['hit_rate'])}" in summary
+
+        # a request: the row shows its decode throughput within two refreshes, as its counters say
+        before = parse_server_metrics(requests.get(f"{srv['url']}/metrics", timeout=5).text)
+        r = requests.post(f"{srv['url']}/completion", json={"prompt": "def main():", "n_predict": 24,
+                                                              "temperature": 0, "cache_prompt": False}, timeout=120)
+        assert r.status_code == 200
+        after = parse_server_metrics(requests.get(f"{srv['url']}/metrics", timeout=5).text)
+        assert before and after and after.decode_tokens - before.decode_tokens == 24
+        assert after.requests_processing == 0
+        shown = screen.refreshes
+        await until(pilot, lambda: screen.refreshes >= shown + 2)
+        assert float(cells(screen, "#servers", "demo")[4]) > 0
+
+    run_app(check)
+
+
+def test_no_gpu_shown_as_such(home: dict[str, str]) -> None:
+    served(home)
+    found = gpus()
+
+    async def check(pilot: Pilot[None], screen: MainScreen) -> None:
+        text = str(screen.query_one("#gpus", Static).render())
+        if not found:
+            assert text.startswith("no GPU: slots in RAM") and "GiB" not in text
+        else:
+            assert all(g.name[:30] in text for g in found)
+
+    run_app(check)
+
+
+def test_stop_from_the_ui_stops_the_server(home: dict[str, str]) -> None:
+    srv = served(home)
+
+    async def check(pilot: Pilot[None], screen: MainScreen) -> None:
+        await pilot.press("x")
+        await pilot.pause(0.1)
+        await pilot.press("y")
+        await until(pilot, lambda: activity(screen) == "demo stopped")
+        await until(pilot, lambda: cells(screen, "#servers", "demo")[1] == "stopped")
+
+    run_app(check)
+    assert gone(srv["pid"])
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"{srv['url']}/health", timeout=2)
+    assert status(home)["servers"] == []
+
+
+def test_start_from_the_ui_then_a_killed_server_turns_down(home: dict[str, str]) -> None:
+    moeplug(home, "stop", "--all")
+
+    async def check(pilot: Pilot[None], screen: MainScreen) -> None:
+        assert cells(screen, "#servers", "demo")[1] == "stopped"
+        await pilot.press("s")
+        await pilot.pause(0.1)
+        await pilot.press("y")
+        await until(pilot, lambda: activity(screen).startswith("demo serving at"), timeout=300)
+        await until(pilot, lambda: cells(screen, "#servers", "demo")[1] == "healthy")
+        pid = status(home)["servers"][0]["pid"]
+        assert requests.get(f"{status(home)['servers'][0]['url']}/health", timeout=5).json()["status"] == "ok"
+        os.kill(pid, signal.SIGKILL)
+        killed_at = screen.refreshes
+        await until(pilot, lambda: cells(screen, "#servers", "demo")[1] == "down", timeout=30)
+        assert screen.refreshes <= killed_at + 2
+
+    run_app(check)
+    assert [(s["name"], s["alive"], s["state"]) for s in status(home)["servers"]] == [("demo", False, "down")]
+
+
+def test_log_replan_and_reprofile_from_the_ui(home: dict[str, str]) -> None:
+    srv = served(home)
+    profile = Path(json.loads(moeplug(home, "list", "--json").stdout)["models"][0]["profile"])
+    made = profile.stat().st_mtime_ns
+    expected = json.loads(moeplug(home, "plan", "demo", "--vram-budget", "1GiB", "--ctx", "1024", "--json").stdout)
+
+    async def check(pilot: Pilot[None], screen: MainScreen) -> None:
+        # l: the server's log at its tail, the moe-cache line in it
+        await pilot.press("l")
+        await until(pilot, lambda: any("moe-cache:" in line for line in pilot.app.screen.query_one(Log).lines))
+        await pilot.press("escape")
+        await until(pilot, lambda: pilot.app.screen is screen)
+
+        # p: the plan `moeplug plan` makes for a budget typed in; ctrl+r restarts with it
+        await pilot.press("p")
+        await pilot.pause(0.1)
+        await pilot.press(*"1GiB", "enter")
+        shown = lambda: str(pilot.app.screen.query_one("#plan", Static).render())  # noqa: E731
+        await until(pilot, lambda: shown().startswith("budget 1.00 GiB"))
+        assert f"args {shlex.join(expected['server_args'])}" in shown()
+        await pilot.press("ctrl+r")
+        await until(pilot, lambda: activity(screen).startswith(("demo serving at", "error:")), timeout=300)
+        assert activity(screen).endswith("with the new plan"), activity(screen)
+        await until(pilot, lambda: cells(screen, "#servers", "demo")[1] == "healthy")
+        await until(pilot, lambda: cells(screen, "#layers", "0")[1] == f"{expected['slots_per_layer'][0]}/32")
+
+        # r: re-profile in a worker, the progress bar moving, the UI answering meanwhile
+        await pilot.press("r")
+        await pilot.pause(0.1)
+        await pilot.press("y")
+        await until(pilot, lambda: activity(screen).startswith("profiling demo: prompt"), timeout=300)
+        bar = screen.query_one(ProgressBar)
+        assert bar.display and bar.total and 0 < bar.progress <= bar.total
+        await pilot.press("question_mark")  # the UI thread is free while the profiler runs
+        await pilot.pause(0.1)
+        await pilot.press("escape")
+        await until(pilot, lambda: activity(screen).startswith(("profile of demo made again", "error:")), timeout=600)
+        assert activity(screen).endswith("re-plan (p) to use it"), activity(screen)
+
+    run_app(check)
+    assert gone(srv["pid"])  # the re-plan stopped the old server
+    now = status(home)["servers"][0]
+    assert now["healthy"] and now["args"][-len(expected["server_args"]):] == expected["server_args"]
+    # the slots of the plan it runs now, not the installed one's
+    assert [layer["slots"] for layer in now["layers"]] == expected["slots_per_layer"] != [8] * 4
+    assert profile.stat().st_mtime_ns > made

@@ -1,0 +1,61 @@
+"""The dashboard's actions: each one the library call its CLI command makes.
+
+start  = `moeplug serve NAME --metrics`   (moeplug.install.serve_installed)
+stop   = `moeplug stop NAME`              (moeplug.serving.stop)
+plan   = `moeplug plan NAME --vram-budget B` for the installed model (moeplug.install.plan_for)
+replan = `moeplug stop NAME && moeplug serve NAME --vram-budget B --metrics`
+reprofile = the profile step of `moeplug install`, made again (moeplug.install.remake_profile)
+
+Every function here blocks (processes, HTTP, files): the screens call them from worker threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+
+def start(name: str) -> Any:
+    from moeplug.install import serve_installed
+
+    return serve_installed(name, metrics=True)  # the dashboard shows measured hit rates
+
+
+def stop(name: str) -> bool:
+    from moeplug.serving import stop as stop_server
+
+    return stop_server(name)
+
+
+def plan(name: str, vram_budget: int | None) -> dict[str, Any]:
+    from moeplug.install import plan_for, read_installed
+    from moeplug.model_inspect import inspect_model
+
+    m = read_installed(name)
+    return plan_for(inspect_model(m.path), m.ctx, vram_budget, Path(m.profile) if m.profile else None,
+                    m.slots_on_cpu).to_json()
+
+
+def replan(name: str, vram_budget: int | None) -> Any:
+    from moeplug.install import serve_installed
+
+    stop(name)
+    return serve_installed(name, vram_budget=vram_budget, metrics=True)
+
+
+def reprofile(name: str, progress: Callable[[int, int], None]) -> Path:
+    from moeplug.install import remake_profile
+
+    return remake_profile(name, progress=progress)
+
+
+def log_tail(path: Path, lines: int = 300) -> list[str]:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 256 * 1024))
+            return f.read().decode(errors="replace").splitlines()[-lines:]
+    except OSError as exc:
+        return [f"(no log at {path}: {exc.strerror})"]

@@ -1,0 +1,28 @@
+"""`moeplug tui [--interval S]`: registered by moeplug.cli; Textual is imported only when it runs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from moeplug.errors import EXIT_OK, EXIT_USAGE, MoeplugError
+
+
+def cmd_tui(args: argparse.Namespace) -> int:
+    if args.interval <= 0:
+        raise MoeplugError(f"--interval must be above 0 seconds, got {args.interval}", EXIT_USAGE)
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise MoeplugError("the dashboard needs a terminal; for scripts use 'moeplug status --json'")
+    from moeplug.tui.app import make_app
+
+    make_app(interval=args.interval).run()
+    return EXIT_OK
+
+
+def add_tui_command(sub: Any) -> None:
+    p = sub.add_parser("tui", help="dashboard: served models, expert slots, hit rates, GPUs; start/stop/re-plan",
+                       description="A keyboard-driven dashboard of the models moeplug serves (q quits, ? shows "
+                       "the keys). It refreshes on a timer and acts through the same code as the commands.")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
+    p.set_defaults(func=cmd_tui)

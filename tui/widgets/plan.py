@@ -1,0 +1,33 @@
+"""The selected model's plan (server args, notes) and profile (sources, age, tokens, coverage)."""
+
+from __future__ import annotations
+
+import shlex
+
+from textual.widgets import Static
+
+from moeplug.monitor import ServerSnapshot
+from moeplug.tui.format import duration
+
+
+def plan_lines(s: ServerSnapshot | None, now: float) -> list[str]:
+    if s is None:
+        return []
+    lines = []
+    p = s.profile
+    if p:
+        lines.append(f"profile {'+'.join(p.sources)}")
+        lines.append(f"  {duration(now - p.made_at)} old, {p.tokens_prefill}+{p.tokens_decode} tokens")
+        curve = " ".join(f"{n}:{'-' if v is None else f'{v:.0%}'}" for n, v in list(p.coverage.items())[-3:])
+        lines.append(f"  hit {curve}")  # static slots of N per layer, `moeplug profile analyze`
+    else:
+        lines.append("no profile")
+    if s.plan:
+        lines.append(f"args {shlex.join(s.plan['server_args'])}")
+        lines += [f"note: {n}" for n in s.plan.get("notes") or []]
+    return lines
+
+
+class PlanPanel(Static):
+    def show(self, s: ServerSnapshot | None, now: float) -> None:
+        self.update("\n".join(plan_lines(s, now)))

@@ -1,0 +1,54 @@
+"""The selected model's expert slots per MoE layer: planned, predicted and measured hit rates."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widgets import DataTable, Static
+
+from moeplug.monitor import ServerSnapshot
+from moeplug.tui.format import percent, size, strip
+
+COLUMNS = [("block", "blk"), ("slots", "slots"), ("kind", "kind"), ("predicted", "pred"), ("measured", "meas")]
+KIND = {"whole": "whole", "partial": "partly", "ram": "in RAM"}
+
+
+def layer_rows(s: ServerSnapshot) -> list[list[str]]:
+    """blk, slots/experts, kind, predicted and measured hit rate, per MoE layer."""
+    return [[str(x.block), f"{x.slots}/{x.n_expert}", KIND[x.kind], percent(x.predicted_hit_rate),
+             percent(x.measured_hit_rate)] for x in s.layers]
+
+
+def summary_lines(s: ServerSnapshot | None) -> list[str]:
+    if s is None:
+        return ["no served model selected"]
+    if not s.plan:
+        return ["the plan it runs is not known (launched by an older moeplug): the cache line says the slots"]
+    p = s.plan
+    c = s.cache_counters
+    lines = [f"fit {p['fit_fraction']:.0%} · hit pred {percent(p['predicted_hit_rate'])} "
+             f"meas {percent(c.hit_rate) if c else '-'}",
+             f"CPU read {size(s.cpu_bytes_per_token)}/token" if c else "measured: serve with --metrics (s does)"]
+    hits = [x.measured_hit_rate if x.measured_hit_rate is not None else x.predicted_hit_rate for x in s.layers]
+    lines.append(f"hit/layer {strip(hits)}")
+    lines += [f"⚠ {w}" for w in p.get("warnings") or []]
+    return lines
+
+
+class SlotsPanel(Vertical):
+    def compose(self) -> ComposeResult:
+        yield Static(id="slots-summary")
+        yield DataTable(id="layers", cursor_type="none", zebra_stripes=False)
+
+    def on_mount(self) -> None:
+        table = self.query_one("#layers", DataTable)
+        for key, label in COLUMNS:
+            table.add_column(label, key=key)
+
+    def show(self, s: ServerSnapshot | None) -> None:
+        self.border_title = f"expert slots: {s.name}" if s else "expert slots"
+        self.query_one("#slots-summary", Static).update("\n".join(summary_lines(s)))
+        table = self.query_one("#layers", DataTable)
+        table.clear()
+        for row in layer_rows(s) if s else []:
+            table.add_row(*row, key=row[0])
