@@ -207,7 +207,7 @@ def test_server_with_a_plans_placement(patched_build, cache_models, profiles, sl
     loader puts exactly the last two layers' experts in RAM, the cache engages on the partly
     resident one alone, and the tokens are stock's."""
     from moeplug.model_inspect import inspect_model
-    from moeplug.plan import placement_args
+    from moeplug.server_flags import placement_args
     from moeplug.profile.format import read_profile
 
     model, profile = cache_models["qwen3moe"], profiles["qwen3moe"]
