@@ -137,7 +137,7 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     out = Output.for_args(args)
     try:
         files = make_model(spec, args.out, shards=args.shards, vocab_path=args.vocab,
-                           progress=steps(out.progress, f"writing {Path(args.out).name}", "B"))
+                           progress=steps(out.progress, f"writing {Path(args.out).name}", "B", every=0))
     except ValueError as exc:
         raise MoeplugError(str(exc), EXIT_USAGE) from exc
     doc = {"files": [str(f) for f in files], "arch": spec.arch, "dtype": spec.dtype, "seed": spec.seed}
@@ -172,7 +172,7 @@ def _add_make_model(dev: Any) -> None:
     p.add_argument("--ctx", type=CTX, default=4096, help="training context length written in the metadata")
     p.add_argument("--dtype", choices=list(DTYPES), default="f32",
                    help="type of the weight matrices (norms, router and biases stay F32)")
-    p.add_argument("--seed", type=SEED, default=None, help="random seed (default 1234)")
+    p.add_argument("--seed", type=SEED, default=None, help="random seed, 0-4294967295 (default 1234)")
     p.add_argument("--leading-dense", type=LAYERS, default=None,
                    help="hy_v3: dense blocks before the MoE ones (default 1; 0: none)")
     p.add_argument("--expert-scales", action="store_true", help="qwen3moe: add per-expert scale tensors")

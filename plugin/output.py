@@ -100,7 +100,7 @@ class Output:
             return
         bar = self._bars.get(event.task)
         if bar is None:
-            bar = self._bars[event.task] = ProgressBar(event.task, event.unit, every=10)
+            bar = self._bars[event.task] = ProgressBar(event.task, event.unit, every=event.every)
         bar.update(event.done, event.total)
 
     def close(self) -> None:

@@ -76,9 +76,9 @@ class Plan:
     def from_json(cls, doc: dict[str, Any]) -> Plan:
         """A plan as to_json wrote it (an installed record); keys it does not know are dropped,
         required ones it lacks (an older record) are None."""
-        values: dict[str, Any] = {f.name: None for f in fields(cls)
-                                  if f.default is MISSING and f.default_factory is MISSING}
-        values.update({k: v for k, v in doc.items() if k in values or k in {f.name for f in fields(cls)}})
+        known = fields(cls)
+        values: dict[str, Any] = {f.name: None for f in known if f.default is MISSING and f.default_factory is MISSING}
+        values.update({f.name: doc[f.name] for f in known if f.name in doc})
         return cls(**values)
 
 

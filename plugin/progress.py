@@ -23,6 +23,7 @@ class Step:
     done: int
     total: int
     unit: str = "it"
+    every: int = 10  # where no bar can be drawn (not a terminal): a line every this many percent (0: none)
 
 
 Event = Note | Step
@@ -33,6 +34,6 @@ def silent(event: Event) -> None:
     """The default callback: reports go nowhere."""
 
 
-def steps(progress: ProgressFn, task: str, unit: str = "it") -> Callable[[int, int], None]:
+def steps(progress: ProgressFn, task: str, unit: str = "it", every: int = 10) -> Callable[[int, int], None]:
     """A (done, total) callback that reports Steps of one task (make_model's progress form)."""
-    return lambda done, total: progress(Step(task, done, total, unit))
+    return lambda done, total: progress(Step(task, done, total, unit, every))

@@ -1,4 +1,5 @@
-"""Shared fixtures: synthetic models of every family, and real llama.cpp builds.
+"""Shared fixtures: synthetic models of every family, and real llama.cpp builds (shared helpers
+that are not fixtures live in helpers.py).
 
 The native builds go to the user's moeplug cache and data dirs (XDG), exactly where
 `moeplug native build` puts them, so a second test run reuses them.
@@ -6,20 +7,12 @@ The native builds go to the user's moeplug cache and data dirs (XDG), exactly wh
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import fixture_spec
 
-from moeplug.synth import ARCHS, ModelSpec, make_model
-
-# Small but real: 256-wide rows so every dtype, Q4_K included, applies to the expert tensors.
-FIXTURE_SHAPE = dict(layers=3, experts=8, used=2, embd=256, expert_ff=256, heads=4, heads_kv=2, head_dim=64)
-
-
-def fixture_spec(arch: str, dtype: str = "q8_0", seed: int = 7) -> ModelSpec:
-    return ModelSpec(arch=arch, dtype=dtype, seed=seed, **FIXTURE_SHAPE)
+from moeplug.synth import ARCHS, make_model
 
 
 @pytest.fixture(scope="session")
@@ -31,11 +24,6 @@ def fixture_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     models = {arch: make_model(fixture_spec(arch), root / f"{arch}.gguf")[0] for arch in ARCHS}
     models["hy_v3-mtp"] = make_model(replace(fixture_spec("hy_v3"), mtp_layers=1), root / "hy_v3-mtp.gguf")[0]
     return models
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    """The real `moeplug` command in a child process."""
-    return subprocess.run([sys.executable, "-m", "moeplug", *args], capture_output=True, text=True)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURE_SHAPE, fixture_spec
+from helpers import FIXTURE_SHAPE, fixture_spec
 from moeplug.metrics import CacheCounters, parse_cache_counters
 from moeplug.server import start_server
 from moeplug.serving import parse_cache_line
@@ -21,7 +21,7 @@ from moeplug.synth import make_model
 pytestmark = pytest.mark.native
 
 NOT_ENGAGED = "moe-cache: not engaged, running without it: "
-N_EXPERT = 8  # conftest.FIXTURE_SHAPE
+N_EXPERT = 8  # helpers.FIXTURE_SHAPE
 
 
 @pytest.fixture(scope="session")

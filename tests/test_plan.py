@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import run_cli
+from helpers import run_cli
 from moeplug.allocate import LayerCost, _curve, _layer_counts, allocate, hit_curves, modelled_seconds, uniform_hits
 from moeplug.errors import MoeplugError
 from moeplug.model_inspect import inspect_model

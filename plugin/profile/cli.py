@@ -121,7 +121,7 @@ def register(sub: Any) -> None:
     p.add_argument("--ctx", type=CTX, help="context size (default 4096, or the model's training context when smaller)")
     p.add_argument("--ctx-override", action="store_true", help="allow a --ctx above the model's training context")
     p.add_argument("--threads", "-t", type=THREADS, default=None)
-    p.add_argument("--seed", type=SEED, default=42)
+    p.add_argument("--seed", type=SEED, default=42, help="sampling seed, 0-4294967295")
     p.add_argument("--temp", type=TEMPERATURE, default=0.0, help="0 = greedy; else sampled with --seed")
     p.add_argument("--ngl", type=LAYERS, default=None, help="GPU layers for the profiling run (0: none)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate -n tokens per prompt")

@@ -103,7 +103,7 @@ def run_profile(run: ProfileRun, prompt_sets: list[str], out: Path | None = None
             progress(Note(f"profiling '{label}': {n} prompts x {run.n_predict} tokens"))
 
             def on_prompt(i: int, base: int = done_before) -> None:
-                progress(Step("profiling", base + i, total, "prompt"))
+                progress(Step("profiling", base + i, total, "prompt", every=1))
 
             profiles.append(run.run_set(label, prompts, Path(tmp) / f"{label}.gguf", on_prompt))
             done_before += n
