@@ -21,14 +21,14 @@ from moeplug.serving import ServerRecord
 
 
 def plan_model(model: str, *, ctx: int | None = None, vram_budget: int | None = None, profile: Path | None = None,
-               ctx_override: bool = False) -> Plan:
+               ctx_override: bool = False, progress: ProgressFn = silent) -> Plan:
     """Plan an installed model (by name) or any model reference, for a budget (None: free VRAM) and
     a context (None: 4096, or the training context when smaller); profile None: the stored one."""
     from moeplug.profile.format import model_fingerprint
     from moeplug.profile.runner import default_profile_path
 
     installed = {m.name: m for m in list_installed()}
-    path = Path(installed[model].path) if model in installed else locate(model, download=False).path
+    path = Path(installed[model].path) if model in installed else locate(model, download=False, progress=progress).path
     info = inspect_model(path)
     require_moe(info)
     ctx = context_size(info, ctx, ctx_override)
@@ -74,25 +74,25 @@ def serve(name: str, *, port: int | None = None, vram_budget: int | None = None,
 class Stopped:
     names: list[str]  # asked for
     stopped: list[str]  # were running, now stopped
-    all: bool = False
+    all_served: bool = False
 
     @property
     def exit_code(self) -> int:
-        return EXIT_OK if self.all or self.stopped else EXIT_ERROR
+        return EXIT_OK if self.all_served or self.stopped else EXIT_ERROR
 
     def to_json(self) -> dict[str, Any]:
         return {"stopped": self.stopped}
 
 
-def stop(name: str | None = None, all: bool = False) -> Stopped:
-    """Stop one served model, or every one (all=True)."""
+def stop(name: str | None = None, all_served: bool = False) -> Stopped:
+    """Stop one served model, or every one (all_served=True)."""
     from moeplug.serving import read_records
     from moeplug.serving import stop as stop_served
 
-    names = [r.name for r in read_records()] if all else [name] if name else []
-    if not all and not names:
+    names = [r.name for r in read_records()] if all_served else [name] if name else []
+    if not all_served and not names:
         raise MoeplugError("name a served model, or pass --all")
-    return Stopped(names, [n for n in names if stop_served(n)], all)
+    return Stopped(names, [n for n in names if stop_served(n)], all_served)
 
 
 @dataclass

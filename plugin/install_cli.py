@@ -83,9 +83,11 @@ def cmd_install(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from moeplug.actions import plan_model
 
+    out = Output.for_args(args)
     plan = plan_model(args.model, ctx=args.ctx, vram_budget=args.vram_budget,
-                      profile=Path(args.profile) if args.profile else None, ctx_override=args.ctx_override)
-    return Output.for_args(args).result(plan, plan_text)
+                      profile=Path(args.profile) if args.profile else None, ctx_override=args.ctx_override,
+                      progress=out.progress)
+    return out.result(plan, plan_text)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -101,7 +103,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_stop(args: argparse.Namespace) -> int:
     from moeplug.actions import stop
 
-    stopped = stop(args.model, all=args.all)
+    stopped = stop(args.model, all_served=args.all)
     return Output.for_args(args).result(stopped, lambda r: "\n".join(
         f"{n}: {'stopped' if n in r.stopped else 'was not running'}" for n in r.names))
 

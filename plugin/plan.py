@@ -5,6 +5,9 @@ VRAM budget (NVML free memory, or --vram-budget) minus what llama.cpp puts on th
 headroom, a safety margin) leaves room for slots, which allocate.py spreads over the layers
 from the profile's hit curves. The same budget also gives stock llama.cpp's best placement
 (`-ncmoe K`), shown beside it.
+
+The parts live by concern: the estimates in estimates.py, the llama-server flags in
+server_flags.py, size parsing in sizes.py, free RAM in probes.py and free VRAM in gpu.py.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from moeplug.sizes import GIB
 
 WARN_FIT = 0.20
 WARN_FIT_STRONG = 0.15
+
 
 def _layer_costs(info: ModelInfo, profile: Profile | None) -> list[LayerCost]:
     curves = hit_curves(profile, len(info.layers), info.n_expert)
