@@ -16,7 +16,7 @@ from moeplug.estimates import context_size
 from moeplug.install import list_installed, locate, plan_for, read_installed, require_moe
 from moeplug.model_inspect import inspect_model
 from moeplug.plan import Plan
-from moeplug.progress import ProgressFn, silent
+from moeplug.progress import Note, ProgressFn, silent
 from moeplug.serving import ServerRecord
 
 
@@ -84,15 +84,20 @@ class Stopped:
         return {"stopped": self.stopped}
 
 
-def stop(name: str | None = None, all_served: bool = False) -> Stopped:
-    """Stop one served model, or every one (all_served=True)."""
+def stop(name: str | None = None, all_served: bool = False, progress: ProgressFn = silent) -> Stopped:
+    """Stop one served model, or every one (all_served=True); each may take a few seconds."""
     from moeplug.serving import read_records
     from moeplug.serving import stop as stop_served
 
     names = [r.name for r in read_records()] if all_served else [name] if name else []
     if not all_served and not names:
         raise MoeplugError("name a served model, or pass --all")
-    return Stopped(names, [n for n in names if stop_served(n)], all_served)
+    stopped = []
+    for n in names:
+        progress(Note(f"stopping {n}"))
+        if stop_served(n):
+            stopped.append(n)
+    return Stopped(names, stopped, all_served)
 
 
 @dataclass

@@ -103,8 +103,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_stop(args: argparse.Namespace) -> int:
     from moeplug.actions import stop
 
-    stopped = stop(args.model, all_served=args.all)
-    return Output.for_args(args).result(stopped, lambda r: "\n".join(
+    out = Output.for_args(args)
+    stopped = stop(args.model, all_served=args.all, progress=out.progress)
+    return out.result(stopped, lambda r: "\n".join(
         f"{n}: {'stopped' if n in r.stopped else 'was not running'}" for n in r.names))
 
 

@@ -62,3 +62,17 @@ def test_library_progress_goes_to_the_callback(home: Path, capsys: pytest.Captur
     events.clear()
     ensure_demo_model(progress=events.append)
     assert events == []  # already made: nothing to report
+
+
+def test_stop_reports_and_returns_what_it_did(home: Path) -> None:
+    from moeplug.actions import stop
+
+    events: list[object] = []
+    result = stop("nothing", progress=events.append)
+    assert (result.names, result.stopped, result.exit_code) == (["nothing"], [], 1)
+    assert events == [Note("stopping nothing")] and result.to_json() == {"stopped": []}
+    assert stop(all_served=True).exit_code == 0  # nothing served: nothing to stop, not an error
+    r = run_cli("stop")
+    assert r.returncode == 1 and r.stderr == "moeplug: error: name a served model, or pass --all\n"
+    r = run_cli("stop", "nothing", "--json")
+    assert r.returncode == 1 and json.loads(r.stdout) == {"stopped": []} and "stopping nothing" in r.stderr
