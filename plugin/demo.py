@@ -5,20 +5,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moeplug.output import note
 from moeplug.paths import data_dir
+from moeplug.progress import Note, ProgressFn, silent
 
 
 def demo_model_path() -> Path:
     return data_dir() / "models" / "demo-qwen3moe-q8_0.gguf"
 
 
-def ensure_demo_model() -> Path:
+def ensure_demo_model(progress: ProgressFn = silent) -> Path:
     from moeplug.synth import ModelSpec, make_model
 
     path = demo_model_path()
     if not path.exists():
-        note(f"generating the demo model: {path}")
+        progress(Note(f"generating the demo model: {path}"))
         make_model(ModelSpec(arch="qwen3moe", layers=4, experts=32, used=4, embd=256, expert_ff=256,
                              dtype="q8_0", seed=1234, name="moeplug-demo-qwen3moe"), path)
     return path

@@ -12,7 +12,8 @@ import shutil
 from pathlib import Path
 
 from moeplug.errors import MoeplugError
-from moeplug.output import human_bytes, note
+from moeplug.output import human_bytes
+from moeplug.progress import Note, ProgressFn, silent
 from moeplug.refs import ModelRef, ResolvedModel, pick_quant_files, resolve_hf_cached, shard_set, hf_cache_dir
 
 DISK_HEADROOM = 1.02  # a little room for the cache's own files
@@ -22,14 +23,14 @@ def offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def fetch_hf(ref: ModelRef) -> ResolvedModel:
+def fetch_hf(ref: ModelRef, progress: ProgressFn = silent) -> ResolvedModel:
     """The model's files from the cache, downloading what is missing unless offline."""
     try:
         return resolve_hf_cached(ref)
     except MoeplugError as cached_error:
         if offline():
             raise MoeplugError(f"HF_HUB_OFFLINE is set and {cached_error}") from None
-    return _download(ref)
+    return _download(ref, progress)
 
 
 def check_disk(repo: str, need: int, folder: Path) -> None:
@@ -40,7 +41,7 @@ def check_disk(repo: str, need: int, folder: Path) -> None:
         raise MoeplugError(f"{repo}: {human_bytes(need)} to download but {human_bytes(free)} free in {folder}")
 
 
-def _download(ref: ModelRef) -> ResolvedModel:
+def _download(ref: ModelRef, progress: ProgressFn) -> ResolvedModel:
     assert ref.repo is not None
     from huggingface_hub import HfApi, hf_hub_download
     from huggingface_hub.errors import HfHubHTTPError
@@ -58,7 +59,7 @@ def _download(ref: ModelRef) -> ResolvedModel:
     need = sum(sizes[f] for f in files)
     cache = hf_cache_dir()
     check_disk(ref.repo, need, cache)
-    note(f"downloading {len(files)} file(s), {human_bytes(need)}, from {where} into {cache}")
+    progress(Note(f"downloading {len(files)} file(s), {human_bytes(need)}, from {where} into {cache}"))
     paths = []
     for f in files:
         try:

@@ -1,6 +1,8 @@
 """`moeplug install MODEL`: reference -> files -> inspection -> native build -> profile -> plan ->
 a running, verified llama-server. Installed models are records under the user data dir
 (~/.local/share/moeplug/installed/NAME.json) that `serve`, `list` and `plan` reuse.
+
+`install` reports progress through a callback and returns an `Installed` result; nothing here prints.
 """
 
 from __future__ import annotations
@@ -8,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -17,10 +18,14 @@ from moeplug.errors import MoeplugError, NotApplicableError
 from moeplug.fsutil import write_text_atomic
 from moeplug.hooks import refresh_hooks
 from moeplug.model_inspect import ModelInfo, inspect_model
-from moeplug.output import human_bytes, note
-from moeplug.paths import data_dir
+from moeplug.estimates import context_size
 from moeplug.gpu import free_vram_bytes
-from moeplug.plan import Plan, available_ram_bytes, make_plan
+from moeplug.output import human_bytes
+from moeplug.paths import data_dir
+from moeplug.plan import Plan, make_plan
+from moeplug.probes import available_ram_bytes
+from moeplug.profile.runner import DEFAULT_PROMPT_SETS
+from moeplug.progress import Note, ProgressFn, silent
 from moeplug.refs import ModelRef, ResolvedModel, parse_ref, resolve_ref
 
 DEMO_PROFILE_TOKENS = 32
@@ -35,12 +40,35 @@ class InstalledModel:
     profile: str | None
     build_id: str
     ctx: int
-    plan: dict[str, Any]
+    plan: Plan
     slots_on_cpu: bool = False  # the demo's stand-in for a GPU: slots in RAM, same results, no speedup
     installed_at: float = field(default_factory=time.time)
 
     def server_env(self) -> dict[str, str]:
         return dict(SLOTS_ON_CPU_ENV) if self.slots_on_cpu else {}
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)  # the plan too: asdict recurses into dataclasses
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> InstalledModel:
+        return cls(**(doc | {"plan": Plan.from_json(doc["plan"])}))
+
+
+@dataclass
+class Installed:
+    """What `install` did: the model's files, its profile and build, the plan, the server (or None)."""
+
+    name: str
+    model: str
+    profile: str
+    build_id: str
+    plan: Plan
+    server: Any = None  # a serving.ServerRecord when served
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "model": self.model, "profile": self.profile, "build_id": self.build_id,
+                "plan": self.plan.to_json(), "server": self.server.to_json() if self.server else None}
 
 
 def installed_dir() -> Path:
@@ -67,7 +95,11 @@ def read_installed(name: str) -> InstalledModel:
     if not path.exists():
         known = ", ".join(m.name for m in list_installed()) or "none"
         raise MoeplugError(f"'{name}' is not installed (installed: {known}); run 'moeplug install {name}'")
-    return InstalledModel(**json.loads(path.read_text()))
+    return InstalledModel.from_json(json.loads(path.read_text()))
+
+
+def write_installed(record: InstalledModel) -> None:
+    write_text_atomic(installed_dir() / f"{record.name}.json", json.dumps(record.to_json(), indent=2) + "\n")
 
 
 def list_installed() -> list[InstalledModel]:
@@ -75,24 +107,24 @@ def list_installed() -> list[InstalledModel]:
     out = []
     for p in sorted(folder.glob("*.json")) if folder.exists() else []:
         try:
-            out.append(InstalledModel(**json.loads(p.read_text())))
-        except (ValueError, TypeError):
+            out.append(InstalledModel.from_json(json.loads(p.read_text())))
+        except (ValueError, TypeError, KeyError):
             continue
     return out
 
 
-def locate(text: str, download: bool = True) -> ResolvedModel:
+def locate(text: str, download: bool = True, progress: ProgressFn = silent) -> ResolvedModel:
     """The model's local files: generated (demo), found, or downloaded."""
     ref = parse_ref(text)
     if ref.kind == "demo":
         from moeplug.demo import ensure_demo_model
 
-        ensure_demo_model()
+        ensure_demo_model(progress)
         return resolve_ref(text)
     if ref.kind == "hf" and download:
         from moeplug.download import fetch_hf
 
-        return fetch_hf(ref)
+        return fetch_hf(ref, progress)
     return resolve_ref(text)
 
 
@@ -103,18 +135,18 @@ def require_moe(info: ModelInfo) -> None:
 
 
 def ensure_profile(model: Path, tool: Path, n_predict: int, prompt_sets: list[str], remake: bool = False,
-                   progress: Callable[[int, int], None] | None = None) -> Path:
+                   progress: ProgressFn = silent) -> Path:
     """The model's stored profile, made with the bundled prompts when there is none yet (remake:
-    made again, replacing it atomically). progress(prompts done, prompts in all)."""
+    made again, replacing it atomically)."""
     from moeplug.profile.format import model_fingerprint
     from moeplug.profile.runner import ProfileRun, default_profile_path, run_profile
 
     dest = default_profile_path(model_fingerprint(model))
     if dest.exists() and not remake:
-        note(f"profile: {dest} (already made; 'moeplug profile' re-makes it)")
+        progress(Note(f"profile: {dest} (already made; 'moeplug profile' re-makes it)"))
         return dest
     run = ProfileRun(tool=tool, model=model, n_predict=n_predict, ctx=2048)
-    path, _ = run_profile(run, prompt_sets, dest, progress=progress)
+    path, _ = run_profile(run, prompt_sets, dest, progress)
     return path
 
 
@@ -123,8 +155,7 @@ def default_profile_tokens(ref: ModelRef) -> int:
     return DEMO_PROFILE_TOKENS if ref.kind == "demo" else 256
 
 
-def remake_profile(name: str, prompt_sets: list[str] | None = None,
-                   progress: Callable[[int, int], None] | None = None) -> Path:
+def remake_profile(name: str, prompt_sets: list[str] | None = None, progress: ProgressFn = silent) -> Path:
     """Profile an installed model again with its build and the bundled prompts (the dashboard's
     re-profile); the stored profile is replaced atomically. Re-plan to use it."""
     from moeplug.profile.runner import DEFAULT_PROMPT_SETS
@@ -153,65 +184,53 @@ def installed_build(m: InstalledModel) -> Any:
     return builds[m.build_id]
 
 
-def serve_installed(name: str, *, port: int | None = None, vram_budget: int | None = None, ctx: int | None = None,
-                    allow_fallback: bool = False, metrics: bool = False) -> Any:
-    """Launch an installed model again (`moeplug serve`): its plan, or one re-made for another
-    budget or context; returns the running server's record (moeplug.serving.ServerRecord)."""
-    from moeplug.serving import launch, model_lock
-
-    m = read_installed(name)
-    if vram_budget is not None or ctx:
-        m = replan(m, ctx, vram_budget)  # the new plan becomes the model's own; the hooks follow
-    plan = m.plan
-    binary = installed_build(m).binary("llama-server")
-    with model_lock(m.name):
-        return launch(m.name, Path(m.path), binary, m.build_id, plan["server_args"], plan["ctx"], port=port,
-                      allow_fallback=allow_fallback, env=m.server_env(), metrics=metrics, plan=plan)
-
-
-def install(text: str, *, ctx: int, vram_budget: int | None, backend: str | None, jobs: int,
-            profile_tokens: int | None, prompt_sets: list[str], serve: bool, port: int | None,
-            allow_fallback: bool, metrics: bool = False) -> dict[str, Any]:
+def install(text: str, *, ctx: int | None = None, vram_budget: int | None = None, backend: str | None = None,
+            jobs: int = 0, profile_tokens: int | None = None, prompt_sets: list[str] | None = None, serve: bool = True,
+            port: int | None = None, allow_fallback: bool = False, metrics: bool = False, ctx_override: bool = False,
+            progress: ProgressFn = silent) -> Installed:
+    """Install (and unless serve=False, serve) a model. ctx None: 4096, or less for a model trained
+    with less; above the training context only with ctx_override."""
     from moeplug.native.build import build, resolve_options
-    from moeplug.serving import launch, model_lock
+    from moeplug.serving import launch_verified, model_lock
 
     ref = parse_ref(text)
     name = model_name(ref)
     is_demo = ref.kind == "demo"
     with model_lock(name):
-        resolved = locate(text)
+        resolved = locate(text, progress=progress)
         info = inspect_model(resolved.path)
         require_moe(info)
-        note(f"{name}: {info.arch}, {len(info.layers)} MoE layers x {info.n_expert} experts "
-             f"({info.n_expert_used} used), {human_bytes(info.total_bytes)} at {resolved.path}")
-        result = build(resolve_options(backend, stock=False, jobs=jobs, cuda_arch=None))
+        ctx = context_size(info, ctx, ctx_override)
+        progress(Note(f"{name}: {info.arch}, {len(info.layers)} MoE layers x {info.n_expert} experts "
+                      f"({info.n_expert_used} used), {human_bytes(info.total_bytes)} at {resolved.path}"))
+        result = build(resolve_options(backend, stock=False, jobs=jobs, cuda_arch=None), progress=progress)
         n_predict = profile_tokens or default_profile_tokens(ref)
-        profile = ensure_profile(resolved.path, result.binary("llama-moe-profile"), n_predict, prompt_sets)
+        profile = ensure_profile(resolved.path, result.binary("llama-moe-profile"), n_predict,
+                                 list(prompt_sets or DEFAULT_PROMPT_SETS), progress)
         slots_on_cpu = is_demo and result.manifest.get("backend") == "cpu"
         plan = plan_for(info, ctx, vram_budget, profile, slots_on_cpu)
         record = InstalledModel(name=name, ref=text, path=str(resolved.path), profile=str(profile),
-                                build_id=result.build_id, ctx=ctx, plan=plan.to_json(),
+                                build_id=result.build_id, ctx=ctx, plan=plan,
                                 slots_on_cpu=slots_on_cpu and plan.backend == "cpu")
-        write_text_atomic(installed_dir() / f"{name}.json", json.dumps(asdict(record), indent=2) + "\n")
-        refresh_hooks(list_installed())
-        doc: dict[str, Any] = {"name": name, "model": str(resolved.path), "profile": str(profile),
-                               "build_id": result.build_id, "plan": plan.to_json(), "server": None}
+        write_installed(record)
+        refresh_hooks(list_installed(), progress)
+        done = Installed(name=name, model=str(resolved.path), profile=str(profile), build_id=result.build_id,
+                         plan=plan)
         if serve:
-            srv = launch(name, resolved.path, result.binary("llama-server"), result.build_id, plan.server_args,
-                         ctx, port=port, allow_fallback=allow_fallback, env=record.server_env(), metrics=metrics,
-                         plan=plan.to_json())
-            doc["server"] = asdict(srv) | {"url": srv.url}
-    return doc
+            done.server = launch_verified(name, resolved.path, result.binary("llama-server"), result.build_id,
+                                          plan.server_args, ctx, port=port, allow_fallback=allow_fallback,
+                                          env=record.server_env(), metrics=metrics, plan=plan)
+    return done
 
 
 def replan(m: InstalledModel, ctx: int | None = None, vram_budget: int | None = None) -> InstalledModel:
     """Plan an installed model again (a new budget or context, or its profile changed: the stored
     budget and context otherwise) and keep that plan as the model's own; the hooks follow."""
-    budget = vram_budget if vram_budget is not None else m.plan.get("vram_budget_bytes")
+    budget = vram_budget if vram_budget is not None else m.plan.vram_budget_bytes
     profile = Path(m.profile) if m.profile and Path(m.profile).exists() else None
     plan = plan_for(inspect_model(m.path), ctx or m.ctx, budget, profile, m.slots_on_cpu)
-    record = replace(m, ctx=ctx or m.ctx, plan=plan.to_json())
-    write_text_atomic(installed_dir() / f"{m.name}.json", json.dumps(asdict(record), indent=2) + "\n")
+    record = replace(m, ctx=ctx or m.ctx, plan=plan)
+    write_installed(record)
     refresh_hooks(list_installed())
     return record
 

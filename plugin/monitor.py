@@ -212,8 +212,8 @@ def _plan_of(record: ServerRecord, installed: InstalledModel | None) -> dict[str
     installed plan when the server was launched with its arguments."""
     if record.plan:
         return record.plan
-    planned = list(installed.plan.get("server_args") or []) if installed else []
-    return installed.plan if installed and planned and record.args[-len(planned):] == planned else None
+    planned = list(installed.plan.server_args) if installed else []
+    return installed.plan.to_json() if installed and planned and record.args[-len(planned):] == planned else None
 
 
 @functools.lru_cache(maxsize=16)

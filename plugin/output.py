@@ -1,11 +1,21 @@
-"""Printing for people (tables, sizes, progress bars) and for scripts (--json)."""
+"""Printing for people (tables, sizes, progress bars) and for scripts (--json): the CLI's one sink.
+
+A command hands its result to `Output.result`: with --json the result's `to_json()` goes to
+stdout, otherwise the command's text renderer's lines do. Library actions report progress
+through a callback (moeplug.progress); `Output.progress` draws it on stderr, so stdout stays
+the result alone.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from moeplug.errors import EXIT_OK
+from moeplug.progress import Event, Note
 
 
 def print_json(doc: Any) -> None:
@@ -69,3 +79,51 @@ class ProgressBar:
 def note(message: str) -> None:
     """A progress note for people, on stderr so that --json output stays clean."""
     print(message, file=sys.stderr, flush=True)
+
+
+class Output:
+    """Where a command's result and its progress go."""
+
+    def __init__(self, json_mode: bool = False) -> None:
+        self.json_mode = json_mode
+        self._bars: dict[str, ProgressBar] = {}
+
+    @classmethod
+    def for_args(cls, args: Any) -> Output:
+        return cls(bool(getattr(args, "json", False)))
+
+    def progress(self, event: Event) -> None:
+        """A moeplug.progress callback: notes as lines, steps as one bar per task, on stderr."""
+        if isinstance(event, Note):
+            self.close()
+            note(event.text)
+            return
+        bar = self._bars.get(event.task)
+        if bar is None:
+            bar = self._bars[event.task] = ProgressBar(event.task, event.unit, every=event.every)
+        bar.update(event.done, event.total)
+
+    def close(self) -> None:
+        for bar in self._bars.values():
+            bar.close()
+        self._bars.clear()
+
+    def result(self, result: Any, text: Callable[[Any], str | None]) -> int:
+        """Print the result (JSON, or text(result) for people) and return its exit code."""
+        self.close()
+        if self.json_mode:
+            print_json(to_json(result))
+        else:
+            lines = text(result)
+            if lines:
+                print(lines)
+        return int(getattr(result, "exit_code", EXIT_OK))
+
+
+def to_json(result: Any) -> Any:
+    """A result as JSON data: its to_json(), a dataclass's fields, or the value itself."""
+    if hasattr(result, "to_json"):
+        return result.to_json()
+    if dataclasses.is_dataclass(result) and not isinstance(result, type):
+        return dataclasses.asdict(result)
+    return result

@@ -5,12 +5,14 @@ VRAM budget (NVML free memory, or --vram-budget) minus what llama.cpp puts on th
 headroom, a safety margin) leaves room for slots, which allocate.py spreads over the layers
 from the profile's hit curves. The same budget also gives stock llama.cpp's best placement
 (`-ncmoe K`), shown beside it.
+
+The parts live by concern: the estimates in estimates.py, the llama-server flags in
+server_flags.py, size parsing in sizes.py, free RAM in probes.py and free VRAM in gpu.py.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -18,119 +20,29 @@ import numpy as np
 
 from moeplug.allocate import LayerCost, allocate, hit_curves, modelled_seconds
 from moeplug.errors import MoeplugError
-from moeplug.model_inspect import ModelInfo, scalar_or_max
+from moeplug.estimates import (
+    CUDA_POOL_HEADROOM,
+    SAFETY_MARGIN,
+    bytes_per_slot,
+    choose_load_mode,
+    compute_buffer_bytes,
+    kv_cache_bytes,
+    stock_ncmoe,
+    whole_layers_first,
+)
+from moeplug.model_inspect import ModelInfo
 from moeplug.profile.format import Profile
+from moeplug.server_flags import placement_args
+from moeplug.sizes import GIB
 
-MIB = 1 << 20
-GIB = 1 << 30
-SAFETY_MARGIN = 512 * MIB
-CUDA_POOL_HEADROOM = 256 * MIB
 WARN_FIT = 0.20
 WARN_FIT_STRONG = 0.15
-DEFAULT_UBATCH = 512
-
-_SIZE_RE = re.compile(r"^\s*([\d.]+)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": MIB, "G": GIB, "T": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """'12GiB', '12G', '12 GB' (binary units, as GPU tools report them) or bytes."""
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise MoeplugError(f"'{text}' is not a size (use e.g. 12GiB or 8000MiB)")
-    unit = (m[2] or "").upper()[:1]
-    return int(float(m[1]) * _UNITS[unit])
-
-
-def kv_cache_bytes(info: ModelInfo, ctx: int, bytes_per_value: int = 2) -> int:
-    """f16 K and V for every attention layer at ctx tokens (an upper bound for SWA/hybrid models)."""
-    md, arch = info.metadata, info.arch
-    n_head = scalar_or_max(md.get(f"{arch}.attention.head_count")) or 1
-    n_head_kv = scalar_or_max(md.get(f"{arch}.attention.head_count_kv")) or n_head
-    n_embd = scalar_or_max(md.get(f"{arch}.embedding_length")) or 0
-    k_len = scalar_or_max(md.get(f"{arch}.attention.key_length")) or n_embd // n_head
-    v_len = scalar_or_max(md.get(f"{arch}.attention.value_length")) or k_len
-    n_nextn = scalar_or_max(md.get(f"{arch}.nextn_predict_layers")) or 0
-    return ctx * (info.n_layer - n_nextn) * n_head_kv * (k_len + v_len) * bytes_per_value
-
-
-def compute_buffer_bytes(info: ModelInfo, ubatch: int = DEFAULT_UBATCH) -> int:
-    """The graph's scratch memory for one ubatch: its largest live tensors are the logits and the
-    expert activations. An estimate on the high side of what llama-server logs as its compute
-    buffer size (checked in tests/test_plan.py)."""
-    md, arch = info.metadata, info.arch
-    n_vocab = len(md.get("tokenizer.ggml.tokens") or []) or 32000
-    n_embd = scalar_or_max(md.get(f"{arch}.embedding_length")) or 0
-    n_ff = info.expert_ff or scalar_or_max(md.get(f"{arch}.feed_forward_length")) or 4 * n_embd
-    per_token = n_vocab + 4 * n_embd + 3 * info.n_expert_used * n_ff + info.n_expert
-    return 4 * ubatch * per_token
-
-
-def _bytes_per_slot(info: ModelInfo) -> int:
-    """One expert of every MoE layer."""
-    return sum(layer.bytes_per_expert for layer in info.layers)
-
-
-def stock_ncmoe(info: ModelInfo, room: int) -> int:
-    """The lowest -ncmoe K (experts of blocks < K in RAM) whose GPU experts fit in room bytes."""
-    for k in range(info.n_layer + 1):
-        if sum(layer.expert_bytes for layer in info.layers if layer.block >= k) <= room:
-            return k
-    return info.n_layer
-
-
-def whole_layers_first(info: ModelInfo, room: int) -> list[int]:
-    """Stock placement without a profile: whole layers from the first while they fit in room bytes,
-    the experts of the rest in RAM (the same bytes as -ncmoe, the other end: see experts_in_ram_args)."""
-    slots, used = [0] * len(info.layers), 0
-    for i, layer in enumerate(info.layers):
-        if used + layer.expert_bytes > room:
-            break  # one run of whole layers, as stock keeps them
-        slots[i] = info.n_expert
-        used += layer.expert_bytes
-    return slots
 
 
 def _layer_costs(info: ModelInfo, profile: Profile | None) -> list[LayerCost]:
     curves = hit_curves(profile, len(info.layers), info.n_expert)
     return [LayerCost(layer.bytes_per_expert, layer.n_expert, info.n_expert_used, curve)
             for layer, curve in zip(info.layers, curves)]
-
-
-# llama.cpp's own pattern for the routed-expert tensors of a block (common.h, LLM_FFN_EXPS_REGEX)
-_EXPS_PATTERN = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
-
-
-def experts_in_ram_args(blocks: list[int]) -> list[str]:
-    """-ot keeping the routed experts of these blocks in RAM, as stock -ncmoe does for the first K:
-    any set of blocks, so that the last layers can be the ones in RAM (stock --fit's choice, which
-    ran prefill 12-21% faster than -ncmoe's first layers on the GPU machine)."""
-    if not blocks:
-        return []
-    return ["-ot", rf"blk\.({'|'.join(str(b) for b in sorted(blocks))}){_EXPS_PATTERN}=CPU"]
-
-
-def _slots_arg(info: ModelInfo, profile: Profile, slots: list[int]) -> str:
-    """--moe-cache-slots: one count, or one per layer in the profile's layer order."""
-    if len(set(slots)) == 1:
-        return str(slots[0])
-    by_block = {layer.block: n for layer, n in zip(info.layers, slots)}
-    return ",".join(str(by_block.get(int(t.split(".")[1]), 0)) for t in profile.tensors)
-
-
-def placement_args(info: ModelInfo, slots: list[int], profile: Profile | None, profile_path: Path | None) -> list[str]:
-    """llama-server flags (beside -ngl 99) for slots per MoE layer in block order. Whole
-    layers load straight into VRAM like any offloaded layer (no copy of them stays in RAM); the
-    others keep their experts in RAM, and the cache holds the slots of the partly resident ones."""
-    in_ram = [layer.block for layer, n in zip(info.layers, slots) if n < info.n_expert]
-    partial = [n if n < info.n_expert else 0 for n in slots]
-    args = experts_in_ram_args(in_ram)
-    if profile is not None and any(partial):
-        args += ["--moe-cache-slots", _slots_arg(info, profile, partial), "--moe-cache-profile", str(profile_path)]
-        # every batch through the slots: above the max batch a partly resident layer runs the stock
-        # graph, which uploads its resident experts too (prefill 1-2% slower on the GPU machine)
-        args += ["--moe-cache-max-batch", str(DEFAULT_UBATCH)]
-    return args
 
 
 @dataclass
@@ -164,6 +76,15 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Plan:
+        """A plan as to_json wrote it (an installed record); keys it does not know are dropped,
+        required ones it lacks (an older record) are None."""
+        known = fields(cls)
+        values: dict[str, Any] = {f.name: None for f in known if f.default is MISSING and f.default_factory is MISSING}
+        values.update({f.name: doc[f.name] for f in known if f.name in doc})
+        return cls(**values)
+
 
 def _fit_warnings(fit: float, hit: float | None) -> list[str]:
     pct = f"{fit:.0%}"
@@ -185,7 +106,7 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | None, profile_path: 
     own fit, as the benchmark does)."""
     if not info.layers:
         raise MoeplugError(f"{info.path}: no routed-expert tensors: a dense model, nothing for moeplug to plan")
-    per_slot = _bytes_per_slot(info)
+    per_slot = bytes_per_slot(info)
     kv = kv_cache_bytes(info, ctx)
     compute = compute_buffer_bytes(info) + CUDA_POOL_HEADROOM
     profile = _read_profile(profile_path) if profile_path else None
@@ -274,24 +195,3 @@ def _read_profile(path: Path) -> Profile:
     from moeplug.profile.format import read_profile
 
     return read_profile(path)
-
-
-def choose_load_mode(info: ModelInfo, ram_available: int | None) -> tuple[str, list[str]]:
-    """Pinned host memory (-lm none) made stock prefill 7x faster than mmap with experts in RAM on
-    the GPU machine (shared/reference/baseline-h200.md); it needs the experts to fit in free RAM."""
-    if ram_available is None:
-        return "mmap", ["free RAM unknown: loading with mmap"]
-    if ram_available > 1.1 * info.total_bytes:
-        return "pinned", []
-    return "mmap", [f"{ram_available / GIB:.1f} GiB RAM free for a {info.total_bytes / GIB:.1f} GiB model: "
-                    f"mmap (pinned memory would make prefill much faster)"]
-
-
-def available_ram_bytes() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None

@@ -1,11 +1,14 @@
 """Start, query and stop a llama-server process.
 
 The server is started from an argument list (never a shell string) on 127.0.0.1, its log goes
-to a file, and it counts as up only once `/health` answers ok.
+to a file, and it counts as up only once `/health` answers ok. `start_server` is the one place
+that checks the binary and the port and assembles llama-server's argv: the tests and benchmarks
+own the process it returns; `moeplug.serving.launch_verified` starts it detached for a served model.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import time
@@ -15,6 +18,7 @@ from typing import Any
 
 import requests
 from moeplug.errors import MoeplugError
+from moeplug.runlog import log_tail
 
 HOST = "127.0.0.1"
 
@@ -28,13 +32,6 @@ def free_port() -> int:
 def port_in_use(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         return s.connect_ex((HOST, port)) == 0
-
-
-def log_tail(path: Path, lines: int = 5) -> str:
-    try:
-        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 def health(port: int) -> dict[str, Any] | None:
@@ -110,22 +107,29 @@ class Server:
         self.stop()
 
 
+def server_argv(binary: Path, model: Path, port: int | str, extra_args: list[str], ctx: int | None = None,
+                threads: int | None = None) -> list[str]:
+    """llama-server on 127.0.0.1: the one place its command line is formed (port may be a
+    placeholder such as llama-swap's "${PORT}")."""
+    return [str(binary), "-m", str(model), "--host", HOST, "--port", str(port),
+            *(["-c", str(ctx)] if ctx is not None else []), "--no-webui",
+            *(["-t", str(threads)] if threads else []), *extra_args]
+
+
 def start_server(binary: Path, model: Path, log_path: Path, extra_args: list[str] | None = None,
-                 port: int | None = None, ctx: int = 2048, threads: int | None = None) -> Server:
-    """Start llama-server on 127.0.0.1; call wait_healthy() before using it."""
+                 port: int | None = None, ctx: int | None = 2048, threads: int | None = None, *,
+                 detached: bool = False, env: dict[str, str] | None = None) -> Server:
+    """Start llama-server on 127.0.0.1 (port None: a free one); call wait_healthy() before using it.
+    ctx None: no -c (extra_args has it). detached: in its own session, so it outlives this process.
+    env: added to this process's environment."""
     if not binary.exists():
         raise MoeplugError(f"{binary}: no llama-server there (run 'moeplug native build')")
     port = port or free_port()
     if port_in_use(port):
-        raise MoeplugError(f"port {port} on {HOST} is already in use")
-    args = [str(binary), "-m", str(model), "--host", HOST, "--port", str(port), "-c", str(ctx), "--no-webui"]
-    if threads:
-        args += ["-t", str(threads)]
-    args += extra_args or []
+        raise MoeplugError(f"port {port} on {HOST} is already in use; pick another with --port")
+    args = server_argv(binary, model, port, list(extra_args or []), ctx, threads)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(log_path, "wb")
-    try:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    finally:
-        log.close()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=detached, env={**os.environ, **env} if env else None)
     return Server(proc=proc, port=port, log_path=log_path, args=args)

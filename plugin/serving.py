@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -23,7 +22,8 @@ from typing import Any
 from moeplug.errors import MoeplugError, NotApplicableError
 from moeplug.fsutil import write_text_atomic
 from moeplug.paths import logs_dir, state_dir
-from moeplug.server import HOST, Server, free_port, log_tail, port_in_use
+from moeplug.runlog import log_tail
+from moeplug.server import HOST, Server, server_argv, start_server
 
 # "L layers x N slots, ..."; with whole layers or layers that differ,
 # "L layers x N0-N1 slots (S in all, F whole layers), ..." (N0- only when they differ)
@@ -89,6 +89,9 @@ class ServerRecord:
     def url(self) -> str:
         return f"http://{HOST}:{self.port}"
 
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self) | {"url": self.url}
+
     def alive(self) -> bool:
         try:
             os.kill(self.pid, 0)
@@ -145,36 +148,33 @@ def model_lock(name: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def server_argv(binary: Path, model: Path, port: int | str, server_args: list[str], metrics: bool = False) -> list[str]:
-    """llama-server's command line for a model and its plan's server args: `launch` runs it, and the
-    proxy hooks (moeplug.hooks) write it for llama-swap (port "${PORT}")."""
-    # -lv 4: the log then holds the buffer sizes (about 20 lines per request)
-    return [str(binary), "-m", str(model), "--host", HOST, "--port", str(port), "--no-webui", "-lv", "4",
-            *(["--metrics"] if metrics else []), *server_args]
+def served_args(server_args: list[str], metrics: bool = False) -> list[str]:
+    """The flags moeplug serves a model with besides model, host and port: its plan's server args,
+    and -lv 4 (the log then holds the buffer sizes, about 20 lines per request)."""
+    return ["-lv", "4", *(["--metrics"] if metrics else []), *server_args]
 
 
-def launch(name: str, model: Path, binary: Path, build_id: str, server_args: list[str], ctx: int,
-           port: int | None = None, allow_fallback: bool = False, env: dict[str, str] | None = None,
-           timeout: float = 300, metrics: bool = False, plan: dict[str, Any] | None = None) -> ServerRecord:
-    """Start llama-server detached, wait for /health, check the cache engaged, probe the context.
+def served_argv(binary: Path, model: Path, port: int | str, server_args: list[str], metrics: bool = False) -> list[str]:
+    """The whole command line of a served model: what launch_verified runs, and what the proxy hooks
+    (moeplug.hooks) write for llama-swap (port "${PORT}")."""
+    return server_argv(binary, model, port, served_args(server_args, metrics))
+
+
+def launch_verified(name: str, model: Path, binary: Path, build_id: str, server_args: list[str], ctx: int,
+                    port: int | None = None, allow_fallback: bool = False, env: dict[str, str] | None = None,
+                    timeout: float = 300, metrics: bool = False, plan: Any = None) -> ServerRecord:
+    """Start a served model's llama-server detached (server.start_server), wait for /health, check
+    the cache engaged, probe the context, and record it for `status` and `stop`.
     metrics: serve /metrics, with the cache's slot-hit counters (moeplug.metrics). plan: the plan
-    server_args come from, kept in the record (moeplug.monitor sets its slots beside the counters)."""
+    server_args come from (a Plan or its JSON), kept in the record (moeplug.monitor shows its slots)."""
     existing = find_record(name)
     if existing and existing.alive():
         raise MoeplugError(f"'{name}' is already served at {existing.url} (pid {existing.pid}); "
                            f"'moeplug stop {name}' first")
-    if not binary.exists():
-        raise MoeplugError(f"{binary}: no llama-server there (run 'moeplug native build')")
-    port = port or free_port()
-    if port_in_use(port):
-        raise MoeplugError(f"port {port} on {HOST} is already in use; pick another with --port")
-    args = server_argv(binary, model, port, server_args, metrics)
     log_path = logs_dir() / f"server-{name}.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env={**os.environ, **(env or {})})
-    server = Server(proc=proc, port=port, log_path=log_path, args=args)
+    server = start_server(binary, model, log_path, served_args(server_args, metrics), port=port, ctx=None,
+                          detached=True, env=env)
+    proc, port, args = server.proc, server.port, server.args
     try:
         server.wait_healthy(timeout=timeout)
         text = log_path.read_text(errors="replace")
@@ -189,7 +189,8 @@ def launch(name: str, model: Path, binary: Path, build_id: str, server_args: lis
         raise
     record = ServerRecord(name=name, model=str(model), pid=proc.pid, port=port, log=str(log_path), args=args,
                           started=time.time(), build_id=build_id, cache=asdict(cache) if cache else None,
-                          buffers=parse_buffers(text), plan=plan)
+                          buffers=parse_buffers(text),
+                          plan=plan.to_json() if hasattr(plan, "to_json") else plan)
     write_text_atomic(record_path(name), json.dumps(asdict(record), indent=2) + "\n")
     return record
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from moeplug.options import EXPERTS
 from moeplug.errors import EXIT_OK, MoeplugError
 from moeplug.output import human_bytes, print_json, table
 
@@ -72,7 +73,7 @@ def add_trace_command(sub: Any) -> None:
     p.add_argument("--prompts", help="prompt range A:B, python-slice style (0:400, 400:, --prompts=-100:); default all")
     p.add_argument("--no-weights", action="store_true",
                    help="leave out replay.weights: the model weights the replayed experts with its own router")
-    p.add_argument("--n-expert", type=int, help="experts per layer of the recorded model (default: highest id + 1)")
+    p.add_argument("--n-expert", type=EXPERTS, help="experts per layer of the recorded model (default: highest id + 1)")
     p.add_argument("--force", action="store_true", help="replace OUT")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_convert)
@@ -80,6 +81,9 @@ def add_trace_command(sub: Any) -> None:
     p = tsub.add_parser("info", help="check a trace or replay file and show its prompts, layout and skew")
     p.add_argument("file", metavar="FILE")
     p.add_argument("--prompts", help="prompt range A:B; default all")
-    p.add_argument("--n-expert", type=int, help="npz: experts per layer (default: highest id + 1)")
+    p.add_argument("--n-expert", type=EXPERTS, help="npz: experts per layer (default: highest id + 1)")
     p.add_argument("--json", action="store_true", help="machine-readable, with per-layer counts")
     p.set_defaults(func=cmd_info)
+
+
+register = add_trace_command  # moeplug.cli.COMMAND_MODULES

@@ -141,7 +141,7 @@ def test_router_starts_each_model_with_moeplugs_flags_and_swaps(home: dict[str, 
             assert status[name]["value"] == "loaded"
             # the child ran with the installed plan's flags, in the router's long spelling
             args = status[name]["args"]
-            plan = dict(flag_pairs(models[name].plan["server_args"]))
+            plan = dict(flag_pairs(models[name].plan.server_args))
             assert args[args.index("--model") + 1] == models[name].path
             assert args[args.index("--ctx-size") + 1] == plan["-c"] == "1024"  # the model's, over [*]'s 2048
             assert args[args.index("--moe-cache-slots") + 1] == plan["--moe-cache-slots"] == "8"
@@ -215,7 +215,7 @@ def test_print_shows_the_plans_flags_without_writing(home: dict[str, str]) -> No
         section = re.search(rf"^\[{name}\]\n(.*?)^; <<< moeplug {name}$", r.stdout, re.S | re.M)[1]
         keys = [line.split(" = ", 1) for line in section.splitlines()]
         expected = [["model", m.path]] + [[f.lstrip("-"), v if v is not None else "true"]
-                                          for f, v in flag_pairs(m.plan["server_args"])]
+                                          for f, v in flag_pairs(m.plan.server_args)]
         assert keys == [*expected, ["load-on-startup", "false"]]
     assert json.loads(moeplug(home, "hook", "list", "--json").stdout)["hooks"] == []
 
@@ -264,7 +264,7 @@ def test_llama_swap_fragment_is_valid_and_runs_the_plans_flags(home: dict[str, s
         binary = Path(argv[0])
         assert binary.name == "llama-server" and binary.parent.parent.name == m.build_id
         assert argv[argv.index("--port") + 1] == "${PORT}" and argv[argv.index("-m") + 1] == m.path
-        assert argv[-len(m.plan["server_args"]):] == m.plan["server_args"]
+        assert argv[-len(m.plan.server_args):] == m.plan.server_args
     # merged on top of the example config, as llama-swap merges the folder, it is still valid
     main = yaml.safe_load((LLAMA_SWAP / "config.example.yaml").read_text())
     main["models"].update(fragment["models"])

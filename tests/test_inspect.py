@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES
 
-from conftest import fixture_spec, run_cli
+from helpers import fixture_spec, run_cli
 from moeplug.errors import GGUFError, MoeplugError, NotApplicableError
 from moeplug.model_inspect import inspect_model
 from moeplug.synth import ARCHS, DTYPES, make_model, plan_for

@@ -9,12 +9,11 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import requests
+from helpers import CliResult, run_cli_process
 
 from moeplug.download import check_disk
 from moeplug.errors import MoeplugError
@@ -35,9 +34,9 @@ def home(patched_build, tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def moeplug(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "moeplug", *args], capture_output=True, text=True, env=env,
-                          timeout=900)
+def moeplug(env: dict[str, str], *args: str) -> CliResult:
+    """End to end: the real command in a child process, as a user runs it (servers outlive it)."""
+    return run_cli_process(*args, env=env)
 
 
 def complete(url: str) -> list[int]:
@@ -100,7 +99,7 @@ def test_human_output_says_how_to_query(home: dict[str, str]) -> None:
         moeplug(home, "stop", "--all")
 
 
-def one_line_error(r: subprocess.CompletedProcess[str], code: int, text: str) -> None:
+def one_line_error(r: CliResult, code: int, text: str) -> None:
     assert r.returncode == code, (r.returncode, r.stderr)
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr and text in r.stderr, r.stderr
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURE_SHAPE, fixture_spec
+from helpers import FIXTURE_SHAPE, fixture_spec
 from moeplug.metrics import CacheCounters, parse_cache_counters
 from moeplug.server import start_server
 from moeplug.serving import parse_cache_line
@@ -21,7 +21,7 @@ from moeplug.synth import make_model
 pytestmark = pytest.mark.native
 
 NOT_ENGAGED = "moe-cache: not engaged, running without it: "
-N_EXPERT = 8  # conftest.FIXTURE_SHAPE
+N_EXPERT = 8  # helpers.FIXTURE_SHAPE
 
 
 @pytest.fixture(scope="session")
@@ -207,7 +207,7 @@ def test_server_with_a_plans_placement(patched_build, cache_models, profiles, sl
     loader puts exactly the last two layers' experts in RAM, the cache engages on the partly
     resident one alone, and the tokens are stock's."""
     from moeplug.model_inspect import inspect_model
-    from moeplug.plan import placement_args
+    from moeplug.server_flags import placement_args
     from moeplug.profile.format import read_profile
 
     model, profile = cache_models["qwen3moe"], profiles["qwen3moe"]

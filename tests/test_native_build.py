@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from helpers import run_cli
 from moeplug.errors import BuildError
 from moeplug.native.build import build, build_id
 from moeplug.native.lock import NativeSpec, load_spec

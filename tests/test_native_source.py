@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from helpers import run_cli
 from moeplug.errors import BuildError
 from moeplug.native import resolve_options
 from moeplug.native.build import cmake_args, tree_id

@@ -13,12 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import run_cli
+from helpers import run_cli
 from moeplug.allocate import LayerCost, _curve, _layer_counts, allocate, hit_curves, modelled_seconds, uniform_hits
 from moeplug.errors import MoeplugError
 from moeplug.model_inspect import inspect_model
-from moeplug.plan import (CUDA_POOL_HEADROOM, SAFETY_MARGIN, compute_buffer_bytes, experts_in_ram_args,
-                          kv_cache_bytes, make_plan, parse_size, placement_args, stock_ncmoe)
+from moeplug.estimates import CUDA_POOL_HEADROOM, SAFETY_MARGIN, compute_buffer_bytes, kv_cache_bytes, stock_ncmoe
+from moeplug.plan import make_plan
+from moeplug.server_flags import experts_in_ram_args, placement_args
+from moeplug.sizes import parse_size
 from moeplug.profile.format import Profile, ProfileSource
 from moeplug.serving import parse_buffers
 from moeplug.server import start_server
@@ -283,4 +285,4 @@ def test_cli_plan_without_gpu_is_a_cpu_plan(fixture_models) -> None:
 
 def test_cli_plan_bad_budget(fixture_models) -> None:
     r = run_cli("plan", str(fixture_models["qwen3moe"]), "--vram-budget", "lots")
-    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "is not a size" in r.stderr
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "is not a size" in r.stderr

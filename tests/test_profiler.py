@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import run_cli
+from helpers import run_cli
 from moeplug.model_inspect import inspect_model
 from moeplug.profile import model_fingerprint, read_profile
 

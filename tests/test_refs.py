@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import fixture_spec
+from helpers import fixture_spec
 from moeplug.errors import MoeplugError
 from moeplug.model_inspect import inspect_model
 from moeplug.refs import load_recipes, parse_ref, resolve_ref

@@ -129,7 +129,7 @@ def test_served_model_listens_on_loopback_only(tmp_path: Path, monkeypatch: pyte
                                                patched_build) -> None:
     """The detached server `moeplug install` and `moeplug serve` launch."""
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
-    record = serving.launch("security-test", fixture_models["qwen3moe"], patched_build.binary("llama-server"),
+    record = serving.launch_verified("security-test", fixture_models["qwen3moe"], patched_build.binary("llama-server"),
                             patched_build.build_id, ["-t", "2", "-c", "512"], ctx=512)
     try:
         assert record.alive()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import write_npz
+from helpers import write_npz
 from moeplug.synth import ModelSpec, make_model
 
 pytestmark = pytest.mark.native

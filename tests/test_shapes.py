@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import pytest
 
-from conftest import run_cli
+from helpers import run_cli
 from moeplug.cli import build_parser
 from moeplug.model_inspect import inspect_model
 from moeplug.synth import ModelSpec, make_model, plan_for, shape_spec

@@ -14,7 +14,7 @@ import gguf
 import numpy as np
 import pytest
 
-from conftest import run_cli, write_npz
+from helpers import run_cli, write_npz
 from moeplug.profile.format import model_fingerprint, read_profile
 from moeplug.synth import ModelSpec, make_model
 from moeplug.trace import load_trace, read_replay

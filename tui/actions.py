@@ -1,7 +1,7 @@
 """The dashboard's actions: each one the library call its CLI command makes.
 
-start  = `moeplug serve NAME --metrics`   (moeplug.install.serve_installed)
-stop   = `moeplug stop NAME`              (moeplug.serving.stop)
+start  = `moeplug serve NAME --metrics`   (moeplug.actions.serve)
+stop   = `moeplug stop NAME`              (moeplug.actions.stop)
 plan   = `moeplug plan NAME --vram-budget B` for the installed model (moeplug.install.plan_for)
 replan = `moeplug stop NAME && moeplug serve NAME --vram-budget B --metrics`
 reprofile = the profile step of `moeplug install`, made again (moeplug.install.remake_profile)
@@ -18,15 +18,15 @@ from typing import Any
 
 
 def start(name: str) -> Any:
-    from moeplug.install import serve_installed
+    from moeplug.actions import serve
 
-    return serve_installed(name, metrics=True)  # the dashboard shows measured hit rates
+    return serve(name, metrics=True).server  # the dashboard shows measured hit rates
 
 
 def stop(name: str) -> bool:
-    from moeplug.serving import stop as stop_server
+    from moeplug.actions import stop as stop_model
 
-    return stop_server(name)
+    return name in stop_model(name).stopped
 
 
 def plan(name: str, vram_budget: int | None) -> dict[str, Any]:
@@ -39,16 +39,22 @@ def plan(name: str, vram_budget: int | None) -> dict[str, Any]:
 
 
 def replan(name: str, vram_budget: int | None) -> Any:
-    from moeplug.install import serve_installed
+    from moeplug.actions import serve
 
     stop(name)
-    return serve_installed(name, vram_budget=vram_budget, metrics=True)
+    return serve(name, vram_budget=vram_budget, metrics=True).server
 
 
 def reprofile(name: str, progress: Callable[[int, int], None]) -> Path:
+    """progress(prompts done, prompts in all), from the profiler's steps."""
     from moeplug.install import remake_profile
+    from moeplug.progress import Step
 
-    return remake_profile(name, progress=progress)
+    def on_event(event: object) -> None:
+        if isinstance(event, Step):
+            progress(event.done, event.total)
+
+    return remake_profile(name, progress=on_event)
 
 
 def log_tail(path: Path, lines: int = 300) -> list[str]:

@@ -7,7 +7,7 @@ llama-server `--fit on` at the same VRAM budget, on text, recorded routing and r
 
 For each budget (GiB, or `N%`: the planner's other VRAM plus N% of the model's expert bytes) and
 each server configuration, one llama-server is launched per round through moeplug's own library
-(`moeplug.install.plan_for` -> `Plan.server_args` -> `moeplug.serving.launch`, exactly what
+(`moeplug.install.plan_for` -> `Plan.server_args` -> `moeplug.serving.launch_verified`, exactly what
 `moeplug serve` runs, with --metrics), the workload's prompts are sent one by one to
 `/completion` (greedy, no prompt cache, `ignore_eos`), and it is stopped again:
 
@@ -151,12 +151,12 @@ def run_config(cfg: Config, model: Path, ctx: int, prompts: dict[str, list], n_p
     from moeplug.gpu import process_vram_bytes
     from moeplug.metrics import fetch_cache_counters
     from moeplug.server import complete
-    from moeplug.serving import launch, stop
+    from moeplug.serving import launch_verified, stop
 
     name = f"serve-bench-{os.getpid()}"
     started = time.time()
     try:
-        srv = launch(name, model, cfg.binary, cfg.build_id, cfg.server_args, ctx, env=cfg.env, metrics=True)
+        srv = launch_verified(name, model, cfg.binary, cfg.build_id, cfg.server_args, ctx, env=cfg.env, metrics=True)
     except MoeplugError as exc:
         cfg.errors.append(str(exc))
         print(f"# {cfg.budget} {cfg.side}: could not serve: {exc}", file=sys.stderr)

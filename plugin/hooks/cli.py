@@ -9,6 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from moeplug.options import COUNT, PORT, SECONDS, TTL
 from moeplug.errors import EXIT_OK, EXIT_USAGE, MoeplugError
 from moeplug.output import print_json, table
 
@@ -135,10 +136,12 @@ def cmd_watch(args: argparse.Namespace) -> int:
     from moeplug.hooks.store import read_hooks
     from moeplug.hooks.watch import watch_store
     from moeplug.install import installed_dir
-    from moeplug.output import note
+    from moeplug.output import Output
+    from moeplug.progress import Note
 
-    watcher = watch_store(debounce=args.debounce)
-    note(f"watching {installed_dir()} and the profiles for {len(read_hooks())} hook(s); Ctrl-C stops")
+    out = Output.for_args(args)
+    watcher = watch_store(debounce=args.debounce, progress=out.progress)
+    out.progress(Note(f"watching {installed_dir()} and the profiles for {len(read_hooks())} hook(s); Ctrl-C stops"))
     try:
         while True:
             time.sleep(3600)
@@ -156,14 +159,14 @@ def add_hook_commands(sub: Any) -> None:
     p = _command(hsub, "llama-server", "an INI preset for llama-server --models-preset (router mode)", cmd_llama_server)
     p.add_argument("--preset", help="the preset file to write or update (other sections are kept byte for byte)")
     p.add_argument("--print", action="store_true", help="print moeplug's sections, write nothing")
-    p.add_argument("--models-max", type=int, default=1, help="for the printed router command (default 1)")
-    p.add_argument("--port", type=int, default=8080, help="for the printed router command (default 8080)")
+    p.add_argument("--models-max", type=COUNT, default=1, help="for the printed router command (default 1)")
+    p.add_argument("--port", type=PORT, default=8080, help="for the printed router command (default 8080)")
 
     p = _command(hsub, "llama-swap", "llama-swap models: DIR/moeplug.yaml, or a block in one config file",
                  cmd_llama_swap)
     p.add_argument("--config-dir", help="llama-swap's -config-dir: writes DIR/moeplug.yaml")
     p.add_argument("--file", help="a single llama-swap config: moeplug's entries between marker comments")
-    p.add_argument("--ttl", type=int, help="seconds idle before llama-swap unloads a model (default 300)")
+    p.add_argument("--ttl", type=TTL, help="seconds idle before llama-swap unloads a model (default 300; 0: never)")
     p.add_argument("--schema", help="llama-swap's config-schema.json to validate against")
     p.add_argument("--print", action="store_true", help="print the fragment, write nothing")
 
@@ -174,7 +177,7 @@ def add_hook_commands(sub: Any) -> None:
 
     p = _command(hsub, "watch", "regenerate the hooks when installed models or profiles change on disk", cmd_watch,
                  json=False)
-    p.add_argument("--debounce", type=float, default=0.3, help="seconds of quiet before regenerating (default 0.3)")
+    p.add_argument("--debounce", type=SECONDS, default=0.3, help="seconds of quiet before regenerating (default 0.3)")
 
 
 def _command(hsub: Any, name: str, help: str, func: Any, json: bool = True) -> argparse.ArgumentParser:
@@ -183,3 +186,6 @@ def _command(hsub: Any, name: str, help: str, func: Any, json: bool = True) -> a
         p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=func)
     return p
+
+
+register = add_hook_commands  # moeplug.cli.COMMAND_MODULES

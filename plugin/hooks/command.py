@@ -35,9 +35,9 @@ class ModelCommand:
     profile_sha256: str | None  # the profile file's digest now (a replaced profile shows in the fragment)
 
     def argv(self, port: int | str) -> list[str]:
-        from moeplug.serving import server_argv
+        from moeplug.serving import served_argv
 
-        return server_argv(self.binary, self.model, port, list(self.server_args))
+        return served_argv(self.binary, self.model, port, list(self.server_args))
 
 
 def model_commands(models: list[Installed]) -> list[ModelCommand]:
@@ -52,7 +52,7 @@ def model_commands(models: list[Installed]) -> list[ModelCommand]:
                                f"run 'moeplug install {m.ref}' again")
         out.append(ModelCommand(name=m.name, ref=m.ref, binary=builds[m.build_id].binary("llama-server"),
                                 model=Path(m.path),
-                                server_args=tuple(m.plan["server_args"]), env=tuple(sorted(m.server_env().items())),
+                                server_args=tuple(m.plan.server_args), env=tuple(sorted(m.server_env().items())),
                                 profile=Path(m.profile) if m.profile else None, profile_sha256=_digest(m.profile)))
     return out
 

@@ -18,6 +18,7 @@ from moeplug.hooks import llama_swap
 from moeplug.hooks.command import Installed, ModelCommand, model_commands
 from moeplug.hooks.files import read_text_exact, replace_keeping
 from moeplug.hooks.store import HookRecord, drop_hook, find_hook, hooks_lock, put_hook, read_hooks
+from moeplug.progress import Note, ProgressFn, silent
 
 
 def hook_file(target: str, path: Path) -> Path:
@@ -54,10 +55,9 @@ def add_hook(target: str, path: Path, models: Sequence[Installed], ttl: int | No
     return record, changed
 
 
-def refresh_hooks(models: Sequence[Installed]) -> list[HookRecord]:
-    """Rewrite every recorded hook from these installed models; the records, each with its error."""
-    from moeplug.output import note
-
+def refresh_hooks(models: Sequence[Installed], progress: ProgressFn = silent) -> list[HookRecord]:
+    """Rewrite every recorded hook from these installed models; the records, each with its error
+    (progress hears which file changed, and which could not be written)."""
     records = read_hooks()
     if not records:
         return []
@@ -67,11 +67,11 @@ def refresh_hooks(models: Sequence[Installed]) -> list[HookRecord]:
             try:
                 commands = model_commands(list(models))  # per hook: its error is recorded with it
                 if _write(record, commands):
-                    note(f"hook {record.target}: updated {hook_file(record.target, Path(record.path))}")
+                    progress(Note(f"hook {record.target}: updated {hook_file(record.target, Path(record.path))}"))
                 record.models, record.error = [c.name for c in commands], None
             except (MoeplugError, OSError) as exc:  # e.g. the user's file made read-only
                 record.error = str(exc)
-                note(f"hook {record.target} {record.path}: not updated: {exc}")
+                progress(Note(f"hook {record.target} {record.path}: not updated: {exc}"))
             record.updated = time.time()
             put_hook(record)
     return records

@@ -15,6 +15,8 @@ from pathlib import Path
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
+from moeplug.progress import Note, ProgressFn, silent
+
 DEBOUNCE_S = 0.3
 
 
@@ -47,18 +49,18 @@ class _Handler(FileSystemEventHandler):
             raw = raw.decode() if isinstance(raw, bytes) else raw
             w = self.watcher
             if (p := _relevant(raw, w.profiles_dir, ".gguf")) is not None:
-                w.note(profile=p)
+                w.mark(profile=p)
             elif (p := _relevant(raw, w.models_dir, ".json")) is not None:
-                w.note(model=p)
+                w.mark(model=p)
 
 
 class Watcher:
     """Watch two folders; call `on_change(Changes)` from one thread, debounced."""
 
     def __init__(self, models_dir: Path, profiles_dir: Path, on_change: Callable[[Changes], None],
-                 debounce: float = DEBOUNCE_S) -> None:
+                 debounce: float = DEBOUNCE_S, progress: ProgressFn = silent) -> None:
         self.models_dir, self.profiles_dir = models_dir.absolute(), profiles_dir.absolute()
-        self.on_change, self.debounce = on_change, debounce
+        self.on_change, self.debounce, self.progress = on_change, debounce, progress
         self._lock = threading.Lock()
         self._pending = Changes()
         self._last = 0.0
@@ -67,7 +69,7 @@ class Watcher:
         self._observer = Observer()
         self._worker = threading.Thread(target=self._run, name="moeplug-hook-watch", daemon=True)
 
-    def note(self, profile: Path | None = None, model: Path | None = None) -> None:
+    def mark(self, profile: Path | None = None, model: Path | None = None) -> None:
         with self._lock:
             if profile is not None:
                 self._pending.profiles.add(profile)
@@ -105,9 +107,7 @@ class Watcher:
                 try:
                     self.on_change(changes)
                 except Exception as exc:  # a bad record or file must not end the service
-                    from moeplug.output import note
-
-                    note(f"hook watch: {type(exc).__name__}: {exc}")
+                    self.progress(Note(f"hook watch: {type(exc).__name__}: {exc}"))
 
 
 def regenerate(changes: Changes) -> None:
@@ -121,11 +121,12 @@ def regenerate(changes: Changes) -> None:
         refresh_hooks(list_installed())
 
 
-def watch_store(on_change: Callable[[Changes], None] = regenerate, debounce: float = DEBOUNCE_S) -> Watcher:
+def watch_store(on_change: Callable[[Changes], None] = regenerate, debounce: float = DEBOUNCE_S,
+                progress: ProgressFn = silent) -> Watcher:
     """A started watcher of moeplug's installed models and profiles (stop() it when done)."""
     from moeplug.install import installed_dir
     from moeplug.paths import data_dir
 
-    w = Watcher(installed_dir(), data_dir() / "profiles", on_change, debounce)
+    w = Watcher(installed_dir(), data_dir() / "profiles", on_change, debounce, progress)
     w.start()
     return w

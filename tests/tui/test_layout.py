@@ -93,7 +93,7 @@ def test_tui_bad_input_is_one_line() -> None:
                               stdin=subprocess.DEVNULL, timeout=60)
 
     r = tui("--interval", "0")
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--interval must be above 0" in r.stderr, r.stderr
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--interval: 0 is out of range" in r.stderr, r.stderr
     r = tui()  # output to a pipe: no terminal to draw on
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "needs a terminal" in r.stderr, r.stderr
     assert r.stdout == ""

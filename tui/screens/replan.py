@@ -13,7 +13,8 @@ from textual.widgets import Input, Label, Static
 from textual.worker import get_current_worker
 
 from moeplug.errors import MoeplugError
-from moeplug.plan import describe_slots, parse_size
+from moeplug.plan import describe_slots
+from moeplug.sizes import parse_size
 from moeplug.tui import actions
 from moeplug.tui.format import percent
 

@@ -1,0 +1,95 @@
+"""What llama.cpp puts in memory beside the experts, estimated from a model's GGUF header.
+
+The planner (plan.py) subtracts these from the VRAM budget: the KV cache at a context size, the
+compute buffer of one ubatch plus CUDA pool headroom, and a safety margin; it also reads the
+model's training context here and compares stock llama.cpp's placements (`-ncmoe K`, whole
+layers first) at the same room.
+"""
+
+from __future__ import annotations
+
+from moeplug.errors import EXIT_USAGE, MoeplugError
+from moeplug.model_inspect import ModelInfo, scalar_or_max
+from moeplug.sizes import GIB, MIB
+
+SAFETY_MARGIN = 512 * MIB
+CUDA_POOL_HEADROOM = 256 * MIB
+DEFAULT_UBATCH = 512
+DEFAULT_CTX = 4096
+
+
+def training_context(info: ModelInfo) -> int | None:
+    """The context length the model was trained with ({arch}.context_length), or None."""
+    return scalar_or_max(info.metadata.get(f"{info.arch}.context_length")) or None
+
+
+def context_size(info: ModelInfo, ctx: int | None, override: bool = False) -> int:
+    """The context to plan and serve: ctx, or (None) DEFAULT_CTX capped at the training context.
+    Above the training context only with override (--ctx-override): a usage error otherwise."""
+    trained = training_context(info)
+    if ctx is None:
+        return min(DEFAULT_CTX, trained) if trained else DEFAULT_CTX
+    if trained and ctx > trained and not override:
+        raise MoeplugError(f"--ctx {ctx} is above the model's training context ({trained}); lower it, or pass "
+                           f"--ctx-override to use it anyway", EXIT_USAGE)
+    return ctx
+
+
+def kv_cache_bytes(info: ModelInfo, ctx: int, bytes_per_value: int = 2) -> int:
+    """f16 K and V for every attention layer at ctx tokens (an upper bound for SWA/hybrid models)."""
+    md, arch = info.metadata, info.arch
+    n_head = scalar_or_max(md.get(f"{arch}.attention.head_count")) or 1
+    n_head_kv = scalar_or_max(md.get(f"{arch}.attention.head_count_kv")) or n_head
+    n_embd = scalar_or_max(md.get(f"{arch}.embedding_length")) or 0
+    k_len = scalar_or_max(md.get(f"{arch}.attention.key_length")) or n_embd // n_head
+    v_len = scalar_or_max(md.get(f"{arch}.attention.value_length")) or k_len
+    n_nextn = scalar_or_max(md.get(f"{arch}.nextn_predict_layers")) or 0
+    return ctx * (info.n_layer - n_nextn) * n_head_kv * (k_len + v_len) * bytes_per_value
+
+
+def compute_buffer_bytes(info: ModelInfo, ubatch: int = DEFAULT_UBATCH) -> int:
+    """The graph's scratch memory for one ubatch: its largest live tensors are the logits and the
+    expert activations. An estimate on the high side of what llama-server logs as its compute
+    buffer size (checked in tests/test_plan.py)."""
+    md, arch = info.metadata, info.arch
+    n_vocab = len(md.get("tokenizer.ggml.tokens") or []) or 32000
+    n_embd = scalar_or_max(md.get(f"{arch}.embedding_length")) or 0
+    n_ff = info.expert_ff or scalar_or_max(md.get(f"{arch}.feed_forward_length")) or 4 * n_embd
+    per_token = n_vocab + 4 * n_embd + 3 * info.n_expert_used * n_ff + info.n_expert
+    return 4 * ubatch * per_token
+
+
+def bytes_per_slot(info: ModelInfo) -> int:
+    """One expert of every MoE layer."""
+    return sum(layer.bytes_per_expert for layer in info.layers)
+
+
+def stock_ncmoe(info: ModelInfo, room: int) -> int:
+    """The lowest -ncmoe K (experts of blocks < K in RAM) whose GPU experts fit in room bytes."""
+    for k in range(info.n_layer + 1):
+        if sum(layer.expert_bytes for layer in info.layers if layer.block >= k) <= room:
+            return k
+    return info.n_layer
+
+
+def whole_layers_first(info: ModelInfo, room: int) -> list[int]:
+    """Stock placement without a profile: whole layers from the first while they fit in room bytes,
+    the experts of the rest in RAM (the same bytes as -ncmoe, the other end: see experts_in_ram_args)."""
+    slots, used = [0] * len(info.layers), 0
+    for i, layer in enumerate(info.layers):
+        if used + layer.expert_bytes > room:
+            break  # one run of whole layers, as stock keeps them
+        slots[i] = info.n_expert
+        used += layer.expert_bytes
+    return slots
+
+
+def choose_load_mode(info: ModelInfo, ram_available: int | None) -> tuple[str, list[str]]:
+    """Pinned host memory (-lm none) made stock prefill 7x faster than mmap with experts in RAM on
+    the GPU machine (shared/reference/baseline-h200.md); it needs the experts to fit in free RAM."""
+    if ram_available is None:
+        return "mmap", ["free RAM unknown: loading with mmap"]
+    if ram_available > 1.1 * info.total_bytes:
+        return "pinned", []
+    return "mmap", [f"{ram_available / GIB:.1f} GiB RAM free for a {info.total_bytes / GIB:.1f} GiB model: "
+                    f"mmap (pinned memory would make prefill much faster)"]

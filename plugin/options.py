@@ -1,0 +1,150 @@
+"""The CLI's option types and shared options: every numeric option is range- and type-checked
+here, at parse time, so a bad value is one line and exit 2 before anything runs or is written.
+
+Each type is an argparse `type=` callable that says what it accepts (`describe()`); values
+with a meaning of their own (0 jobs: one per core) are named in the option's help. What needs
+the model (a context above its training context) is checked where the model is read
+(`moeplug.estimates.context_size`), with the same one-line error and exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from typing import Any
+
+from moeplug.errors import MoeplugError
+from moeplug.sizes import parse_size
+
+INT32_MAX = 2**31 - 1  # llama.cpp reads its counts into an int
+UINT32_MAX = 2**32 - 1
+MAX_BUDGET = 1 << 50  # 1 PiB: no GPU has more
+
+
+class Number:
+    """An int or float in [lo, hi] (finite)."""
+
+    def __init__(self, kind: type, lo: float, hi: float, what: str) -> None:
+        self.kind, self.lo, self.hi, self.what = kind, lo, hi, what
+        self.__name__ = what  # argparse names the type in some messages
+
+    def describe(self) -> str:
+        kind = "an integer" if self.kind is int else "a number"
+        return f"{kind} from {self.lo} to {self.hi}"
+
+    def __call__(self, text: str) -> Any:
+        try:
+            value = self.kind(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"expected {self.what}, {self.describe()}; got {text!r}") from None
+        if isinstance(value, float) and not math.isfinite(value) or not self.lo <= value <= self.hi:
+            raise argparse.ArgumentTypeError(f"{text} is out of range: expected {self.what}, {self.describe()}")
+        return value
+
+
+class Size:
+    """A byte size as people write it (12GiB, 8000MiB, 12G), positive, at most `hi` bytes."""
+
+    def __init__(self, hi: int = MAX_BUDGET, what: str = "a size") -> None:
+        self.hi, self.what = hi, what
+        self.__name__ = what
+
+    def describe(self) -> str:
+        return "a positive size like 12GiB or 8000MiB"
+
+    def __call__(self, text: str) -> int:
+        try:
+            value = parse_size(text)
+        except MoeplugError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if not 0 < value <= self.hi:
+            raise argparse.ArgumentTypeError(f"{text} is out of range: expected {self.describe()}, at most 1 PiB")
+        return value
+
+
+class IntList:
+    """Comma-separated integers in [lo, hi], returned sorted and without repeats (e.g. 8,16,32)."""
+
+    def __init__(self, lo: int, hi: int, what: str) -> None:
+        self.item = Number(int, lo, hi, what)
+        self.__name__ = what
+
+    def describe(self) -> str:
+        return f"comma-separated {self.item.describe().replace('an integer', 'integers')}"
+
+    def __call__(self, text: str) -> list[int]:
+        parts = [p for p in text.split(",") if p.strip()]
+        if not parts:
+            raise argparse.ArgumentTypeError(f"expected {self.describe()}, got {text!r}")
+        return sorted({self.item(p) for p in parts})
+
+
+class CudaArch:
+    """A CUDA architecture as CMake takes it: 90, 89, 120a."""
+
+    __name__ = "a CUDA architecture"
+    _RE = re.compile(r"^[1-9]\d{1,2}[af]?$")
+
+    def describe(self) -> str:
+        return "a CUDA architecture like 90 or 120a"
+
+    def __call__(self, text: str) -> str:
+        if not self._RE.match(text):
+            raise argparse.ArgumentTypeError(f"expected {self.describe()}, got {text!r}")
+        return text
+
+
+# what the commands take
+CTX = Number(int, 1, INT32_MAX, "a context size in tokens")
+PORT = Number(int, 1, 65535, "a TCP port")
+JOBS = Number(int, 0, 4096, "a number of compile jobs")
+THREADS = Number(int, 1, 4096, "a number of threads")
+TOKENS = Number(int, 0, INT32_MAX, "a number of tokens")
+COUNT = Number(int, 1, INT32_MAX, "a count")
+LAYERS = Number(int, 0, INT32_MAX, "a number of layers")
+SEED = Number(int, 0, UINT32_MAX, "a seed")
+TEMPERATURE = Number(float, 0.0, 100.0, "a temperature")
+SLOTS = IntList(1, INT32_MAX, "slot counts")
+EXPERTS = Number(int, 1, 1 << 16, "a number of experts")
+TTL = Number(int, 0, INT32_MAX, "a number of seconds")
+SECONDS = Number(float, 0.01, 86400.0, "a number of seconds")
+BUDGET = Size(what="a VRAM budget")
+CUDA_ARCH = CudaArch()
+
+NUMERIC_TYPES = (Number, Size, IntList, CudaArch)
+
+
+# ---------------------------------------------------------------------------------------------
+# options more than one command takes
+
+
+def add_json(p: argparse.ArgumentParser, help: str = "machine-readable output") -> None:
+    p.add_argument("--json", action="store_true", help=help)
+
+
+def add_backend(p: argparse.ArgumentParser, what: str = "build") -> None:
+    """--cpu | --cuda -> args.backend ("cpu", "cuda" or None: CUDA when nvcc and a GPU are here)."""
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--cpu", dest="backend", action="store_const", const="cpu", help=f"force a CPU {what}")
+    group.add_argument("--cuda", dest="backend", action="store_const", const="cuda", help=f"force a CUDA {what}")
+    p.set_defaults(backend=None)
+
+
+def add_ctx(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--ctx", type=CTX, help=help)
+    p.add_argument("--ctx-override", action="store_true",
+                   help="allow a --ctx above the model's training context")
+
+
+def add_plan_options(p: argparse.ArgumentParser, budget_help: str, ctx_help: str) -> None:
+    p.add_argument("--vram-budget", type=BUDGET, help=budget_help)
+    add_ctx(p, ctx_help)
+
+
+def add_serve_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--port", type=PORT, help="port on 127.0.0.1, 1-65535 (default: a free one)")
+    p.add_argument("--allow-fallback", action="store_true", help="serve without the cache when it cannot engage")
+    p.add_argument("--metrics", action="store_true",
+                   help="count slot hits on llama-server's /metrics ('moeplug status' shows the measured hit rate; "
+                        "costs a small read per MoE layer and batch)")

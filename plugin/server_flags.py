@@ -1,0 +1,48 @@
+"""llama-server flags for a placement: which blocks keep their experts in RAM, and the slot cache.
+
+Whole layers load straight into VRAM like any offloaded layer; `-ot` keeps the other layers'
+routed experts in RAM; `--moe-cache-slots` gives counts to the partly resident layers only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moeplug.estimates import DEFAULT_UBATCH
+from moeplug.model_inspect import ModelInfo
+from moeplug.profile.format import Profile
+
+# llama.cpp's own pattern for the routed-expert tensors of a block (common.h, LLM_FFN_EXPS_REGEX)
+_EXPS_PATTERN = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+
+
+def experts_in_ram_args(blocks: list[int]) -> list[str]:
+    """-ot keeping the routed experts of these blocks in RAM, as stock -ncmoe does for the first K:
+    any set of blocks, so that the last layers can be the ones in RAM (stock --fit's choice, whose
+    prefill beat -ncmoe's first layers on the GPU machine: native/README.md has the numbers)."""
+    if not blocks:
+        return []
+    return ["-ot", rf"blk\.({'|'.join(str(b) for b in sorted(blocks))}){_EXPS_PATTERN}=CPU"]
+
+
+def _slots_arg(info: ModelInfo, profile: Profile, slots: list[int]) -> str:
+    """--moe-cache-slots: one count, or one per layer in the profile's layer order."""
+    if len(set(slots)) == 1:
+        return str(slots[0])
+    by_block = {layer.block: n for layer, n in zip(info.layers, slots)}
+    return ",".join(str(by_block.get(int(t.split(".")[1]), 0)) for t in profile.tensors)
+
+
+def placement_args(info: ModelInfo, slots: list[int], profile: Profile | None, profile_path: Path | None) -> list[str]:
+    """llama-server flags (beside -ngl 99) for slots per MoE layer in block order. Whole
+    layers load straight into VRAM like any offloaded layer (no copy of them stays in RAM); the
+    others keep their experts in RAM, and the cache holds the slots of the partly resident ones."""
+    in_ram = [layer.block for layer, n in zip(info.layers, slots) if n < info.n_expert]
+    partial = [n if n < info.n_expert else 0 for n in slots]
+    args = experts_in_ram_args(in_ram)
+    if profile is not None and any(partial):
+        args += ["--moe-cache-slots", _slots_arg(info, profile, partial), "--moe-cache-profile", str(profile_path)]
+        # every batch through the slots: above the max batch a partly resident layer runs the stock
+        # graph, which uploads its resident experts too (prefill 1-2% slower on the GPU machine)
+        args += ["--moe-cache-max-batch", str(DEFAULT_UBATCH)]
+    return args

@@ -1,0 +1,68 @@
+"""Helpers the test modules share (imported as `helpers`; conftest.py holds only fixtures)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from moeplug.synth import ModelSpec
+
+# Small but real: 256-wide rows so every dtype, Q4_K included, applies to the expert tensors.
+FIXTURE_SHAPE = dict(layers=3, experts=8, used=2, embd=256, expert_ff=256, heads=4, heads_kv=2, head_dim=64)
+
+
+def fixture_spec(arch: str, dtype: str = "q8_0", seed: int = 7) -> ModelSpec:
+    return ModelSpec(arch=arch, dtype=dtype, seed=seed, **FIXTURE_SHAPE)
+
+
+@dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_cli(*args: str) -> CliResult:
+    """`moeplug ARGS` in this process, through moeplug.cli.main: the same parser, commands and error
+    handling as the installed command, without a child process (what it prints is captured)."""
+    from moeplug.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse: --help, usage errors
+            code = exc.code if isinstance(exc.code, int) else 1
+    return CliResult(code, out.getvalue(), err.getvalue())
+
+
+def run_cli_process(*args: str, env: dict[str, str] | None = None, timeout: float = 900) -> CliResult:
+    """The real `moeplug` command in a child process (end-to-end tests: servers that outlive it)."""
+    r = subprocess.run([sys.executable, "-m", "moeplug", *args], capture_output=True, text=True, env=env,
+                       timeout=timeout)
+    return CliResult(r.returncode, r.stdout, r.stderr)
+
+
+def write_npz(path: Path, prompts: int = 12, seed: int = 3, layers: int = 24, experts: int = 32,
+              used: int = 4, **override: np.ndarray) -> dict[str, np.ndarray]:
+    """A routing trace in the npz layout of shared/data/traces (default: gpt-oss-20b's 24 layers x 4
+    of 32): skewed, random, every expert id present, each token's ids distinct."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(5, 40, size=prompts)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    n = int(offsets[-1])
+    skew = rng.dirichlet(np.full(experts, 0.5), size=layers)
+    ex = np.stack([np.stack([rng.choice(experts, used, replace=False, p=skew[layer]) for layer in range(layers)])
+                   for _ in range(n)]).astype(np.uint8)
+    k = min(n, experts)  # layer 0 of the first tokens selects every expert id
+    ex[:k, 0] = (np.arange(k)[:, None] + np.arange(used)) % experts
+    probs = rng.random(ex.shape).astype(np.float16)
+    arrays = {"experts": ex, "probs": probs, "offsets": offsets, **override}
+    np.savez_compressed(path, **arrays)
+    return arrays

@@ -1,0 +1,78 @@
+"""The CLI is thin: what a command prints is the library's result, as JSON or as text for people;
+progress goes to the caller's callback; `moeplug profile MODEL` is `moeplug profile run MODEL`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import run_cli
+
+from moeplug.actions import plan_model
+from moeplug.cli import default_subcommands
+from moeplug.progress import Note
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    for var in ("XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CONFIG_HOME"):
+        monkeypatch.setenv(var, str(tmp_path / var.lower()))
+    return tmp_path
+
+
+def test_plan_json_is_the_library_plan(fixture_models, home: Path) -> None:
+    model = str(fixture_models["gpt-oss"])
+    r = run_cli("plan", model, "--vram-budget", "1GiB", "--ctx", "1024", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == plan_model(model, ctx=1024, vram_budget=1 << 30).to_json()
+
+
+def test_plan_for_people(fixture_models, home: Path) -> None:
+    r = run_cli("plan", str(fixture_models["qwen3moe"]), "--vram-budget", "2GiB", "--ctx", "1024")
+    assert r.returncode == 0, r.stderr
+    assert "KV cache (1024 tokens)" in r.stdout and "8 of 8 per layer" in r.stdout
+    assert "server args: -c 1024 -ngl 99" in r.stdout and not r.stdout.lstrip().startswith("{")
+
+
+def test_profile_model_is_profile_run() -> None:
+    assert default_subcommands(["profile", "m.gguf", "-n", "8"]) == ["profile", "run", "m.gguf", "-n", "8"]
+    assert default_subcommands(["--debug", "profile", "--prompts", "x", "m.gguf"])[:3] == ["--debug", "profile", "run"]
+    for argv in (["profile", "analyze", "p.gguf"], ["profile", "merge", "o", "a"], ["profile", "--help"],
+                 ["plan", "profile"], ["profile"]):
+        assert default_subcommands(argv) == argv
+
+
+def test_profile_usage_errors_are_one_line(tmp_path: Path) -> None:
+    r = run_cli("profile")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "run,analyze,merge" in r.stderr
+    r = run_cli("profile", "merge", str(tmp_path / "out.gguf"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    r = run_cli("profile", str(tmp_path / "absent.gguf"))  # run: the model is read first
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "absent.gguf" in r.stderr
+
+
+def test_library_progress_goes_to_the_callback(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from moeplug.demo import ensure_demo_model
+
+    events: list[object] = []
+    path = ensure_demo_model(progress=events.append)
+    assert path.exists() and any(isinstance(e, Note) and "generating the demo model" in e.text for e in events)
+    assert capsys.readouterr() == ("", "")  # the library printed nothing itself
+    events.clear()
+    ensure_demo_model(progress=events.append)
+    assert events == []  # already made: nothing to report
+
+
+def test_stop_reports_and_returns_what_it_did(home: Path) -> None:
+    from moeplug.actions import stop
+
+    events: list[object] = []
+    result = stop("nothing", progress=events.append)
+    assert (result.names, result.stopped, result.exit_code) == (["nothing"], [], 1)
+    assert events == [Note("stopping nothing")] and result.to_json() == {"stopped": []}
+    assert stop(all_served=True).exit_code == 0  # nothing served: nothing to stop, not an error
+    r = run_cli("stop")
+    assert r.returncode == 1 and r.stderr == "moeplug: error: name a served model, or pass --all\n"
+    r = run_cli("stop", "nothing", "--json")
+    assert r.returncode == 1 and json.loads(r.stdout) == {"stopped": []} and "stopping nothing" in r.stderr
