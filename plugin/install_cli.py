@@ -12,9 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moeplug.errors import EXIT_OK
 from moeplug.options import JOBS, TOKENS, add_backend, add_json, add_plan_options, add_serve_options
-from moeplug.output import Output, human_bytes, print_json, table
+from moeplug.output import Output, human_bytes, table
 from moeplug.plan import Plan, describe_slots
 
 
@@ -116,24 +115,22 @@ def _hit_rate_text(counters: dict[str, Any] | None) -> str:
     return f"{counters['hit_rate']:.1%} of {counters['selections']}"
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    from moeplug.monitor import snapshot
-
-    snap = snapshot()
-    if args.json:
-        print_json(snap.to_json())
-        return EXIT_OK
+def status_text(snap: Any) -> str:
     if not snap.servers:
-        print("no model is being served ('moeplug serve NAME' starts one)")
-        return EXIT_OK
+        return "no model is being served ('moeplug serve NAME' starts one)"
     rows = []
     for s in snap.servers:
         c = s.record.cache or {}
         cache = f"{c['layers']}x{c['slots']} on {c['device']}" if c.get("engaged") else ("off" if not c else "not engaged")
         counters = s.cache_counters.to_json() if s.cache_counters else None
         rows.append([s.name, s.record.url, s.record.pid, s.state, cache, _hit_rate_text(counters), s.record.log])
-    print(table(["name", "url", "pid", "state", "expert cache", "measured hit rate", "log"], rows, "llrllrl"))
-    return EXIT_OK
+    return table(["name", "url", "pid", "state", "expert cache", "measured hit rate", "log"], rows, "llrllrl")
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from moeplug.monitor import snapshot
+
+    return Output.for_args(args).result(snapshot(), status_text)
 
 
 @dataclass

@@ -9,9 +9,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from moeplug.errors import EXIT_USAGE, MoeplugError
 from moeplug.options import COUNT, PORT, SECONDS, TTL
-from moeplug.errors import EXIT_OK, EXIT_USAGE, MoeplugError
-from moeplug.output import print_json, table
+from moeplug.output import Output, table
 
 EXAMPLES = """examples:
   moeplug hook llama-server --preset ~/router.ini     one [section] per installed model
@@ -36,19 +36,19 @@ def _commands() -> list[Any]:
     return model_commands(_installed())
 
 
-def _report(args: argparse.Namespace, record: Any, changed: bool, extra: dict[str, Any]) -> None:
+def _report_text(record: Any, changed: bool, file: str) -> str:
+    state = "wrote" if changed else "up to date:"
+    return (f"{state} {file} ({len(record.models)} model{'s' if len(record.models) != 1 else ''}: "
+            f"{', '.join(record.models) or 'none yet; installs add them'})\n"
+            "moeplug keeps it current on install, re-plan and profile change ('moeplug hook list', 'moeplug hook remove')")
+
+
+def _report(args: argparse.Namespace, record: Any, changed: bool, extra: dict[str, Any], after: str = "") -> int:
     from moeplug.hooks.maintain import hook_file
 
     doc = {"hook": asdict(record), "file": str(hook_file(record.target, Path(record.path))), "changed": changed,
            **extra}
-    if args.json:
-        print_json(doc)
-        return
-    state = "wrote" if changed else "up to date:"
-    print(f"{state} {doc['file']} ({len(record.models)} model{'s' if len(record.models) != 1 else ''}: "
-          f"{', '.join(record.models) or 'none yet; installs add them'})")
-    print("moeplug keeps it current on install, re-plan and profile change "
-          "('moeplug hook list', 'moeplug hook remove')")
+    return Output.for_args(args).result(doc, lambda d: _report_text(record, changed, d["file"]) + after)
 
 
 def cmd_llama_server(args: argparse.Namespace) -> int:
@@ -57,20 +57,15 @@ def cmd_llama_server(args: argparse.Namespace) -> int:
 
     if args.print:
         commands = _commands()
-        if args.json:
-            print_json({"sections": {c.name: presets.section(c) for c in commands}})
-        else:
-            print(presets.render(commands), end="")
-        return EXIT_OK
+        return Output.for_args(args).result({"sections": {c.name: presets.section(c) for c in commands}},
+                                            lambda _: presets.render(commands).rstrip("\n"))
     if not args.preset:
         raise MoeplugError("hook llama-server: give --preset FILE (or --print)", EXIT_USAGE)
     record, changed = add_hook("llama-server", Path(args.preset), _installed())
     command = presets.router_command(_commands(), Path(record.path), args.models_max, args.port)
-    _report(args, record, changed, {"router_command": command})
-    if not args.json and command:
-        print("run the router with moeplug's patched llama-server (its children run the same binary):")
-        print(f"  {command}")
-    return EXIT_OK
+    after = ("\nrun the router with moeplug's patched llama-server (its children run the same binary):\n"
+             f"  {command}") if command else ""
+    return _report(args, record, changed, {"router_command": command}, after)
 
 
 def cmd_llama_swap(args: argparse.Namespace) -> int:
@@ -81,19 +76,25 @@ def cmd_llama_swap(args: argparse.Namespace) -> int:
     if args.print:
         doc = llama_swap.fragment(_commands(), args.ttl if args.ttl is not None else llama_swap.DEFAULT_TTL)
         llama_swap.validate(doc, schema)
-        if args.json:
-            print_json(doc)
-        else:
-            print(llama_swap.render(doc), end="")
-        return EXIT_OK
+        return Output.for_args(args).result(doc, lambda d: llama_swap.render(d).rstrip("\n"))
     if bool(args.config_dir) == bool(args.file):
         raise MoeplugError("hook llama-swap: give --config-dir DIR or --file PATH (or --print)", EXIT_USAGE)
     target, path = ("llama-swap", args.config_dir) if args.config_dir else ("llama-swap-file", args.file)
     record, changed = add_hook(target, Path(path), _installed(), ttl=args.ttl, schema=schema)
-    _report(args, record, changed, {})
-    if not args.json:
-        print("llama-swap reads it on start; with -watch-config (or a SIGHUP) it reloads it")
-    return EXIT_OK
+    return _report(args, record, changed, {},
+                   "\nllama-swap reads it on start; with -watch-config (or a SIGHUP) it reloads it")
+
+
+def _list_text(records: list[Any]) -> str:
+    from moeplug.hooks.maintain import hook_file
+
+    if not records:
+        return ("moeplug maintains no hook ('moeplug hook llama-server --preset FILE' or 'moeplug hook llama-swap "
+                "--config-dir DIR' adds one)")
+    rows = [[r.target, str(hook_file(r.target, Path(r.path))), ", ".join(r.models) or "-",
+             time.strftime("%Y-%m-%d %H:%M", time.localtime(r.updated)), f"error: {r.error}" if r.error else "ok"]
+            for r in records]
+    return table(["target", "file", "models", "updated", "state"], rows, "lllll")
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -101,18 +102,8 @@ def cmd_list(args: argparse.Namespace) -> int:
     from moeplug.hooks.store import read_hooks
 
     records = read_hooks()
-    if args.json:
-        print_json({"hooks": [asdict(r) | {"file": str(hook_file(r.target, Path(r.path)))} for r in records]})
-        return EXIT_OK
-    if not records:
-        print("moeplug maintains no hook ('moeplug hook llama-server --preset FILE' or 'moeplug hook llama-swap "
-              "--config-dir DIR' adds one)")
-        return EXIT_OK
-    rows = [[r.target, str(hook_file(r.target, Path(r.path))), ", ".join(r.models) or "-",
-             time.strftime("%Y-%m-%d %H:%M", time.localtime(r.updated)), f"error: {r.error}" if r.error else "ok"]
-            for r in records]
-    print(table(["target", "file", "models", "updated", "state"], rows, "lllll"))
-    return EXIT_OK
+    doc = {"hooks": [asdict(r) | {"file": str(hook_file(r.target, Path(r.path)))} for r in records]}
+    return Output.for_args(args).result(doc, lambda _: _list_text(records))
 
 
 def cmd_remove(args: argparse.Namespace) -> int:
@@ -124,12 +115,8 @@ def cmd_remove(args: argparse.Namespace) -> int:
     records = read_hooks() if args.all else [find(None, Path(args.path))]
     for r in records:
         remove_hook(r)
-    if args.json:
-        print_json({"removed": [asdict(r) for r in records]})
-    else:
-        for r in records:
-            print(f"removed the {r.target} hook at {r.path}")
-    return EXIT_OK
+    return Output.for_args(args).result({"removed": [asdict(r) for r in records]},
+                                        lambda _: "\n".join(f"removed the {r.target} hook at {r.path}" for r in records))
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
