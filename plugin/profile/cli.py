@@ -111,7 +111,7 @@ def _merge(args: argparse.Namespace, items: list[str]) -> int:
 
 
 def _from_trace(args: argparse.Namespace) -> int:
-    from moeplug.profile import analyze, write_profile
+    from moeplug.profile import write_profile
     from moeplug.profile.from_trace import profile_from_trace_file
     from moeplug.profile.runner import default_profile_path
 
@@ -121,11 +121,18 @@ def _from_trace(args: argparse.Namespace) -> int:
     profile = profile_from_trace_file(args.from_trace, args.model, prompts)
     dest = Path(args.out) if args.out else default_profile_path(profile.fingerprint)
     write_profile(profile, dest)
+    return _print_made(args, dest, profile, f" (from {profile.sources[0].label})")
+
+
+def _print_made(args: argparse.Namespace, dest: Path, profile: Any, origin: str = "") -> int:
+    """Where the new profile went, and its analysis."""
+    from moeplug.profile import analyze
+
     analysis = analyze(profile, _slots(args.slots), args.repick_every)
     if args.json:
         print_json({"profile": str(dest), **analysis.to_json()})
     else:
-        print(f"profile: {dest} (from {profile.sources[0].label})")
+        print(f"profile: {dest}{origin}")
         print_summary(analysis, verbose=args.verbose)
     return EXIT_OK
 
@@ -133,7 +140,6 @@ def _from_trace(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, model: Path) -> int:
     from moeplug.model_inspect import inspect_model
     from moeplug.native.build import build, resolve_options
-    from moeplug.profile import analyze
     from moeplug.profile.runner import ProfileRun, run_profile
 
     inspect_model(model)  # a clear error now for a missing, damaged or dense model
@@ -148,13 +154,7 @@ def _run(args: argparse.Namespace, model: Path) -> int:
                      seed=args.seed, temp=args.temp, ignore_eos=args.ignore_eos, extra_args=tuple(extra))
     sets = [s.strip() for s in args.prompts.split(",") if s.strip()]
     dest, profile = run_profile(run, sets, Path(args.out) if args.out else None)
-    analysis = analyze(profile, _slots(args.slots), args.repick_every)
-    if args.json:
-        print_json({"profile": str(dest), **analysis.to_json()})
-    else:
-        print(f"profile: {dest}")
-        print_summary(analysis, verbose=args.verbose)
-    return EXIT_OK
+    return _print_made(args, dest, profile)
 
 
 def add_profile_command(sub: Any) -> None:
