@@ -166,9 +166,13 @@ def run_config(cfg: Config, model: Path, ctx: int, prompts: dict[str, list], n_p
         for w in cfg.workloads:
             before = fetch_cache_counters(srv.port)
             for i, prompt in enumerate(prompts[w]):
-                t = complete(srv.url, prompt, n_predict, ignore_eos=True)["timings"]
-                cfg.samples.setdefault((w, i), []).append((float(t["prompt_per_second"]),
-                                                           float(t["predicted_per_second"])))
+                try:
+                    t = complete(srv.url, prompt, n_predict, ignore_eos=True)["timings"]
+                    cfg.samples.setdefault((w, i), []).append((float(t["prompt_per_second"]),
+                                                               float(t["predicted_per_second"])))
+                except (MoeplugError, requests.RequestException, KeyError, ValueError) as exc:
+                    cfg.errors.append(f"{w} prompt {i}: {type(exc).__name__}: {exc}")
+                    print(f"# {cfg.budget} {cfg.side}: {w} prompt {i} failed: {exc}", file=sys.stderr)
             after = fetch_cache_counters(srv.port)
             if before is not None and after is not None:
                 cfg.hits.setdefault(w, []).append((after.hits - before.hits, after.selections - before.selections))
@@ -178,9 +182,6 @@ def run_config(cfg: Config, model: Path, ctx: int, prompts: dict[str, list], n_p
                                     if dev.startswith("CUDA"))
                                 + (cache.get("mib_uploaded", 0.0) if str(cache.get("device", "")).startswith("CUDA")
                                    else 0.0))
-    except (MoeplugError, requests.RequestException, KeyError, ValueError) as exc:
-        cfg.errors.append(f"{type(exc).__name__}: {exc}")
-        print(f"# {cfg.budget} {cfg.side}: a request failed: {exc}", file=sys.stderr)
     finally:
         stop(name)
     print(f"# {cfg.budget:>8} {cfg.side:<8} {'+'.join(cfg.workloads):<32} {time.time() - started:5.0f} s",
