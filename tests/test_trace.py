@@ -285,3 +285,19 @@ def test_from_trace_profile_engages_the_cache(patched_build, trace_model: Path, 
     cache = parse_cache_line(log.read_text(errors="replace"))
     assert cache and cache.engaged and (cache.layers, cache.slots) == (LAYERS, 8), log.read_text()[-2000:]
     assert len(reply["tokens"]) == 4
+
+
+def test_from_trace_leaves_an_mtp_block_unrouted(tmp_path: Path) -> None:
+    """A model with an MTP (NextN) block: the trace fills the trunk's MoE layers; the MTP row
+    has zero counts and -1 (not routed) ids, as the profiler writes unrouted tokens."""
+    spec = ModelSpec(arch="hy_v3", layers=4, experts=16, used=4, embd=64, expert_ff=64, heads=4, heads_kv=2,
+                     head_dim=16, dtype="f32", mtp_layers=1)
+    model = make_model(spec, tmp_path / "mtp.gguf")[0]
+    arrays = write_npz(tmp_path / "t.npz", prompts=5, layers=3, experts=16, used=4)
+    out = tmp_path / "p.gguf"
+    r = run_cli("profile", "--from-trace", str(tmp_path / "t.npz"), "--model", str(model), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    p = read_profile(out)
+    assert p.tensors == [f"blk.{b}.ffn_down_exps.weight" for b in (1, 2, 3, 4)]  # block 0 dense, block 4 MTP
+    np.testing.assert_array_equal(p.counts_decode[:3], numpy_counts(arrays["experts"], 16))
+    assert p.counts_decode[3].sum() == 0 and (p.sources[0].seq[:, 3] == -1).all()
