@@ -89,6 +89,13 @@ class Trace:
         flat = (self.experts.astype(np.int64) + np.arange(self.n_layer, dtype=np.int64)[None, :, None] * self.n_expert)
         return np.bincount(flat.ravel(), minlength=self.n_layer * self.n_expert).reshape(self.n_layer, self.n_expert)
 
+    def top_share(self, n: int) -> np.ndarray:
+        """float [n_layer]: the share of each layer's selections its n most selected experts take
+        (the best a static n-slot set chosen in hindsight serves)."""
+        counts = self.counts()
+        ranked = -np.sort(-counts, axis=1)
+        return ranked[:, :n].sum(axis=1) / np.maximum(1, counts.sum(axis=1))
+
     def summary(self) -> dict[str, Any]:
         lengths = np.diff(self.offsets)
         return {"source": self.source, "n_prompts": self.n_prompts, "n_tokens": self.n_tokens,

@@ -6,7 +6,6 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from moeplug.errors import EXIT_OK, MoeplugError
 from moeplug.output import human_bytes, print_json, table
 
@@ -44,9 +43,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     trace = load_trace(args.file, args.n_expert).select(args.prompts)
     doc = {"file": str(args.file), **trace.summary()}
     counts = trace.counts()
-    share = counts / max(1, counts.sum(axis=1, keepdims=True).max())
     top = max(1, trace.n_expert // 4)
-    top_share = np.sort(share, axis=1)[:, ::-1][:, :top].sum(axis=1)
+    top_share = trace.top_share(top)
     doc["top_quarter_share"] = [float(x) for x in top_share]
     if args.json:
         doc["counts"] = counts.tolist()
