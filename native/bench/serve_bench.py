@@ -39,6 +39,7 @@ as the demo does), stock --fit has nothing to fit, VRAM is null.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -130,11 +131,12 @@ def vocab_size(model: Path) -> int:
 
 
 def make_prompts(a: argparse.Namespace, n_vocab: int, n_replay: int) -> dict[str, list[str | list[int]]]:
-    from moeplug.profile.runner import read_prompts, resolve_prompt_set
+    from moeplug.profile.runner import DEFAULT_PROMPT_SETS, read_prompts, resolve_prompt_set
 
     rng = np.random.default_rng(a.seed)
     cap = (lambda xs: xs[: a.max_prompts]) if a.max_prompts else (lambda xs: xs)
-    profiled = [p for name in ("codeish", "chatty") for p in read_prompts(resolve_prompt_set(name)[1])]
+    sets = [read_prompts(resolve_prompt_set(name)[1]) for name in DEFAULT_PROMPT_SETS]
+    profiled = [p for group in itertools.zip_longest(*sets) for p in group if p]  # alternating: a cap takes both
     return {
         "text-profiled": cap(profiled),
         "text-unseen": cap(read_prompts(UNSEEN_PROMPTS)),
