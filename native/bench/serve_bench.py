@@ -93,7 +93,7 @@ def parse_budgets(text: str) -> list[tuple[str, float, bool]]:
         try:
             out.append((item, float(item[:-1]) / 100, True) if item.endswith("%") else (f"{item} GiB", float(item), False))
         except ValueError:
-            raise SystemExit(f"--budgets: {item!r} is neither GiB (8) nor a share of the expert bytes (25%)") from None
+            raise ValueError(f"--budgets: {item!r} is neither GiB (8) nor a share of the expert bytes (25%)") from None
     return out
 
 
@@ -340,7 +340,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--workloads: choose from {', '.join(WORKLOADS)}")
     if a.rounds < 1 or a.time_limit < 0:
         ap.error("--rounds must be at least 1 and --time-limit not negative")
-    budgets = parse_budgets(a.budgets)
+    try:
+        budgets = parse_budgets(a.budgets)
+    except ValueError as exc:
+        ap.error(str(exc))
 
     t0 = time.time()
     patched = build_of(a.prebuilt_moeplug, False, a.backend, a.jobs)
