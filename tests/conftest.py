@@ -56,7 +56,7 @@ def write_npz(path: Path, prompts: int = 12, seed: int = 3, layers: int = 24, ex
               used: int = 4, **override):
     """A routing trace in the npz layout of shared/data/traces (default: gpt-oss-20b's 24 layers x 4
     of 32): skewed, random, every expert id present, each token's ids distinct."""
-    import numpy as np  # imported here: numpy loaded at collection made test-llama-archs's output stop short
+    import numpy as np
 
     rng = np.random.default_rng(seed)
     lengths = rng.integers(5, 40, size=prompts)
