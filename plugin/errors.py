@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
 # Exit codes (also listed in README.md and `moeplug --help`).
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -36,3 +40,15 @@ class BuildError(MoeplugError):
     """The native build failed; the message names the log file."""
 
     exit_code = EXIT_BUILD_FAILED
+
+
+@contextlib.contextmanager
+def about_file(path: Path, error: type[MoeplugError], what: str) -> Iterator[None]:
+    """Reading a file: an `error` gets the path in front; a KeyError, ValueError, IndexError or
+    TypeError of a malformed file becomes one `error` ('malformed {what}') too."""
+    try:
+        yield
+    except error as exc:
+        raise error(f"{path}: {exc}") from None
+    except (KeyError, ValueError, IndexError, TypeError) as exc:
+        raise error(f"{path}: malformed {what} ({type(exc).__name__}: {exc})") from None

@@ -9,6 +9,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 
 @contextlib.contextmanager
@@ -23,6 +24,21 @@ def atomic_path(dest: Path) -> Iterator[Path]:
         os.replace(tmp_path, dest)
     finally:
         tmp_path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_gguf(dest: Path, arch: str) -> Iterator[Any]:
+    """A gguf.GGUFWriter for the caller's keys and tensors; the file is written and renamed over
+    `dest` when the block ends without an error."""
+    import gguf
+
+    with atomic_path(dest) as tmp:
+        w = gguf.GGUFWriter(tmp, arch)
+        yield w
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
 
 
 def write_text_atomic(dest: Path, text: str) -> None:

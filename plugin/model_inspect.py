@@ -146,25 +146,28 @@ def shard_paths(path: Path) -> list[Path]:
     return paths
 
 
-def _open_reader(path: Path) -> Any:
+def open_gguf(path: Path, what: str = "file", error: type[MoeplugError] = GGUFError) -> Any:
+    """A gguf.GGUFReader of path whose tensors all lie inside the file; every problem is one
+    `error` naming it ('no such {what}', not a GGUF, damaged or truncated). Models, profiles and
+    route replay files are opened through here."""
     import gguf  # imported lazily: numpy and gguf cost ~0.2 s at start-up
 
     if not path.exists():
-        raise MoeplugError(f"{path}: no such file")
+        raise error(f"{path}: no such {what}")
     if path.is_dir():
-        raise MoeplugError(f"{path}: is a directory, not a GGUF file")
+        raise error(f"{path}: is a directory, not a GGUF file")
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
-        raise GGUFError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+        raise error(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
     try:
         reader = gguf.GGUFReader(path)
     except Exception as exc:  # the reader raises ValueError, IndexError, ... on damaged headers
-        raise GGUFError(f"{path}: damaged or truncated GGUF header ({type(exc).__name__}: {exc})") from exc
+        raise error(f"{path}: damaged or truncated GGUF header ({type(exc).__name__}: {exc})") from None
     size = path.stat().st_size
     for t in reader.tensors:
         if int(t.data_offset) + int(t.n_bytes) > size:
-            raise GGUFError(f"{path}: truncated: tensor {t.name} ends past the end of the file")
+            raise error(f"{path}: truncated: tensor {t.name} ends past the end of the file")
     return reader
 
 
@@ -222,7 +225,7 @@ def inspect_model(path: str | Path) -> ModelInfo:
     """Read a (possibly split) GGUF MoE model's metadata and tensor table."""
     path = Path(path)
     shards = shard_paths(path)
-    readers = [_open_reader(p) for p in shards]
+    readers = [open_gguf(p) for p in shards]
     meta = _read_metadata(readers[0])
     split_count = meta.get("split.count")
     if split_count is not None and int(split_count) != len(shards):

@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from moeplug.errors import MoeplugError
-from moeplug.fsutil import atomic_path
+from moeplug.errors import MoeplugError, about_file
+from moeplug.fsutil import atomic_gguf
 
 REPLAY_VERSION = 1
 REPLAY_TYPE = "moe-route-replay"
@@ -88,6 +88,13 @@ class Trace:
         """int64 [n_layer, n_expert]: how often each expert of each layer was selected."""
         flat = (self.experts.astype(np.int64) + np.arange(self.n_layer, dtype=np.int64)[None, :, None] * self.n_expert)
         return np.bincount(flat.ravel(), minlength=self.n_layer * self.n_expert).reshape(self.n_layer, self.n_expert)
+
+    def top_share(self, n: int) -> np.ndarray:
+        """float [n_layer]: the share of each layer's selections its n most selected experts take
+        (the best a static n-slot set chosen in hindsight serves)."""
+        counts = self.counts()
+        ranked = -np.sort(-counts, axis=1)
+        return ranked[:, :n].sum(axis=1) / np.maximum(1, counts.sum(axis=1))
 
     def summary(self) -> dict[str, Any]:
         lengths = np.diff(self.offsets)
@@ -166,23 +173,18 @@ def read_npz(path: str | Path, n_expert: int | None = None) -> Trace:
     if n_expert is None:
         n_expert = int(experts.max()) + 1 if experts.size else 0
     weights = probs.astype(np.float32) if probs is not None else None
-    try:
+    with about_file(path, TraceError, "npz trace"):
         _check_layout(experts, offsets, n_expert, weights)
-    except TraceError as exc:
-        raise TraceError(f"{path}: {exc}") from None
     return Trace(experts=experts, offsets=offsets, n_expert=n_expert, weights=weights, source=path.name)
 
 
 def write_replay(trace: Trace, path: str | Path, weights: bool = True) -> Path:
     """The route replay file of native/REPLAY-FORMAT.md, written atomically. weights: write
     replay.weights when the trace has them."""
-    import gguf
-
     path = Path(path)
     if trace.n_tokens >= 2**31:
         raise TraceError(f"{trace.n_tokens} tokens do not fit the replay file's I32 offsets")
-    with atomic_path(path) as tmp:
-        w = gguf.GGUFWriter(tmp, REPLAY_TYPE)
+    with atomic_gguf(path, REPLAY_TYPE) as w:
         w.add_string("general.type", REPLAY_TYPE)
         w.add_uint32("moe_replay.version", REPLAY_VERSION)
         w.add_uint32("moe_replay.n_layer", trace.n_layer)
@@ -195,10 +197,6 @@ def write_replay(trace: Trace, path: str | Path, weights: bool = True) -> Path:
         if weights and trace.weights is not None:
             w.add_tensor("replay.weights", np.ascontiguousarray(trace.weights, dtype=np.float32))
         w.add_tensor("replay.offsets", np.ascontiguousarray(trace.offsets, dtype=np.int32))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
     return path
 
 
@@ -216,30 +214,17 @@ def _u32(reader: Any, key: str) -> int:
 def read_replay(path: str | Path) -> Trace:
     """Read a route replay file and check it as the engine does (type, version, key types,
     tensor types and shapes, offsets, ids in range)."""
-    import gguf
+    from moeplug.model_inspect import open_gguf
 
     path = Path(path)
-    if not path.is_file():
-        raise TraceError(f"{path}: no such replay file")
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as exc:
-        raise TraceError(f"{path}: not a readable replay file (not a GGUF, or damaged or truncated: {exc})") from None
-    try:
+    reader = open_gguf(path, "replay file", TraceError)
+    with about_file(path, TraceError, "replay file"):
         return _parse_replay(reader, path)
-    except TraceError as exc:
-        raise TraceError(f"{path}: {exc}") from None
-    except (KeyError, ValueError, IndexError, TypeError) as exc:
-        raise TraceError(f"{path}: malformed replay file ({type(exc).__name__}: {exc})") from None
 
 
 def _parse_replay(reader: Any, path: Path) -> Trace:
     from gguf import GGMLQuantizationType as QT
 
-    size = path.stat().st_size
-    for t in reader.tensors:
-        if int(t.data_offset) + int(t.n_bytes) > size:
-            raise TraceError(f"truncated: tensor {t.name} ends past the end of the file")
     kind = reader.get_field("general.type")
     if kind is None or kind.contents() != REPLAY_TYPE:
         raise TraceError(f"not a route replay file (general.type is not '{REPLAY_TYPE}')")

@@ -6,10 +6,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from moeplug.options import EXPERTS
-from moeplug.errors import EXIT_OK, MoeplugError
-from moeplug.output import human_bytes, print_json, table
+from moeplug.errors import MoeplugError
+from moeplug.options import EXPERTS, add_json
+from moeplug.output import Output, human_bytes, table
 
 
 def _summary_lines(doc: dict[str, Any]) -> list[str]:
@@ -31,12 +30,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     write_replay(trace, out, weights=not args.no_weights)
     doc = {"out": str(out), "bytes": out.stat().st_size, **trace.summary(),
            "weights": trace.weights is not None and not args.no_weights}
-    if args.json:
-        print_json(doc)
-    else:
-        print(f"wrote {out} ({human_bytes(doc['bytes'])})")
-        print("\n".join(_summary_lines(doc)))
-    return EXIT_OK
+    return Output.for_args(args).result(
+        doc, lambda d: f"wrote {out} ({human_bytes(d['bytes'])})\n" + "\n".join(_summary_lines(d)))
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -45,20 +40,19 @@ def cmd_info(args: argparse.Namespace) -> int:
     trace = load_trace(args.file, args.n_expert).select(args.prompts)
     doc = {"file": str(args.file), **trace.summary()}
     counts = trace.counts()
-    share = counts / max(1, counts.sum(axis=1, keepdims=True).max())
     top = max(1, trace.n_expert // 4)
-    top_share = np.sort(share, axis=1)[:, ::-1][:, :top].sum(axis=1)
+    top_share = trace.top_share(top)
     doc["top_quarter_share"] = [float(x) for x in top_share]
-    if args.json:
-        doc["counts"] = counts.tolist()
-        print_json(doc)
-        return EXIT_OK
-    print(args.file)
-    print("\n".join(_summary_lines(doc)))
-    rows = [[layer, f"{100 * s:.1f}%", int(c.max()), int(c.min())] for layer, (s, c) in enumerate(zip(top_share, counts))]
-    print(f"\nper layer: share of selections its top {top} experts take (a static {top}-slot set's best case)")
-    print(table(["layer", f"top {top}", "most", "least"], rows, "rrrr"))
-    return EXIT_OK
+    doc["counts"] = counts.tolist()
+
+    def text(d: dict[str, Any]) -> str:
+        rows = [[layer, f"{100 * s:.1f}%", int(c.max()), int(c.min())]
+                for layer, (s, c) in enumerate(zip(top_share, counts))]
+        return "\n".join([str(args.file), *_summary_lines(d), "",
+                          f"per layer: share of selections its top {top} experts take (a static {top}-slot set's best case)",
+                          table(["layer", f"top {top}", "most", "least"], rows, "rrrr")])
+
+    return Output.for_args(args).result(doc, text)
 
 
 def add_trace_command(sub: Any) -> None:
@@ -66,7 +60,7 @@ def add_trace_command(sub: Any) -> None:
                            description="Routing traces (npz: experts, probs, offsets) and route replay files "
                            "(native/REPLAY-FORMAT.md, for llama.cpp's --moe-route-replay).")
     tsub = trace.add_subparsers(dest="trace_command", metavar="TRACE_COMMAND", required=True,
-                                parser_class=sub._parser_class)
+                                parser_class=type(trace))
     p = tsub.add_parser("convert", help="write the route replay file of an npz trace (or of a replay file's prompts)")
     p.add_argument("input", metavar="IN", help="an npz trace (experts, probs, offsets) or a route replay file")
     p.add_argument("out", metavar="OUT", help="the replay file to write (.gguf)")
@@ -75,7 +69,7 @@ def add_trace_command(sub: Any) -> None:
                    help="leave out replay.weights: the model weights the replayed experts with its own router")
     p.add_argument("--n-expert", type=EXPERTS, help="experts per layer of the recorded model (default: highest id + 1)")
     p.add_argument("--force", action="store_true", help="replace OUT")
-    p.add_argument("--json", action="store_true")
+    add_json(p)
     p.set_defaults(func=cmd_convert)
 
     p = tsub.add_parser("info", help="check a trace or replay file and show its prompts, layout and skew")

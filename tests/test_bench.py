@@ -62,12 +62,11 @@ def test_rounds_pool_every_repetition_and_ratios_divide_medians(
             assert values == max((row.samples[test, m] for m in ("mmap", "pinned")), key=statistics.median)
             assert cell[column].startswith(f"{statistics.median(values):.1f} ± ")
     for test, column, ratio_column in (("pp", 3, 5), ("tg", 4, 6)):
-        top = float(cells[0][column].split(" ± ")[0])
         assert cells[0][ratio_column] == "1.00x"  # the only stock row is its own best
-        mine = float(cells[1][column].split(" ± ")[0])
         m = re.fullmatch(r"(\d+\.\d\d)x \((\d+\.\d\d)-(\d+\.\d\d)\)", cells[1][ratio_column])
         assert m, cells[1][ratio_column]
-        assert abs(float(m[1]) - mine / top) <= 0.006
+        # the ratio of the medians (the printed t/s are rounded to 0.1, too coarse for a slow row)
+        assert abs(float(m[1]) - statistics.median(other.best(test)[1]) / statistics.median(stock.best(test)[1])) <= 0.006
         # the range is that of the rounds' own ratios, each round's runs paired with each other
         per_round = [statistics.median(a) / statistics.median(b) for a, b in
                      zip(other.runs[test, other.best(test)[0]], stock.runs[test, stock.best(test)[0]])]

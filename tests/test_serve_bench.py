@@ -32,7 +32,7 @@ def bench_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def run_bench(patched_build, stock_build, model: Path, tmp_path: Path, *extra: str) -> tuple[str, dict]:
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, str(SERVE_BENCH), "--model", str(model), "--budgets", "25%", "--ctx", "256", "-t", "2",
+    cmd = [sys.executable, str(SERVE_BENCH), "--model", str(model), "--budgets", "25%", "--ctx", "1024", "-t", "2",
            "-n", "4", "--max-prompts", "2", "--random-prompts", "2", "--random-tokens", "16", "--profile-tokens", "4",
            "--rounds", "2", "--prebuilt-moeplug", str(patched_build.binary("llama-server").parent),
            "--prebuilt-stock", str(stock_build.binary("llama-server").parent), "--json", str(out), *extra]
@@ -72,7 +72,7 @@ def test_serve_bench_text_and_random(patched_build, stock_build, bench_model: Pa
     stock = next(c for c in doc["configs"] if c["side"] == "stock")
     mine = next(c for c in doc["configs"] if c["side"] == "moeplug")
     assert stock["binary"] == str(stock_build.binary("llama-server"))
-    assert stock["server_args"][:6] == ["-c", "256", "--fit", "on", "-fitt", "0"]
+    assert stock["server_args"][:6] == ["-c", "1024", "--fit", "on", "-fitt", "0"]
     assert mine["binary"] == str(patched_build.binary("llama-server")) and "-fit" in mine["server_args"]
     # same context, threads and slots on both sides
     for flag in ("-c", "-t", "-np"):

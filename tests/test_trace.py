@@ -198,16 +198,29 @@ def _rewrite(src: Path, dest: Path, **changes: object) -> Path:
     return dest
 
 
+def _with_id(t, value: int) -> np.ndarray:
+    ex = t.experts.copy()
+    ex[3, 5, 1] = value
+    return ex
+
+
+# case -> (how the bad file is made from a good one and its trace, the message)
 REPLAY_CASES = {
-    "missing": "no such trace file",
-    "truncated": "truncated",
-    "not-replay": "not a route replay file",
-    "version": "unsupported replay version 2",
-    "float-key": "moe_replay.n_expert is FLOAT32, expected UINT32",
-    "missing-key": "missing key moe_replay.n_tokens",
-    "id-out-of-range": "expert id 32 is out of range for 32 experts",
-    "offsets-end": "expected [13] from the keys",
-    "experts-type": "replay.experts is F32, expected I32",
+    "missing": (lambda good, t, bad: None, "no such trace file"),
+    "truncated": (lambda good, t, bad: bad.write_bytes(good.read_bytes()[: good.stat().st_size * 2 // 3]),
+                  "truncated"),
+    "not-replay": (lambda good, t, bad: _rewrite(good, bad, general__type="moe-profile"), "not a route replay file"),
+    "version": (lambda good, t, bad: _rewrite(good, bad, moe_replay__version=2), "unsupported replay version 2"),
+    "float-key": (lambda good, t, bad: _rewrite(good, bad, moe_replay__n_expert=32.0),
+                  "moe_replay.n_expert is FLOAT32, expected UINT32"),
+    "missing-key": (lambda good, t, bad: _rewrite(good, bad, moe_replay__n_tokens=None),
+                    "missing key moe_replay.n_tokens"),
+    "id-out-of-range": (lambda good, t, bad: _rewrite(good, bad, t_experts=_with_id(t, 32)),
+                        "expert id 32 is out of range for 32 experts"),
+    "offsets-end": (lambda good, t, bad: _rewrite(good, bad, t_offsets=t.offsets[:-1].astype(np.int32)),
+                    "expected [13] from the keys"),
+    "experts-type": (lambda good, t, bad: _rewrite(good, bad, t_experts=t.experts.astype(np.float32)),
+                     "replay.experts is F32, expected I32"),
 }
 
 
@@ -216,31 +229,14 @@ def test_bad_replay_file_is_one_line(tmp_path: Path, case: str) -> None:
     write_npz(tmp_path / "t.npz")
     good = tmp_path / "good.gguf"
     assert run_cli("trace", "convert", str(tmp_path / "t.npz"), str(good), "--no-weights").returncode == 0
-    t = load_trace(good)
     bad = tmp_path / f"{case}.gguf"
-    if case == "truncated":
-        bad.write_bytes(good.read_bytes()[: good.stat().st_size * 2 // 3])
-    elif case == "not-replay":
-        _rewrite(good, bad, general__type="moe-profile")
-    elif case == "version":
-        _rewrite(good, bad, moe_replay__version=2)
-    elif case == "float-key":
-        _rewrite(good, bad, moe_replay__n_expert=32.0)
-    elif case == "missing-key":
-        _rewrite(good, bad, moe_replay__n_tokens=None)
-    elif case == "id-out-of-range":
-        ex = t.experts.copy()
-        ex[3, 5, 1] = 32
-        _rewrite(good, bad, t_experts=ex)
-    elif case == "offsets-end":
-        _rewrite(good, bad, t_offsets=t.offsets[:-1].astype(np.int32))
-    elif case == "experts-type":
-        _rewrite(good, bad, t_experts=t.experts.astype(np.float32))
+    make, message = REPLAY_CASES[case]
+    make(good, load_trace(good), bad)
     out = tmp_path / "out.gguf"
     for argv in (["trace", "info", str(bad)], ["trace", "convert", str(bad), str(out)]):
         r = run_cli(*argv)
         assert r.returncode == 1 and not out.exists(), r.stderr
-        assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr and REPLAY_CASES[case] in r.stderr, r.stderr
+        assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr and message in r.stderr, r.stderr
 
 
 def test_convert_never_replaces_without_force(tmp_path: Path) -> None:
@@ -289,3 +285,19 @@ def test_from_trace_profile_engages_the_cache(patched_build, trace_model: Path, 
     cache = parse_cache_line(log.read_text(errors="replace"))
     assert cache and cache.engaged and (cache.layers, cache.slots) == (LAYERS, 8), log.read_text()[-2000:]
     assert len(reply["tokens"]) == 4
+
+
+def test_from_trace_leaves_an_mtp_block_unrouted(tmp_path: Path) -> None:
+    """A model with an MTP (NextN) block: the trace fills the trunk's MoE layers; the MTP row
+    has zero counts and -1 (not routed) ids, as the profiler writes unrouted tokens."""
+    spec = ModelSpec(arch="hy_v3", layers=4, experts=16, used=4, embd=64, expert_ff=64, heads=4, heads_kv=2,
+                     head_dim=16, dtype="f32", mtp_layers=1)
+    model = make_model(spec, tmp_path / "mtp.gguf")[0]
+    arrays = write_npz(tmp_path / "t.npz", prompts=5, layers=3, experts=16, used=4)
+    out = tmp_path / "p.gguf"
+    r = run_cli("profile", "--from-trace", str(tmp_path / "t.npz"), "--model", str(model), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    p = read_profile(out)
+    assert p.tensors == [f"blk.{b}.ffn_down_exps.weight" for b in (1, 2, 3, 4)]  # block 0 dense, block 4 MTP
+    np.testing.assert_array_equal(p.counts_decode[:3], numpy_counts(arrays["experts"], 16))
+    assert p.counts_decode[3].sum() == 0 and (p.sources[0].seq[:, 3] == -1).all()

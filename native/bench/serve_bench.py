@@ -39,6 +39,7 @@ as the demo does), stock --fit has nothing to fit, VRAM is null.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -79,7 +80,8 @@ class Config:
     desc: str = ""
     # (workload, prompt index) -> [prefill t/s, decode t/s] of each round
     samples: dict[tuple[str, int], list[tuple[float, float]]] = field(default_factory=dict)
-    vram: list[int | None] = field(default_factory=list)
+    vram: list[int | None] = field(default_factory=list)  # NVML, per round
+    log_vram_mib: list[float] = field(default_factory=list)  # CUDA buffers the log names, and the cache's slots
     hits: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # workload -> (hits, selections) per round
     errors: list[str] = field(default_factory=list)
 
@@ -91,7 +93,7 @@ def parse_budgets(text: str) -> list[tuple[str, float, bool]]:
         try:
             out.append((item, float(item[:-1]) / 100, True) if item.endswith("%") else (f"{item} GiB", float(item), False))
         except ValueError:
-            raise SystemExit(f"--budgets: {item!r} is neither GiB (8) nor a share of the expert bytes (25%)") from None
+            raise ValueError(f"--budgets: {item!r} is neither GiB (8) nor a share of the expert bytes (25%)") from None
     return out
 
 
@@ -129,11 +131,12 @@ def vocab_size(model: Path) -> int:
 
 
 def make_prompts(a: argparse.Namespace, n_vocab: int, n_replay: int) -> dict[str, list[str | list[int]]]:
-    from moeplug.profile.runner import read_prompts, resolve_prompt_set
+    from moeplug.profile.runner import DEFAULT_PROMPT_SETS, read_prompts, resolve_prompt_set
 
     rng = np.random.default_rng(a.seed)
     cap = (lambda xs: xs[: a.max_prompts]) if a.max_prompts else (lambda xs: xs)
-    profiled = [p for name in ("codeish", "chatty") for p in read_prompts(resolve_prompt_set(name)[1])]
+    sets = [read_prompts(resolve_prompt_set(name)[1]) for name in DEFAULT_PROMPT_SETS]
+    profiled = [p for group in itertools.zip_longest(*sets) for p in group if p]  # alternating: a cap takes both
     return {
         "text-profiled": cap(profiled),
         "text-unseen": cap(read_prompts(UNSEEN_PROMPTS)),
@@ -165,16 +168,22 @@ def run_config(cfg: Config, model: Path, ctx: int, prompts: dict[str, list], n_p
         for w in cfg.workloads:
             before = fetch_cache_counters(srv.port)
             for i, prompt in enumerate(prompts[w]):
-                t = complete(srv.url, prompt, n_predict, ignore_eos=True)["timings"]
-                cfg.samples.setdefault((w, i), []).append((float(t["prompt_per_second"]),
-                                                           float(t["predicted_per_second"])))
+                try:
+                    t = complete(srv.url, prompt, n_predict, ignore_eos=True)["timings"]
+                    cfg.samples.setdefault((w, i), []).append((float(t["prompt_per_second"]),
+                                                               float(t["predicted_per_second"])))
+                except (MoeplugError, requests.RequestException, KeyError, ValueError) as exc:
+                    cfg.errors.append(f"{w} prompt {i}: {type(exc).__name__}: {exc}")
+                    print(f"# {cfg.budget} {cfg.side}: {w} prompt {i} failed: {exc}", file=sys.stderr)
             after = fetch_cache_counters(srv.port)
             if before is not None and after is not None:
                 cfg.hits.setdefault(w, []).append((after.hits - before.hits, after.selections - before.selections))
         cfg.vram.append(process_vram_bytes(srv.pid))
-    except (MoeplugError, requests.RequestException, KeyError, ValueError) as exc:
-        cfg.errors.append(f"{type(exc).__name__}: {exc}")
-        print(f"# {cfg.budget} {cfg.side}: a request failed: {exc}", file=sys.stderr)
+        cache = srv.cache or {}
+        cfg.log_vram_mib.append(sum(mib for kind in srv.buffers.values() for dev, mib in kind.items()
+                                    if dev.startswith("CUDA"))
+                                + (cache.get("mib_uploaded", 0.0) if str(cache.get("device", "")).startswith("CUDA")
+                                   else 0.0))
     finally:
         stop(name)
     print(f"# {cfg.budget:>8} {cfg.side:<8} {'+'.join(cfg.workloads):<32} {time.time() - started:5.0f} s",
@@ -197,9 +206,14 @@ def hit_rate(cfg: Config, workload: str) -> float | None:
     return sum(x for x, _ in h) / sel if sel else None
 
 
-def _mib(values: list[int | None]) -> str:
-    known = [v for v in values if v is not None]
-    return f"{max(known) / MIB:.0f}" if known else "null"
+def _mib(cfg: Config) -> str:
+    """NVML's count for the process; where NVML does not list it (another PID namespace), what the
+    log says the server put on the GPU (its buffers and the cache's slots), marked 'log'; else null."""
+    known = [v for v in cfg.vram if v is not None]
+    if known:
+        return f"{max(known) / MIB:.0f}"
+    logged = [v for v in cfg.log_vram_mib if v > 0]
+    return f"log {max(logged):.0f}" if logged else "null"
 
 
 def table_rows(pairs: list[tuple[Config, Config]], workload: str) -> list[dict[str, Any]]:
@@ -213,7 +227,7 @@ def table_rows(pairs: list[tuple[Config, Config]], workload: str) -> list[dict[s
             row[key] = {"moeplug_tps": median(list(per_prompt(mine, workload, test).values())),
                         "stock_tps": median(list(per_prompt(stock, workload, test).values())),
                         "ratio_median": statistics.median(r) if r else None, "ratio_lowest": min(r) if r else None}
-        row["vram_mib"] = {"moeplug": _mib(mine.vram), "stock": _mib(stock.vram)}
+        row["vram_mib"] = {"moeplug": _mib(mine), "stock": _mib(stock)}
         row["hit_rate"] = hit_rate(mine, workload)
         row["errors"] = mine.errors + stock.errors
         rows.append(row)
@@ -290,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     from moeplug.plan import describe_slots
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="qwen3-30b-a3b", help="synthetic model shape written when --model is missing "
+    ap.add_argument("--shape", default="qwen3-30b-a3b", choices=("qwen3-30b-a3b", "gpt-oss-20b"), help="synthetic model shape written when --model is missing "
                     "(moeplug dev make-model --shape)")
     ap.add_argument("--model", type=Path, help="the model (default /tmp/moeplug-bench/SHAPE-shape.gguf, written)")
     ap.add_argument("--budgets", default="8,12,16", help="VRAM budgets: GiB (8,12,16) or shares of the expert bytes "
@@ -326,7 +340,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--workloads: choose from {', '.join(WORKLOADS)}")
     if a.rounds < 1 or a.time_limit < 0:
         ap.error("--rounds must be at least 1 and --time-limit not negative")
-    budgets = parse_budgets(a.budgets)
+    try:
+        budgets = parse_budgets(a.budgets)
+    except ValueError as exc:
+        ap.error(str(exc))
 
     t0 = time.time()
     patched = build_of(a.prebuilt_moeplug, False, a.backend, a.jobs)

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from moeplug.errors import MoeplugError
-from moeplug.fsutil import atomic_path
+from moeplug.errors import MoeplugError, about_file
+from moeplug.fsutil import atomic_gguf
 
 PROFILE_VERSION = 1
 EXPERT_TENSOR_RE = re.compile(r"^blk\.\d+\..*_(?:exps|chexps)\.")
@@ -162,30 +162,17 @@ def _field(reader: Any, key: str, required: bool = True) -> Any:
 
 def read_profile(path: str | Path) -> Profile:
     """Read and check a profile file; every problem is one ProfileError naming it."""
-    import gguf
+    from moeplug.model_inspect import open_gguf
 
     path = Path(path)
-    if not path.is_file():
-        raise ProfileError(f"{path}: no such profile file")
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as exc:
-        raise ProfileError(f"{path}: not a readable profile (damaged or truncated GGUF: {exc})") from exc
-    try:
-        size = path.stat().st_size
-        for t in reader.tensors:
-            if int(t.data_offset) + int(t.n_bytes) > size:
-                raise ProfileError(f"truncated: tensor {t.name} ends past the end of the file")
+    reader = open_gguf(path, "profile file", ProfileError)
+    with about_file(path, ProfileError, "profile"):
         if _field(reader, "general.type", required=False) != "moe-profile":
             raise ProfileError("not a moe profile (general.type is not 'moe-profile')")
         version = int(_field(reader, "moe_profile.version"))
         if version != PROFILE_VERSION:
             raise ProfileError(f"unsupported profile version {version} (this moeplug reads version {PROFILE_VERSION})")
         return _parse(reader)
-    except ProfileError as exc:
-        raise ProfileError(f"{path}: {exc}") from None
-    except (KeyError, ValueError, IndexError, TypeError) as exc:
-        raise ProfileError(f"{path}: malformed profile ({type(exc).__name__}: {exc})") from exc
 
 
 def _parse(reader: Any) -> Profile:
@@ -255,8 +242,7 @@ def write_profile(profile: Profile, path: str | Path) -> Path:
 
     path = Path(path)
     fp = profile.fingerprint
-    with atomic_path(path) as tmp:
-        w = gguf.GGUFWriter(tmp, "moe-profile")
+    with atomic_gguf(path, "moe-profile") as w:
         w.add_string("general.type", "moe-profile")
         w.add_uint32("moe_profile.version", PROFILE_VERSION)
         w.add_string("moe_profile.model.arch", fp.arch)
@@ -286,8 +272,4 @@ def write_profile(profile: Profile, path: str | Path) -> Path:
             if len(s.seq):
                 w.add_tensor(f"seq.{i}", np.ascontiguousarray(s.seq, dtype=np.int16))
                 w.add_tensor(f"seq_meta.{i}", np.ascontiguousarray(s.meta, dtype=np.int32))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
     return path
