@@ -223,12 +223,18 @@ def install(text: str, *, ctx: int | None = None, vram_budget: int | None = None
     return done
 
 
+def plan_installed(m: InstalledModel, ctx: int | None = None, vram_budget: int | None = None) -> Plan:
+    """An installed model's plan made again, for another budget or context (None: the stored
+    ones), from its profile; nothing is stored (replan keeps it)."""
+    budget = vram_budget if vram_budget is not None else m.plan.vram_budget_bytes
+    profile = Path(m.profile) if m.profile and Path(m.profile).exists() else None
+    return plan_for(inspect_model(m.path), ctx or m.ctx, budget, profile, m.slots_on_cpu)
+
+
 def replan(m: InstalledModel, ctx: int | None = None, vram_budget: int | None = None) -> InstalledModel:
     """Plan an installed model again (a new budget or context, or its profile changed: the stored
     budget and context otherwise) and keep that plan as the model's own; the hooks follow."""
-    budget = vram_budget if vram_budget is not None else m.plan.vram_budget_bytes
-    profile = Path(m.profile) if m.profile and Path(m.profile).exists() else None
-    plan = plan_for(inspect_model(m.path), ctx or m.ctx, budget, profile, m.slots_on_cpu)
+    plan = plan_installed(m, ctx, vram_budget)
     record = replace(m, ctx=ctx or m.ctx, plan=plan)
     write_installed(record)
     refresh_hooks(list_installed())

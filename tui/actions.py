@@ -2,7 +2,7 @@
 
 start  = `moeplug serve NAME --metrics`   (moeplug.actions.serve)
 stop   = `moeplug stop NAME`              (moeplug.actions.stop)
-plan   = `moeplug plan NAME --vram-budget B` for the installed model (moeplug.install.plan_for)
+plan   = `moeplug plan NAME --vram-budget B` for the installed model (moeplug.install.plan_installed)
 replan = `moeplug stop NAME && moeplug serve NAME --vram-budget B --metrics`
 reprofile = the profile step of `moeplug install`, made again (moeplug.install.remake_profile)
 
@@ -30,12 +30,9 @@ def stop(name: str) -> bool:
 
 
 def plan(name: str, vram_budget: int | None) -> dict[str, Any]:
-    from moeplug.install import plan_for, read_installed
-    from moeplug.model_inspect import inspect_model
+    from moeplug.install import plan_installed, read_installed
 
-    m = read_installed(name)
-    return plan_for(inspect_model(m.path), m.ctx, vram_budget, Path(m.profile) if m.profile else None,
-                    m.slots_on_cpu).to_json()
+    return plan_installed(read_installed(name), vram_budget=vram_budget).to_json()
 
 
 def replan(name: str, vram_budget: int | None) -> Any:
@@ -57,7 +54,8 @@ def reprofile(name: str, progress: Callable[[int, int], None]) -> Path:
     return remake_profile(name, progress=on_event)
 
 
-def log_tail(path: Path, lines: int = 300) -> list[str]:
+def log_end(path: Path, lines: int = 300) -> list[str]:
+    """The last lines of a server log for the log screen (the end of a file that may be large)."""
     try:
         with open(path, "rb") as f:
             f.seek(0, 2)

@@ -32,7 +32,7 @@ class LogScreen(ModalScreen[None]):
 
     @work(thread=True, exclusive=True, group="log")
     def read_tail(self) -> None:
-        lines = actions.log_tail(self.path)
+        lines = actions.log_end(self.path)
         if not get_current_worker().is_cancelled:
             self.app.call_from_thread(self._show, lines)
 
