@@ -358,6 +358,9 @@ def test_watcher_regenerates_after_a_profile_is_replaced_and_not_for_other_files
             assert time.monotonic() - replaced < 2.0, "the preset was not regenerated within 2 s"
             time.sleep(0.05)
         assert _profile_digest(preset, "other") == _sha(profile)[:16]
+        # the record is stored just after the file is written: give it the rest of the 2 s
+        while read_hooks()[0].updated == updated and time.monotonic() - replaced < 2.0:
+            time.sleep(0.05)
         assert read_hooks()[0].updated > updated and read_hooks()[0].error is None
     finally:
         watcher.stop()
