@@ -167,10 +167,15 @@ def remake_profile(name: str, prompt_sets: list[str] | None = None, progress: Pr
 
 
 def plan_for(info: ModelInfo, ctx: int, vram_budget: int | None, profile: Path | None,
-             slots_on_cpu: bool) -> Plan:
+             slots_on_cpu: bool, fit_tool: Path | None = None, policy: str = "auto") -> Plan:
+    """The plan at a budget (None: the free VRAM). fit_tool: the build's llama-fit-params, whose
+    estimate of the GPU's other buffers replaces moeplug's own where it sees a GPU."""
+    from moeplug.fit_estimate import gpu_need
+
     budget = vram_budget if vram_budget is not None else free_vram_bytes()
     slots_in_ram = max(1, info.n_expert // 4) if slots_on_cpu else 0  # the demo without a GPU
-    return make_plan(info, ctx, budget, profile, available_ram_bytes(), slots_in_ram)
+    need = gpu_need(fit_tool, info.path, ctx) if fit_tool is not None and budget is not None else None
+    return make_plan(info, ctx, budget, profile, available_ram_bytes(), slots_in_ram, need=need, policy=policy)
 
 
 def installed_build(m: InstalledModel) -> Any:
@@ -208,7 +213,7 @@ def install(text: str, *, ctx: int | None = None, vram_budget: int | None = None
         profile = ensure_profile(resolved.path, result.binary("llama-moe-profile"), n_predict,
                                  list(prompt_sets or DEFAULT_PROMPT_SETS), progress)
         slots_on_cpu = is_demo and result.manifest.get("backend") == "cpu"
-        plan = plan_for(info, ctx, vram_budget, profile, slots_on_cpu)
+        plan = plan_for(info, ctx, vram_budget, profile, slots_on_cpu, fit_tool=result.binary("llama-fit-params"))
         record = InstalledModel(name=name, ref=text, path=str(resolved.path), profile=str(profile),
                                 build_id=result.build_id, ctx=ctx, plan=plan,
                                 slots_on_cpu=slots_on_cpu and plan.backend == "cpu")
@@ -228,7 +233,11 @@ def plan_installed(m: InstalledModel, ctx: int | None = None, vram_budget: int |
     ones), from its profile; nothing is stored (replan keeps it)."""
     budget = vram_budget if vram_budget is not None else m.plan.vram_budget_bytes
     profile = Path(m.profile) if m.profile and Path(m.profile).exists() else None
-    return plan_for(inspect_model(m.path), ctx or m.ctx, budget, profile, m.slots_on_cpu)
+    try:
+        fit_tool = installed_build(m).binary("llama-fit-params")
+    except MoeplugError:
+        fit_tool = None  # the build is gone: moeplug's own estimate
+    return plan_for(inspect_model(m.path), ctx or m.ctx, budget, profile, m.slots_on_cpu, fit_tool=fit_tool)
 
 
 def replan(m: InstalledModel, ctx: int | None = None, vram_budget: int | None = None) -> InstalledModel:

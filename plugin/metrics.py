@@ -2,8 +2,9 @@
 
 llama-server counts, for batches that ran the cache, the experts the router picked
 (`llamacpp:moe_cache_selections_total`), how many a slot served (`..._hits_total`), how many the
-CPU computed and the bytes it read for them, and the first two per layer. This is the measured hit
-rate, beside the plan's predicted one.
+CPU computed and the bytes it read for them, and the first two per layer; with the dynamic policy
+(`--moe-cache-policy dynamic`) also the experts uploaded into slots after start-up (`..._swaps_total`,
+per layer too) and their bytes. This is the measured hit rate, beside the plan's predicted one.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ class CacheCounters:
     hits: int = 0
     cpu_experts: int = 0
     cpu_bytes: int = 0
-    layers: dict[int, dict[str, int]] = field(default_factory=dict)  # block -> {"selections", "hits"}
+    swaps: int = 0
+    upload_bytes: int = 0
+    layers: dict[int, dict[str, int]] = field(default_factory=dict)  # block -> {"selections", "hits", "swaps"}
 
     @property
     def hit_rate(self) -> float | None:
@@ -31,7 +34,8 @@ class CacheCounters:
 
     def to_json(self) -> dict[str, Any]:
         return {"selections": self.selections, "hits": self.hits, "cpu_experts": self.cpu_experts,
-                "cpu_bytes": self.cpu_bytes, "hit_rate": self.hit_rate,
+                "cpu_bytes": self.cpu_bytes, "swaps": self.swaps, "upload_bytes": self.upload_bytes,
+                "hit_rate": self.hit_rate,
                 "layers": {str(k): v for k, v in sorted(self.layers.items())}}
 
 
@@ -46,9 +50,10 @@ def parse_cache_counters(text: str) -> CacheCounters | None:
         found = True
         name, layer, value = m[1], m[2], int(m[3])
         if layer is not None:
-            key = "selections" if name == "layer_selections_total" else "hits"
-            c.layers.setdefault(int(layer), {"selections": 0, "hits": 0})[key] = value
-        elif name in ("selections_total", "hits_total", "cpu_experts_total", "cpu_bytes_total"):
+            key = name.removeprefix("layer_").removesuffix("_total")
+            c.layers.setdefault(int(layer), {"selections": 0, "hits": 0, "swaps": 0})[key] = value
+        elif name in ("selections_total", "hits_total", "cpu_experts_total", "cpu_bytes_total", "swaps_total",
+                      "upload_bytes_total"):
             setattr(c, name.removesuffix("_total"), value)
     return c if found else None
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from moeplug.allocate import LayerCost, allocate, hit_curves, modelled_seconds
 from moeplug.errors import MoeplugError
+from moeplug.fit_estimate import CUDA_CONTEXT_RESERVE, DeviceNeed
 from moeplug.estimates import (
     CUDA_POOL_HEADROOM,
     SAFETY_MARGIN,
@@ -72,6 +73,8 @@ class Plan:
     server_args: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    cache_policy: str = "static"  # "dynamic": the slots follow the prompt (--moe-cache-policy dynamic)
+    vram_source: str = "estimate"  # what sized the GPU's other buffers: "estimate" (estimates.py) or "llama-fit-params"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -99,22 +102,30 @@ def _fit_warnings(fit: float, hit: float | None) -> list[str]:
 
 
 def make_plan(info: ModelInfo, ctx: int, vram_budget: int | None, profile_path: Path | None = None,
-              ram_available: int | None = None, slots_in_ram: int = 0, expert_room: int | None = None) -> Plan:
+              ram_available: int | None = None, slots_in_ram: int = 0, expert_room: int | None = None,
+              need: DeviceNeed | None = None, policy: str = "auto") -> Plan:
     """slots_in_ram: without a GPU, hold that many slots per layer in RAM anyway (the demo's
     stand-in for a GPU, LLAMA_MOE_CACHE_DEVICE=CPU: same results as stock, no speedup).
     expert_room: VRAM for experts when known better than the estimate (measured by llama.cpp's
-    own fit, as the benchmark does)."""
+    own fit, as the benchmark does). need: what llama.cpp's own estimate (fit_estimate.gpu_need)
+    says the GPU holds beside the experts; the budget less that and the CUDA context is the
+    experts' room. policy: the slot policy, "static", "dynamic" or "auto" (dynamic wherever a
+    layer is partly resident: the hot experts move from prompt to prompt, and the swaps cost
+    no results)."""
     if not info.layers:
         raise MoeplugError(f"{info.path}: no routed-expert tensors: a dense model, nothing for moeplug to plan")
     per_slot = bytes_per_slot(info)
-    kv = kv_cache_bytes(info, ctx)
-    compute = compute_buffer_bytes(info) + CUDA_POOL_HEADROOM
+    kv = kv_cache_bytes(info, ctx) if need is None else need.context
+    compute = compute_buffer_bytes(info) + CUDA_POOL_HEADROOM if need is None else need.compute
+    non_expert = info.non_expert_bytes if need is None else need.model
+    margin = SAFETY_MARGIN if need is None else CUDA_CONTEXT_RESERVE
     profile = _read_profile(profile_path) if profile_path else None
     costs = _layer_costs(info, profile)
     load_mode, load_notes = choose_load_mode(info, ram_available)
     n_layers = len(info.layers)
-    base = dict(model=str(info.path), ctx=ctx, non_expert_vram_bytes=info.non_expert_bytes, kv_cache_bytes=kv,
-                compute_bytes=compute, margin_bytes=SAFETY_MARGIN, bytes_per_slot=per_slot,
+    base = dict(model=str(info.path), ctx=ctx, non_expert_vram_bytes=non_expert, kv_cache_bytes=kv,
+                compute_bytes=compute, margin_bytes=margin, bytes_per_slot=per_slot,
+                vram_source="estimate" if need is None else "llama-fit-params",
                 n_expert=info.n_expert, n_moe_layers=n_layers, load_mode=load_mode,
                 profile=str(profile_path) if profile_path else None)
     lm_args = ["-lm", "none"] if load_mode == "pinned" else []
@@ -137,13 +148,16 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | None, profile_path: 
         if slots[0]:
             args += ["--moe-cache-slots", str(slots[0])]
             args += ["--moe-cache-profile", str(profile_path)] if profile_path else []
+            if profile_path and policy in ("auto", "dynamic"):
+                base["cache_policy"] = "dynamic"
+                args += ["--moe-cache-policy", "dynamic"]
             note = (f"no NVIDIA GPU: {slots[0]} slots per layer held in RAM (LLAMA_MOE_CACHE_DEVICE=CPU) to show the "
                     f"cache engage: same results as stock, no speedup")
         return Plan(backend="cpu", vram_budget_bytes=None, stock_ncmoe=None, modelled_host_ms=None,
                     stock_modelled_host_ms=None, server_args=args, notes=[note],
                     **(base | summary(slots) | {"load_mode": "mmap", "expert_vram_bytes": 0}))
 
-    room = vram_budget - info.non_expert_bytes - kv - compute - SAFETY_MARGIN if expert_room is None else expert_room
+    room = vram_budget - non_expert - kv - compute - margin if expert_room is None else expert_room
     if room < 0:
         raise MoeplugError(f"the budget of {vram_budget / GIB:.2f} GiB does not hold the model's other weights, "
                            f"KV cache and buffers ({(vram_budget - room) / GIB:.2f} GiB): lower --ctx or use a "
@@ -161,7 +175,12 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | None, profile_path: 
         args += ["--cpu-moe"]
         notes.append("no room for one slot: every expert on the CPU (--cpu-moe)")
     else:
-        args += placement_args(info, slots, profile, profile_path)
+        partial = any(0 < n < info.n_expert for n in slots)
+        base["cache_policy"] = ("dynamic" if partial and profile else "static") if policy == "auto" else policy
+        args += placement_args(info, slots, profile, profile_path, base["cache_policy"])
+        if base["cache_policy"] == "dynamic" and partial and profile:
+            notes.append("the slots follow the prompt (--moe-cache-policy dynamic): a hot missed expert replaces "
+                         "the coldest resident one between batches, uploaded while the next tokens compute")
         if not profile:
             notes.append(f"no profile to choose slots: stock placement, {whole} whole layer{'s' if whole != 1 else ''} "
                          f"on the GPU, the experts of the last {n_layers - whole} in RAM")

@@ -33,10 +33,12 @@ def _slots_arg(info: ModelInfo, profile: Profile, slots: list[int]) -> str:
     return ",".join(str(by_block.get(int(t.split(".")[1]), 0)) for t in profile.tensors)
 
 
-def placement_args(info: ModelInfo, slots: list[int], profile: Profile | None, profile_path: Path | None) -> list[str]:
+def placement_args(info: ModelInfo, slots: list[int], profile: Profile | None, profile_path: Path | None,
+                   policy: str = "static") -> list[str]:
     """llama-server flags (beside -ngl 99) for slots per MoE layer in block order. Whole
     layers load straight into VRAM like any offloaded layer (no copy of them stays in RAM); the
-    others keep their experts in RAM, and the cache holds the slots of the partly resident ones."""
+    others keep their experts in RAM, and the cache holds the slots of the partly resident ones
+    (policy "dynamic": they follow the prompt, --moe-cache-policy dynamic)."""
     in_ram = [layer.block for layer, n in zip(info.layers, slots) if n < info.n_expert]
     partial = [n if n < info.n_expert else 0 for n in slots]
     args = experts_in_ram_args(in_ram)
@@ -45,4 +47,6 @@ def placement_args(info: ModelInfo, slots: list[int], profile: Profile | None, p
         # every batch through the slots: above the max batch a partly resident layer runs the stock
         # graph, which uploads its resident experts too (prefill 1-2% slower on the GPU machine)
         args += ["--moe-cache-max-batch", str(DEFAULT_UBATCH)]
+        if policy == "dynamic":
+            args += ["--moe-cache-policy", "dynamic"]
     return args

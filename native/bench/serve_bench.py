@@ -97,14 +97,15 @@ def parse_budgets(text: str) -> list[tuple[str, float, bool]]:
     return out
 
 
-def budget_bytes(info, ctx: int, value: float, fraction: bool) -> int:
+def budget_bytes(info, ctx: int, value: float, fraction: bool, need=None) -> int:
     """Bytes of VRAM; a fraction buys that share of the expert bytes beside what the planner puts
-    on the GPU anyway (its own estimate of weights, KV cache, buffers and margin)."""
+    on the GPU anyway (weights, KV cache, buffers and margin: llama.cpp's own estimate where
+    llama-fit-params saw a GPU, need, else moeplug's)."""
     from moeplug.plan import make_plan
 
     if not fraction:
         return int(value * GIB)
-    p = make_plan(info, ctx, 1 << 50)
+    p = make_plan(info, ctx, 1 << 50, need=need)
     other = p.non_expert_vram_bytes + p.kv_cache_bytes + p.compute_bytes + p.margin_bytes
     return int(other + value * info.expert_bytes)
 
@@ -299,6 +300,7 @@ def replay_inputs(model: Path, a: argparse.Namespace) -> tuple[Path, Path, int] 
 
 
 def main(argv: list[str] | None = None) -> int:
+    from moeplug.fit_estimate import gpu_need
     from moeplug.install import SLOTS_ON_CPU_ENV, plan_for
     from moeplug.model_inspect import inspect_model
     from moeplug.plan import describe_slots
@@ -324,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-replay-weights", action="store_true", help="replay the experts only, weights from the router")
     ap.add_argument("--profile-tokens", type=int, default=256, help="tokens per prompt of the text profile")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--policies", default="", help="moeplug rows per slot policy, e.g. static,dynamic (default: the "
+                    "plan's own choice, one row)")
     ap.add_argument("--time-limit", type=float, default=0, help="seconds from the start after which no round starts "
                     "that would not end in time at the pace of the last one (0: none)")
     ap.add_argument("--prebuilt-moeplug", type=Path, help="bin/ folder of a patched build (skip building)")
@@ -382,8 +386,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     configs: list[Config] = []
     pairs: list[tuple[Config, Config]] = []
+    fit_tool = patched.binary("llama-fit-params")
+    need = gpu_need(fit_tool, model, a.ctx) if free is not None else None
+    print(f"# llama-fit-params, every routed expert in RAM: {need}", file=sys.stderr)
+    policies = [p.strip() for p in a.policies.split(",") if p.strip()] or ["auto"]
     for label, value, fraction in budgets:
-        budget = budget_bytes(info, a.ctx, value, fraction)
+        budget = budget_bytes(info, a.ctx, value, fraction, need)
         label = label if not fraction else f"{label} ({budget / GIB:.2f} GiB)"
         margin = max(0, (free - budget) // MIB) if free is not None else 0
         groups = [(plain, text_prof, [], patched.binary("llama-server"), stock.binary("llama-server"), stock.build_id)]
@@ -393,17 +401,22 @@ def main(argv: list[str] | None = None) -> int:
         for group, profile, extra, mine_bin, stock_bin, stock_id in groups:
             if not group:
                 continue
-            plan = plan_for(info, a.ctx, budget, profile, slots_on_cpu=False)
-            load = ["-lm", "none"] if plan.load_mode == "pinned" else []
-            mine = Config(label, "moeplug", mine_bin, patched.build_id, [*plan.server_args, *common, *extra], group,
-                          slots_env, describe_slots(plan.slots_per_layer, info.n_expert))
+            plans = [plan_for(info, a.ctx, budget, profile, slots_on_cpu=False, fit_tool=fit_tool, policy=p)
+                     for p in policies]
+            load = ["-lm", "none"] if plans[0].load_mode == "pinned" else []
             theirs = Config(label, "stock", stock_bin, stock_id,
                             ["-c", str(a.ctx), "--fit", "on", "-fitt", str(margin), *load, *common, *extra], group,
                             desc="--fit")
-            print(f"# {label} {'+'.join(group)}: moeplug {' '.join(mine.server_args)} | stock "
-                  f"{' '.join(theirs.server_args)}", file=sys.stderr)
-            configs += [theirs, mine]
-            pairs.append((mine, theirs))
+            configs.append(theirs)
+            for plan in plans:
+                desc = describe_slots(plan.slots_per_layer, info.n_expert)
+                desc += f", {plan.cache_policy}" if len(plans) > 1 else ""
+                mine = Config(label, "moeplug", mine_bin, patched.build_id, [*plan.server_args, *common, *extra],
+                              group, slots_env, desc)
+                print(f"# {label} {'+'.join(group)}: moeplug {' '.join(mine.server_args)} | stock "
+                      f"{' '.join(theirs.server_args)}", file=sys.stderr)
+                configs.append(mine)
+                pairs.append((mine, theirs))
 
     interleaved_rounds(configs, a.rounds, lambda cfg: run_config(cfg, model, a.ctx, prompts, a.n_predict),
                        t0 + a.time_limit if a.time_limit else None, "servers")

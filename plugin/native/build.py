@@ -38,6 +38,7 @@ from moeplug.runlog import run_logged
 TARGETS = ("llama-server", "llama-cli", "llama-bench")
 PATCHED_TARGETS = (
     *TARGETS, "llama-moe-profile", "llama-eval-callback", "test-moe-split", "test-moe-cache", "test-llama-archs",
+    "llama-fit-params",
 )
 STOCK_TARGETS = (*TARGETS, "llama-eval-callback")
 

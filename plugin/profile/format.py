@@ -131,6 +131,9 @@ class Profile:
     counts_decode: np.ndarray
     sources: list[ProfileSource] = field(default_factory=list)
     version: int = PROFILE_VERSION
+    # prompt and generated tokens of sources recorded without sequences (llama-server's live
+    # counts, GET /moe-cache/profile): what moe_profile.tokens.* holds beyond the sequences
+    unsequenced_tokens: tuple[int, int] = (0, 0)
 
     @property
     def n_expert(self) -> int:
@@ -141,7 +144,7 @@ class Profile:
         return self.fingerprint.n_expert_used
 
     def tokens(self, phase: int) -> int:
-        return int(sum(int((s.meta[:, 2] == phase).sum()) for s in self.sources))
+        return int(sum(int((s.meta[:, 2] == phase).sum()) for s in self.sources)) + self.unsequenced_tokens[phase]
 
     def check_model(self, fp: ModelFingerprint) -> None:
         diffs = self.fingerprint.differences(fp)
@@ -211,10 +214,14 @@ def _parse(reader: Any) -> Profile:
         ))
     profile = Profile(fingerprint=fp, tensors=names, counts_prefill=counts["prefill"],
                       counts_decode=counts["decode"], sources=sources)
+    stored = [int(_field(reader, f"moe_profile.tokens.{key}")) for key in ("prefill", "decode")]
     for phase, key in ((PHASE_PREFILL, "prefill"), (PHASE_DECODE, "decode")):
-        stored = int(_field(reader, f"moe_profile.tokens.{key}"))
-        if sources and any(len(s.seq) for s in sources) and stored != profile.tokens(phase):
-            raise ProfileError(f"moe_profile.tokens.{key} is {stored} but the sequences hold {profile.tokens(phase)}")
+        in_seq = profile.tokens(phase)
+        every_source_sequenced = bool(sources) and all(len(s.seq) for s in sources)
+        if (every_source_sequenced and stored[phase] != in_seq) or stored[phase] < in_seq:
+            raise ProfileError(f"moe_profile.tokens.{key} is {stored[phase]} but the sequences hold {in_seq}")
+    profile.unsequenced_tokens = (stored[PHASE_PREFILL] - profile.tokens(PHASE_PREFILL),
+                                  stored[PHASE_DECODE] - profile.tokens(PHASE_DECODE))
     return profile
 
 
@@ -233,6 +240,7 @@ def merge_profiles(profiles: list[Profile]) -> Profile:
         counts_prefill=sum((p.counts_prefill for p in profiles), np.zeros_like(first.counts_prefill)),
         counts_decode=sum((p.counts_decode for p in profiles), np.zeros_like(first.counts_decode)),
         sources=[s for p in profiles for s in p.sources],
+        unsequenced_tokens=(sum(p.unsequenced_tokens[0] for p in profiles), sum(p.unsequenced_tokens[1] for p in profiles)),
     )
 
 

@@ -12,7 +12,9 @@
 #include <fstream>
 #include <numeric>
 #include <stdexcept>
+#include <iterator>
 #include <sys/stat.h>
+#include <unistd.h>
 
 // FNV-1a 64 of the first n_bytes of path, as 16 hex digits
 static std::string moe_meta_hash(const std::string & path, size_t n_bytes) {
@@ -276,6 +278,8 @@ std::vector<common_moeplug_cache_choice> common_moeplug_cache_choose(
     }
 
     const std::vector<std::string> tensors = moe_get_arr_str(g, "moe_profile.tensors");
+    const uint64_t n_tok_decode  = moe_get_u64(g, "moe_profile.tokens.decode");
+    const uint64_t n_tok_prefill = moe_get_u64(g, "moe_profile.tokens.prefill");
     const ggml_tensor * decode  = ggml_get_tensor(ctx, "counts.decode");
     const ggml_tensor * prefill = ggml_get_tensor(ctx, "counts.prefill");
     if (decode == nullptr || prefill == nullptr || decode->type != GGML_TYPE_I32 || prefill->type != GGML_TYPE_I32 ||
@@ -310,14 +314,21 @@ std::vector<common_moeplug_cache_choice> common_moeplug_cache_choose(
             continue; // left out
         }
         order.resize(n);
-        res.push_back({ tensors[it], order });
+        std::vector<float> rates(n_expert, 0.0f);
+        for (int64_t e = 0; e < n_expert; ++e) {
+            rates[e] = n_tok_decode > 0  ? (float) nd[e] / (float) n_tok_decode :
+                       n_tok_prefill > 0 ? (float) np[e] / (float) n_tok_prefill : 0.0f;
+        }
+        res.push_back({ tensors[it], order, rates });
     }
     return res;
 }
 
 bool common_moeplug_cache_enable(llama_model * model, const std::string & model_path, const std::string & profile_path,
-        const std::string & slots, int32_t max_batch, int32_t margin_mib, bool count) {
+        const std::string & slots, int32_t max_batch, int32_t margin_mib, bool count,
+        const std::string & policy, float half_life, int32_t uploads) {
     llama_moeplug_cache_result result = {};
+    const bool dynamic = policy == "dynamic";
     try {
         const common_moeplug_fingerprint fp = common_moeplug_fingerprint_of(model_path);
         const auto choice = common_moeplug_cache_choose(profile_path, fp, common_moeplug_parse_slots(slots));
@@ -331,7 +342,7 @@ bool common_moeplug_cache_enable(llama_model * model, const std::string & model_
 
         std::vector<llama_moeplug_cache_layer_experts> layers;
         for (const auto & c : choice) {
-            layers.push_back({ c.tensor.c_str(), c.experts.data(), (int32_t) c.experts.size() });
+            layers.push_back({ c.tensor.c_str(), c.experts.data(), (int32_t) c.experts.size(), c.rates.data(), (int32_t) c.rates.size() });
         }
         llama_moeplug_cache_params mp = {};
         mp.model_files   = files.data();
@@ -341,6 +352,9 @@ bool common_moeplug_cache_enable(llama_model * model, const std::string & model_
         mp.max_batch  = max_batch;
         mp.margin     = (size_t) std::max(margin_mib, 0) * 1024 * 1024;
         mp.count      = count;
+        mp.policy     = dynamic ? LLAMA_MOEPLUG_CACHE_POLICY_DYNAMIC : LLAMA_MOEPLUG_CACHE_POLICY_STATIC;
+        mp.half_life  = half_life;
+        mp.max_uploads = uploads;
         if (!llama_model_moeplug_cache_init(model, &mp, &result)) {
             throw std::runtime_error(result.reason);
         }
@@ -356,20 +370,105 @@ bool common_moeplug_cache_enable(llama_model * model, const std::string & model_
     if (result.n_slots_min != result.n_slots || result.n_layers_full > 0) {
         slots_desc += string_format(" (%lld in all, %d whole layers)", (long long) result.n_slots_total, result.n_layers_full);
     }
-    LOG_INF("moe-cache: %d layers x %s, %.2f MiB uploaded to %s in %.2f s\n",
-        result.n_layers, slots_desc.c_str(), result.n_bytes / (1024.0 * 1024.0), result.device, result.t_upload_s);
+    const std::string policy_desc = !dynamic ? "policy static" : string_format("policy dynamic (half-life %.0f tokens, %d uploads per batch)",
+        (double) (half_life > 0.0f ? half_life : 128.0f), uploads > 0 ? uploads : 4);
+    LOG_INF("moe-cache: %d layers x %s, %.2f MiB uploaded to %s in %.2f s, %s\n",
+        result.n_layers, slots_desc.c_str(), result.n_bytes / (1024.0 * 1024.0), result.device, result.t_upload_s,
+        policy_desc.c_str());
     return true;
 }
 
 bool common_moeplug_cache_init(llama_model * model, const common_params & params) {
+    bool engaged = false;
     if (params.moeplug_cache_profile.empty()) {
         if (!params.moeplug_cache_slots.empty()) {
             LOG_WRN("moe-cache: not engaged, running without it: --moe-cache-slots needs --moe-cache-profile\n");
         }
-        return false;
+    } else {
+        engaged = common_moeplug_cache_enable(model, params.model.path, params.moeplug_cache_profile, params.moeplug_cache_slots,
+            params.moeplug_cache_max_batch, params.moeplug_cache_margin_mib, params.endpoint_metrics,
+            params.moeplug_cache_policy, params.moeplug_cache_half_life, params.moeplug_cache_uploads);
     }
-    return common_moeplug_cache_enable(model, params.model.path, params.moeplug_cache_profile, params.moeplug_cache_slots,
-        params.moeplug_cache_max_batch, params.moeplug_cache_margin_mib, params.endpoint_metrics);
+    if (params.moeplug_cache_record) {
+        if (llama_model_moeplug_record_init(model)) {
+            LOG_INF("moe-cache: recording the router's selections of %zu layers\n",
+                llama_model_moeplug_record_read(model, nullptr, nullptr, 0, 0, nullptr, false));
+        } else {
+            LOG_WRN("moe-cache: not recording: the model has no routed-expert layers\n");
+        }
+    }
+    return engaged;
+}
+
+std::string common_moeplug_record_profile(const llama_model * model, const std::string & model_path, bool reset,
+        std::string & err) {
+    const size_t n_layers = llama_model_moeplug_record_read(model, nullptr, nullptr, 0, 0, nullptr, false);
+    if (n_layers == 0) {
+        err = "not recording (start the server with --moe-cache-record)";
+        return "";
+    }
+    common_moeplug_fingerprint fp;
+    try {
+        fp = common_moeplug_fingerprint_of(model_path);
+    } catch (const std::exception & e) {
+        err = e.what();
+        return "";
+    }
+    const int32_t n_expert = (int32_t) fp.n_expert;
+    std::vector<llama_moeplug_record_layer> layers(n_layers);
+    std::vector<uint64_t> counts(2*n_layers*(size_t) n_expert);
+    uint64_t n_tokens[2] = { 0, 0 };
+    llama_model_moeplug_record_read(model, layers.data(), counts.data(), n_expert, n_layers, n_tokens, reset);
+
+    ggml_init_params cp = { /*.mem_size =*/ 2*n_layers*n_expert*sizeof(int32_t) + 4*ggml_tensor_overhead(), /*.mem_buffer =*/ nullptr, /*.no_alloc =*/ false };
+    ggml_context_ptr ctx_ptr { ggml_init(cp) };
+    gguf_context_ptr g_ptr { gguf_init_empty() };
+    gguf_context * g = g_ptr.get();
+
+    std::vector<std::string> names;
+    for (const auto & l : layers) {
+        names.push_back(l.tensor);
+    }
+    gguf_set_val_str(g, "general.type", "moe-profile");
+    gguf_set_val_u32(g, "moe_profile.version", COMMON_MOEPLUG_PROFILE_VERSION);
+    common_moeplug_fingerprint_write(g, fp);
+    common_moeplug_set_arr_str(g, "moe_profile.tensors", names);
+    gguf_set_val_u64(g, "moe_profile.tokens.prefill", n_tokens[0]);
+    gguf_set_val_u64(g, "moe_profile.tokens.decode", n_tokens[1]);
+    common_moeplug_set_arr_str(g, "moe_profile.sources", { "live" });
+    gguf_set_val_u32(g, "moe_profile.source.0.n_predict", 0);
+    gguf_set_val_u32(g, "moe_profile.source.0.seed", 0);
+    gguf_set_val_f32(g, "moe_profile.source.0.temp", 0.0f);
+    const char * tnames[2] = { "counts.prefill", "counts.decode" };
+    for (int ph = 0; ph < 2; ++ph) {
+        ggml_tensor * t = ggml_new_tensor_2d(ctx_ptr.get(), GGML_TYPE_I32, n_expert, (int64_t) n_layers);
+        ggml_set_name(t, tnames[ph]);
+        for (size_t il = 0; il < n_layers; ++il) {
+            for (int32_t e = 0; e < n_expert; ++e) {
+                const uint64_t v = counts[il*2*n_expert + ph*n_expert + e];
+                ((int32_t *) t->data)[il*n_expert + e] = (int32_t) std::min<uint64_t>(v, INT32_MAX);
+            }
+        }
+        gguf_add_tensor(g, t);
+    }
+
+    char path[] = "/tmp/moe-record-XXXXXX";
+    const int fd = mkstemp(path);
+    if (fd < 0) {
+        err = "cannot create a temporary file for the profile";
+        return "";
+    }
+    close(fd);
+    std::string bytes;
+    if (gguf_write_to_file(g, path, false)) {
+        std::ifstream f(path, std::ios::binary);
+        bytes.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+    }
+    std::remove(path);
+    if (bytes.empty()) {
+        err = "cannot write the profile";
+    }
+    return bytes;
 }
 
 std::string common_moeplug_cache_metrics(const llama_model * model) {
@@ -379,14 +478,17 @@ std::string common_moeplug_cache_metrics(const llama_model * model) {
     }
     llama_model_moeplug_cache_stats(model, stats.data(), stats.size());
 
-    uint64_t selected = 0, resident = 0, cpu_bytes = 0;
-    std::string layers_selected, layers_resident;
+    uint64_t selected = 0, resident = 0, cpu_bytes = 0, swaps = 0, upload_bytes = 0;
+    std::string layers_selected, layers_resident, layers_swaps;
     for (const auto & s : stats) {
-        selected  += s.n_selected;
-        resident  += s.n_resident;
-        cpu_bytes += (s.n_selected - s.n_resident) * s.bytes_per_expert;
+        selected     += s.n_selected;
+        resident     += s.n_resident;
+        cpu_bytes    += (s.n_selected - s.n_resident) * s.bytes_per_expert;
+        swaps        += s.n_swaps;
+        upload_bytes += s.n_swaps * s.bytes_per_expert;
         layers_selected += string_format("llamacpp:moe_cache_layer_selections_total{layer=\"%d\"} %llu\n", s.il, (unsigned long long) s.n_selected);
         layers_resident += string_format("llamacpp:moe_cache_layer_hits_total{layer=\"%d\"} %llu\n", s.il, (unsigned long long) s.n_resident);
+        layers_swaps    += string_format("llamacpp:moe_cache_layer_swaps_total{layer=\"%d\"} %llu\n", s.il, (unsigned long long) s.n_swaps);
     }
     auto counter = [](const char * name, const char * help, uint64_t value) {
         return string_format("# HELP llamacpp:%s %s\n# TYPE llamacpp:%s counter\nllamacpp:%s %llu\n",
@@ -396,10 +498,14 @@ std::string common_moeplug_cache_metrics(const llama_model * model) {
            counter("moe_cache_hits_total", "Of them, experts computed from resident slots.", resident) +
            counter("moe_cache_cpu_experts_total", "Of them, experts computed from host memory.", selected - resident) +
            counter("moe_cache_cpu_bytes_total", "Expert bytes read from host memory for them.", cpu_bytes) +
+           counter("moe_cache_swaps_total", "Experts uploaded into a slot after start-up (dynamic policy).", swaps) +
+           counter("moe_cache_upload_bytes_total", "Expert bytes uploaded into slots after start-up.", upload_bytes) +
            "# HELP llamacpp:moe_cache_layer_selections_total Expert selections per MoE layer.\n"
            "# TYPE llamacpp:moe_cache_layer_selections_total counter\n" + layers_selected +
            "# HELP llamacpp:moe_cache_layer_hits_total Resident-slot hits per MoE layer.\n"
-           "# TYPE llamacpp:moe_cache_layer_hits_total counter\n" + layers_resident;
+           "# TYPE llamacpp:moe_cache_layer_hits_total counter\n" + layers_resident +
+           "# HELP llamacpp:moe_cache_layer_swaps_total Experts uploaded into a slot per MoE layer.\n"
+           "# TYPE llamacpp:moe_cache_layer_swaps_total counter\n" + layers_swaps;
 }
 
 bool common_moeplug_replay_load(llama_model * model, const std::string & path) {

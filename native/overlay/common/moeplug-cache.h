@@ -52,6 +52,7 @@ std::vector<int32_t> common_moeplug_parse_slots(const std::string & spec);
 struct common_moeplug_cache_choice {
     std::string          tensor;  // the layer's expert down weight
     std::vector<int32_t> experts; // hottest first
+    std::vector<float>   rates;   // selections per token of every expert (decode, or prefill without decode)
 };
 std::vector<common_moeplug_cache_choice> common_moeplug_cache_choose(
         const std::string & profile_path, const common_moeplug_fingerprint & model, const std::vector<int32_t> & n_slots);
@@ -63,13 +64,23 @@ std::vector<common_moeplug_cache_choice> common_moeplug_cache_choose(
 // (the part in parentheses when layers differ or some hold every expert, N0- when they differ)
 // or, when it cannot engage (the model then runs without it):
 //   moe-cache: not engaged, running without it: REASON
-// returns whether it engaged
+// followed by ", policy static" or ", policy dynamic (half-life H tokens, U uploads per batch)";
+// returns whether it engaged. policy: "static" or "dynamic" (--moe-cache-policy); half_life and
+// uploads: the dynamic policy's (<= 0: the defaults)
 bool common_moeplug_cache_enable(llama_model * model, const std::string & model_path, const std::string & profile_path,
-        const std::string & slots, int32_t max_batch, int32_t margin_mib, bool count = false);
+        const std::string & slots, int32_t max_batch, int32_t margin_mib, bool count = false,
+        const std::string & policy = "static", float half_life = 0.0f, int32_t uploads = 0);
 
 // common_moeplug_cache_enable from params.moeplug_cache_*, when a profile is given; counts slot hits
-// when the server's metrics endpoint is on
+// when the server's metrics endpoint is on; then, with --moe-cache-record, starts recording and logs
+//   moe-cache: recording the router's selections of L layers
 bool common_moeplug_cache_init(llama_model * model, const common_params & params);
+
+// what --moe-cache-record counted so far, as a moe profile (native/PROFILE-FORMAT.md: the model's
+// fingerprint, counts.prefill and counts.decode, one source "live" without sequences): the file's
+// bytes, or "" with err set (not recording, or the profile cannot be written); reset: zero the counts
+std::string common_moeplug_record_profile(const llama_model * model, const std::string & model_path, bool reset,
+        std::string & err);
 
 // the cache's counters in the Prometheus text format of llama-server's /metrics ("" without a cache)
 std::string common_moeplug_cache_metrics(const llama_model * model);

@@ -28,42 +28,47 @@ ggml_tensor * llama_moeplug_cache_layer::slot(const ggml_tensor * src) const {
     return it == slots.end() ? nullptr : it->second;
 }
 
+bool llama_moeplug_whole_tensors_only(const ggml_tensor * t) {
+    ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(t->buffer);
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
+    return !ggml_backend_buft_is_host(buft) && (dev == nullptr || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU);
+}
+
+void llama_moeplug_read_expert(llama_moeplug_cache & cache, const ggml_tensor * src, int32_t e, uint8_t * dst) {
+    const size_t slice = src->nb[ggml_n_dims(src) - 1];
+    if (ggml_backend_buffer_is_host(src->buffer)) {
+        memcpy(dst, (const uint8_t *) src->data + e*slice, slice);
+        return;
+    }
+    if (cache.file_slices.empty()) {
+        for (const auto & p : cache.model_files) {
+            gguf_init_params ip = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
+            gguf_context_ptr g { gguf_init_from_file(p.c_str(), ip) };
+            if (!g) {
+                throw std::runtime_error("cannot read the GGUF header of " + p);
+            }
+            for (int64_t i = 0; i < gguf_get_n_tensors(g.get()); ++i) {
+                cache.file_slices[gguf_get_tensor_name(g.get(), i)] = { p, gguf_get_data_offset(g.get()) + gguf_get_tensor_offset(g.get(), i) };
+            }
+        }
+    }
+    const auto it = cache.file_slices.find(src->name);
+    if (it == cache.file_slices.end()) {
+        throw std::runtime_error(std::string("tensor ") + src->name + " is in none of the model's files");
+    }
+    std::ifstream f(it->second.path, std::ios::binary);
+    f.seekg((std::streamoff) (it->second.offset + e*slice));
+    if (!f.read((char *) dst, (std::streamsize) slice)) {
+        throw std::runtime_error("cannot read " + std::string(src->name) + " from " + it->second.path);
+    }
+}
+
 const llama_moeplug_cache_layer * llama_moeplug_cache::find(const ggml_tensor * down_exps, int64_t n_tokens) const {
     const auto it = layers.find(down_exps);
     if (it == layers.end() || (n_tokens > max_batch && !it->second->full)) {
         return nullptr;
     }
     return it->second.get();
-}
-
-void llama_moeplug_cache_count(const llama_moeplug_cache & cache, ggml_cgraph * gf) {
-    std::vector<int32_t> ids;
-    for (const auto & [down, layer] : cache.layers) {
-        char name[GGML_MAX_NAME];
-        if (layer->full) {
-            // every selection is a hit; no ids to read
-            snprintf(name, sizeof(name), "ffn_moe_topk-%d", layer->il);
-            const ggml_tensor * topk = ggml_graph_get_tensor(gf, name);
-            if (topk != nullptr) {
-                layer->n_selected += ggml_nelements(topk);
-                layer->n_resident += ggml_nelements(topk);
-            }
-            continue;
-        }
-        snprintf(name, sizeof(name), "ffn_moe_ids_slot-%d", layer->il);
-        ggml_tensor * t = ggml_graph_get_tensor(gf, name);
-        if (t == nullptr) {
-            continue; // this batch ran the stock graph
-        }
-        ids.resize(ggml_nelements(t));
-        ggml_backend_tensor_get(t, ids.data(), 0, ggml_nbytes(t));
-        uint64_t resident = 0;
-        for (int32_t id : ids) {
-            resident += id >= 0;
-        }
-        layer->n_selected += ids.size();
-        layer->n_resident += resident;
-    }
 }
 
 size_t llama_model_moeplug_cache_stats(const llama_model * model, llama_moeplug_cache_layer_stats * out, size_t n_max) {
@@ -76,13 +81,15 @@ size_t llama_model_moeplug_cache_stats(const llama_model * model, llama_moeplug_
     }
     std::sort(layers.begin(), layers.end(), [](auto * a, auto * b) { return a->il < b->il; });
     for (size_t i = 0; i < layers.size() && i < n_max; ++i) {
-        out[i] = { layers[i]->il, layers[i]->n_selected.load(), layers[i]->n_resident.load(), layers[i]->bytes_per_expert };
+        out[i] = { layers[i]->il, layers[i]->n_selected.load(), layers[i]->n_resident.load(), layers[i]->bytes_per_expert,
+                   layers[i]->n_swaps.load() };
     }
     return layers.size();
 }
 
 uint32_t llama_moeplug_cache::n_extra_nodes() const {
-    return MOEPLUG_CACHE_EXTRA_NODES_PER_LAYER * (uint32_t) layers.size();
+    // and a copy of the selections of every recorded layer
+    return MOEPLUG_CACHE_EXTRA_NODES_PER_LAYER * (uint32_t) layers.size() + 2 * (uint32_t) recorded.size();
 }
 
 namespace {
@@ -124,7 +131,21 @@ bool moe_cache_usable(const llm_graph_context & g, const llm_moe_experts & w, co
     return why == nullptr;
 }
 
+// a copy of the layer's selected experts that outlives the graph, read by llama_moeplug_cache_after_compute
+void moe_observe(const llm_graph_context & g, ggml_tensor * selected_experts, int il, char kind) {
+    ggml_tensor * obs = ggml_cont(g.ctx0, selected_experts);
+    ggml_format_name(obs, "%s%d-%c", MOEPLUG_OBS_PREFIX, il, kind);
+    ggml_set_output(obs);
+    ggml_build_forward_expand(g.gf, obs);
+}
+
 } // namespace
+
+llama_moeplug_cache::~llama_moeplug_cache() {
+    for (ggml_backend_event_t ev : events) {
+        ggml_backend_event_free(ev);
+    }
+}
 
 ggml_tensor * llama_moeplug_cache::build_experts(
         const llm_graph_context & g,
@@ -135,7 +156,13 @@ ggml_tensor * llama_moeplug_cache::build_experts(
                         int   il) const {
     const llama_moeplug_cache_layer * cache = find(w.down, selected_experts->ne[1]);
     if (cache == nullptr || !moe_cache_usable(g, w, *cache, il)) {
+        if (record) {
+            moe_observe(g, selected_experts, il, 'n');
+        }
         return nullptr;
+    }
+    if (record || count || (dynamic && !cache->full)) {
+        moe_observe(g, selected_experts, il, cache->full ? 'w' : 's');
     }
 
     ggml_context * ctx0 = g.ctx0;
@@ -168,9 +195,6 @@ ggml_tensor * llama_moeplug_cache::build_experts(
 
     auto remap = [&](ggml_tensor * map, const char * name) {
         ggml_tensor * rows = ggml_get_rows(ctx0, map, sel);
-        if (count) {
-            ggml_set_output(rows); // read after the graph ran (llama_moeplug_cache_count)
-        }
         ggml_tensor * ids = ggml_reshape_2d(ctx0, rows, n_used, n_tokens); // [n_expert_used, n_tokens]
         g.cb(ids, name, il);
         ggml_build_forward_expand(gf, ids);
@@ -215,14 +239,10 @@ struct moe_layer_plan {
     const ggml_tensor *              down = nullptr;
     int                              il   = -1;
     std::vector<int32_t>             experts;
+    std::vector<float>               rates;    // the profile's selections per token of each expert, or empty
     std::vector<const ggml_tensor *> sources;  // every expert tensor of the layer
     std::vector<ggml_backend_buffer_type_t> bufts; // where each source's slot copy goes
     ggml_backend_dev_t               dev  = nullptr;
-};
-
-struct moe_file_slice {
-    std::string path;
-    size_t      offset = 0; // of the tensor's data in the file
 };
 
 bool moe_debug_cpu() {
@@ -238,22 +258,6 @@ bool moe_debug_no_resident() {
 // the dimension that counts experts: the last one (weights [k, n, E], biases [n, E], scales [E])
 int moe_expert_dim(const ggml_tensor * t) {
     return ggml_n_dims(t) - 1;
-}
-
-// where each tensor's data is in the model's files, for buffers that cannot be read back
-std::unordered_map<std::string, moe_file_slice> moe_file_slices(const std::vector<std::string> & paths) {
-    std::unordered_map<std::string, moe_file_slice> slices;
-    for (const auto & p : paths) {
-        gguf_init_params ip = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
-        gguf_context_ptr g { gguf_init_from_file(p.c_str(), ip) };
-        if (!g) {
-            throw std::runtime_error("cannot read the GGUF header of " + p);
-        }
-        for (int64_t i = 0; i < gguf_get_n_tensors(g.get()); ++i) {
-            slices[gguf_get_tensor_name(g.get(), i)] = { p, gguf_get_data_offset(g.get()) + gguf_get_tensor_offset(g.get(), i) };
-        }
-    }
-    return slices;
 }
 
 // can dev compute a MUL_MAT_ID with negative ids on a weight of type `type` in buft?
@@ -337,6 +341,9 @@ std::string moe_plan_layer(const llama_model & model, const llama_moeplug_cache_
     if (req.n_experts == n_expert) {
         std::sort(plan.experts.begin(), plan.experts.end()); // slot i = expert i: no remapping
     }
+    if (req.rates != nullptr && req.n_rates == n_expert) {
+        plan.rates.assign(req.rates, req.rates + n_expert);
+    }
 
     if (debug_cpu) {
         plan.dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
@@ -396,34 +403,19 @@ ggml_tensor * moe_new_map(ggml_context * ctx, int64_t n_expert, const char * nam
     return t;
 }
 
-// copies the chosen experts of src into dst, reading memory when it can and the file otherwise
-void moe_fill_slot(ggml_tensor * dst, const ggml_tensor * src, const std::vector<int32_t> & experts,
-        const std::vector<std::string> & model_files, std::unordered_map<std::string, moe_file_slice> & file_slices) {
+// fills the slot copy dst of src with the layer's experts; keeps the bytes where the buffer only
+// takes whole tensors and the slots will change
+void moe_fill_slot(llama_moeplug_cache & cache, llama_moeplug_cache_layer & layer, ggml_tensor * dst, const ggml_tensor * src) {
     const size_t slice = src->nb[moe_expert_dim(src)];
     std::vector<uint8_t> staging(ggml_nbytes(dst), 0); // a padding slot stays zero
-
-    if (ggml_backend_buffer_is_host(src->buffer)) {
-        for (size_t s = 0; s < experts.size(); ++s) {
-            memcpy(staging.data() + s*slice, (const uint8_t *) src->data + experts[s]*slice, slice);
-        }
-    } else {
-        if (file_slices.empty()) {
-            file_slices = moe_file_slices(model_files);
-        }
-        const auto it = file_slices.find(src->name);
-        if (it == file_slices.end()) {
-            throw std::runtime_error(std::string("tensor ") + src->name + " is in none of the model's files");
-        }
-        std::ifstream f(it->second.path, std::ios::binary);
-        for (size_t s = 0; s < experts.size(); ++s) {
-            f.seekg((std::streamoff) (it->second.offset + experts[s]*slice));
-            if (!f.read((char *) staging.data() + s*slice, (std::streamsize) slice)) {
-                throw std::runtime_error("cannot read " + std::string(src->name) + " from " + it->second.path);
-            }
-        }
+    for (size_t s = 0; s < layer.experts.size(); ++s) {
+        llama_moeplug_read_expert(cache, src, layer.experts[s], staging.data() + s*slice);
     }
     // one call for the whole tensor: repacked buffers only take whole tensors
     ggml_backend_tensor_set(dst, staging.data(), 0, staging.size());
+    if (cache.dynamic && !layer.full && llama_moeplug_whole_tensors_only(dst)) {
+        layer.shadow[dst] = std::move(staging);
+    }
 }
 
 std::string moe_plans_failure(const std::map<std::string, int> & reasons) {
@@ -466,8 +458,12 @@ bool llama_moeplug_cache_build(llama_model & model, const llama_moeplug_cache_pa
     }
 
     auto cache = std::make_unique<llama_moeplug_cache>();
-    cache->max_batch = params.max_batch;
-    cache->count     = params.count;
+    cache->max_batch   = params.max_batch;
+    cache->count       = params.count;
+    cache->dynamic     = params.policy == LLAMA_MOEPLUG_CACHE_POLICY_DYNAMIC && !moe_debug_no_resident();
+    cache->half_life   = params.half_life   > 0.0f ? params.half_life   : MOEPLUG_CACHE_HALF_LIFE_DEFAULT;
+    cache->max_uploads = params.max_uploads > 0    ? params.max_uploads : MOEPLUG_CACHE_UPLOADS_DEFAULT;
+    cache->model_files.assign(params.model_files, params.model_files + params.n_model_files);
 
     // one context per buffer type: the slots, and the maps beside them
     std::map<ggml_backend_buffer_type_t, ggml_context *> ctx_of;
@@ -494,6 +490,11 @@ bool llama_moeplug_cache_build(llama_model & model, const llama_moeplug_cache_pa
         layer->il       = plan.il;
         layer->n_expert = plan.down->ne[2];
         layer->experts  = plan.experts;
+        layer->score.assign(layer->n_expert, 0.0f);
+        for (size_t e = 0; e < plan.rates.size(); ++e) {
+            // a use count in steady state: rate x the tokens a count lasts (half-life / ln 2)
+            layer->score[e] = plan.rates[e] * cache->half_life / 0.69314718f;
+        }
         for (const ggml_tensor * src : plan.sources) {
             layer->bytes_per_expert += src->nb[moe_expert_dim(src)];
         }
@@ -545,12 +546,10 @@ bool llama_moeplug_cache_build(llama_model & model, const llama_moeplug_cache_pa
     for (auto & [down, layer] : cache->layers) {
         layer->full = !no_resident && (int64_t) layer->experts.size() == layer->n_expert;
     }
-    const std::vector<std::string> model_files(params.model_files, params.model_files + params.n_model_files);
-    std::unordered_map<std::string, moe_file_slice> file_slices;
     uint64_t n_bytes = 0;
     for (auto & [down, layer] : cache->layers) {
         for (auto & [src, dst] : layer->slots) {
-            moe_fill_slot(dst, src, layer->experts, model_files, file_slices);
+            moe_fill_slot(*cache, *layer, dst, src);
             n_bytes += ggml_nbytes(dst);
         }
 
@@ -571,6 +570,34 @@ bool llama_moeplug_cache_build(llama_model & model, const llama_moeplug_cache_pa
         ggml_backend_tensor_set(layer->map_src,          map_src.data(),          0, ggml_nbytes(layer->map_src));
         ggml_backend_tensor_set(layer->map_slot,         map_slot.data(),         0, ggml_nbytes(layer->map_slot));
         ggml_backend_tensor_set(layer->map_slot_clamped, map_slot_clamped.data(), 0, ggml_nbytes(layer->map_slot_clamped));
+        layer->h_map_src          = std::move(map_src);
+        layer->h_map_slot         = std::move(map_slot);
+        layer->h_map_slot_clamped = std::move(map_slot_clamped);
+    }
+
+    // dynamic policy: uploads go through a backend of their own on each slot device (its own queue
+    // on a GPU), each layer's signalled by an event (none on the CPU: the copies are synchronous)
+    if (cache->dynamic) {
+        std::map<ggml_backend_dev_t, ggml_backend_t> upload_on;
+        for (const auto & plan : plans) {
+            llama_moeplug_cache_layer & layer = *cache->layers.at(plan.down);
+            if (layer.full || moe_is_cpu_dev(plan.dev)) {
+                continue;
+            }
+            if (!upload_on.count(plan.dev)) {
+                ggml_backend_t b = ggml_backend_dev_init(plan.dev, nullptr);
+                if (b == nullptr) {
+                    throw std::runtime_error(std::string("cannot start a backend on ") + ggml_backend_dev_name(plan.dev) + " for slot uploads");
+                }
+                cache->upload_backends.emplace_back(b);
+                upload_on[plan.dev] = b;
+            }
+            layer.upload = upload_on[plan.dev];
+            layer.uploaded = ggml_backend_event_new(plan.dev);
+            if (layer.uploaded != nullptr) {
+                cache->events.push_back(layer.uploaded);
+            }
+        }
     }
 
     // the slot copies compute with the precision their sources ask for

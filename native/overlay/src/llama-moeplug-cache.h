@@ -12,9 +12,9 @@
 //   src/llama-graph.h      llm_graph_params::moeplug_cache, llm_graph_context::moeplug_cache (0005)
 //   src/llama-context.cpp  graph_params(): passes model.moeplug_cache to the graph         (0005)
 //                          graph_max_nodes(): + llama_moeplug_cache::n_extra_nodes()      (0005)
-//                          process_ubatch(): llama_moeplug_cache_count() after a graph    (0011)
+//                          process_ubatch(): llama_moeplug_cache_after_compute() after a graph (0011)
 //   src/llama-graph.cpp    build_moe_ffn(): llama_moeplug_cache::build_experts()          (0005)
-//   src/llama-ext.h        the C API: llama_model_moeplug_cache_init/_stats               (0005, 0011)
+//   src/llama-ext.h        the C API: llama_model_moeplug_cache_init/_stats, _record_*    (0005, 0011)
 //   src/CMakeLists.txt     this file's .cpp in libllama                                   (0005)
 // common/moeplug-cache.{h,cpp} read profiles and call the C API from common_init (0006).
 
@@ -26,12 +26,16 @@
 
 #include <atomic>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
 struct llama_model;
 struct llama_moeplug_cache_params;
+struct llama_ubatch;
 
 // batches above this many tokens run the stock graph unless the layer is whole (--moe-cache-max-batch)
 constexpr int32_t  MOEPLUG_CACHE_MAX_BATCH_DEFAULT     = 31;
@@ -39,6 +43,11 @@ constexpr int32_t  MOEPLUG_CACHE_MAX_BATCH_DEFAULT     = 31;
 constexpr uint32_t MOEPLUG_CACHE_EXTRA_NODES_PER_LAYER = 64;
 // tensor headers per layer in a slot context: the slot copies of every expert tensor and the maps
 constexpr size_t   MOEPLUG_CACHE_TENSORS_PER_LAYER     = 64;
+// dynamic policy: half-life of the use counts in tokens, slot uploads started after a batch, and
+// how many more (decayed) selections a missed expert needs than the coldest resident one to swap in
+constexpr float    MOEPLUG_CACHE_HALF_LIFE_DEFAULT     = 128.0f;
+constexpr int32_t  MOEPLUG_CACHE_UPLOADS_DEFAULT       = 4;
+constexpr float    MOEPLUG_CACHE_SWAP_MARGIN           = 2.0f;
 struct llama_moeplug_cache_result;
 
 // one MoE layer: a slot copy of each of its expert tensors and the maps from expert to slot
@@ -65,15 +74,63 @@ struct llama_moeplug_cache_layer {
     // of them a slot served
     mutable std::atomic<uint64_t> n_selected { 0 };
     mutable std::atomic<uint64_t> n_resident { 0 };
+    mutable std::atomic<uint64_t> n_swaps    { 0 }; // experts uploaded into a slot after start-up
     size_t bytes_per_expert = 0; // of the source tensors: what the CPU reads per non-resident selection
+
+    // host copies of the maps (what the graphs read), and the slot of each expert (-1: not resident)
+    std::vector<int32_t> h_map_src, h_map_slot, h_map_slot_clamped;
+
+    // dynamic policy: selections per expert, decayed over tokens (seeded from the profile), and
+    // the upload in flight: pending_expert goes into pending_slot once `uploaded` has fired
+    std::vector<float>   score;
+    int32_t              pending_slot   = -1;
+    int32_t              pending_expert = -1;
+    ggml_backend_t       upload         = nullptr; // where uploads queue (nullptr: synchronous copies)
+    ggml_backend_event_t uploaded       = nullptr;
+
+    // slot tensors whose buffer only takes whole tensors (CPU_REPACK): their bytes in source layout
+    std::unordered_map<const ggml_tensor *, std::vector<uint8_t>> shadow;
 
     // the slot copy of a source tensor; nullptr for nullptr and for a tensor without a copy
     ggml_tensor * slot(const ggml_tensor * src) const;
 };
 
+// the router's selections of one MoE layer, prompt and generated tokens apart (--moe-cache-record)
+struct llama_moeplug_record_layer_state {
+    int                   il = -1;
+    std::string           tensor; // the layer's expert down-projection weight
+    std::vector<uint64_t> prefill;
+    std::vector<uint64_t> decode;
+};
+
+// where a tensor's data is in the model's files
+struct llama_moeplug_file_slice {
+    std::string path;
+    size_t      offset = 0;
+};
+
 struct llama_moeplug_cache {
     int32_t max_batch = MOEPLUG_CACHE_MAX_BATCH_DEFAULT; // larger batches run the stock graph
-    bool    count     = false; // keep the slot ids of each batch and count hits (costs a read per layer)
+    bool    count     = false; // count slot hits (reads each layer's selections after a batch)
+    bool    dynamic   = false; // slots follow the prompt (--moe-cache-policy dynamic)
+    bool    record    = false; // count every MoE layer's selections per expert (--moe-cache-record)
+    float   half_life = MOEPLUG_CACHE_HALF_LIFE_DEFAULT;
+    int32_t max_uploads = MOEPLUG_CACHE_UPLOADS_DEFAULT;
+
+    // dynamic policy: a backend of the slots' device whose queue is not the graphs' one, and where
+    // the sources of buffers that cannot be read back are in the files
+    std::vector<ggml_backend_ptr> upload_backends;
+    std::vector<std::string> model_files;
+    std::unordered_map<std::string, llama_moeplug_file_slice> file_slices;
+    std::vector<ggml_backend_event_t> events;
+
+    // --moe-cache-record: every MoE layer; tokens counted per phase
+    std::mutex record_mutex;
+    std::map<int, llama_moeplug_record_layer_state> recorded; // by layer index
+    uint64_t n_record_prefill = 0;
+    uint64_t n_record_decode  = 0;
+
+    ~llama_moeplug_cache();
 
     // key: the layer's source expert down-projection weight
     std::unordered_map<const ggml_tensor *, std::unique_ptr<llama_moeplug_cache_layer>> layers;
@@ -99,8 +156,21 @@ struct llama_moeplug_cache {
                             int   il) const;
 };
 
-// adds the slot hits of a computed graph to the counters
-void llama_moeplug_cache_count(const llama_moeplug_cache & cache, ggml_cgraph * gf);
+// whether the buffer of t only takes whole tensors (CPU_REPACK)
+bool llama_moeplug_whole_tensors_only(const ggml_tensor * t);
+
+// the bytes of expert e of the expert tensor src, from memory or, where its buffer cannot be read
+// back, from the model's files; throws std::runtime_error
+void llama_moeplug_read_expert(llama_moeplug_cache & cache, const ggml_tensor * src, int32_t e, uint8_t * dst);
+
+// after a graph ran: reads the selections it observed, counts hits and records, and (dynamic
+// policy) commits finished uploads and starts new ones (src/llama-moeplug-policy.cpp)
+void llama_moeplug_cache_after_compute(llama_moeplug_cache & cache, ggml_backend_sched_t sched, ggml_cgraph * gf,
+        const llama_ubatch & ubatch);
+
+// the name of a graph's copy of a layer's selected experts, read after the graph: "moeplug_obs-IL-K"
+// with K 's' (the two passes ran), 'w' (a whole layer ran its slots) or 'n' (the stock pass ran)
+constexpr const char * MOEPLUG_OBS_PREFIX = "moeplug_obs-";
 
 // builds model.moeplug_cache; on failure the model is unchanged and result.reason says why
 bool llama_moeplug_cache_build(llama_model & model, const llama_moeplug_cache_params & params, llama_moeplug_cache_result & result);

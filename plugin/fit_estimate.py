@@ -1,0 +1,66 @@
+"""llama.cpp's own estimate of what a server puts on the GPU beside the routed experts.
+
+`llama-fit-params --fit-print on` (the tool behind stock `--fit`) loads the model's header and
+builds its graphs without allocating, and prints per device the MiB of weights, context (KV cache)
+and compute buffers the same command line would allocate. Asked with every routed expert in RAM
+(`-ngl 99 --cpu-moe`), that is the VRAM the server needs before any expert: the planner gives the
+experts what the budget leaves beside it and the CUDA context, which no buffer counts. Stock
+`--fit` sizes its own placement from the same numbers, so the two fill a budget alike.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from moeplug.sizes import MIB
+
+# the CUDA runtime's own memory in a llama-server process (context, kernels, cuBLAS workspace),
+# which no ggml buffer counts: NVML's count of a server process minus its buffers' (H200, CUDA 12)
+CUDA_CONTEXT_RESERVE = 512 * MIB
+
+
+@dataclass(frozen=True)
+class DeviceNeed:
+    device: str  # e.g. CUDA0
+    model: int  # bytes of weights
+    context: int  # KV cache and other context buffers
+    compute: int  # graph scratch
+
+    @property
+    def total(self) -> int:
+        return self.model + self.context + self.compute
+
+
+def parse_fit_print(text: str) -> list[DeviceNeed]:
+    """The device lines of `--fit-print on` output ('CUDA0 1234 96 310', MiB); the Host line is not a device."""
+    out = []
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 4 and parts[0] != "Host" and all(p.isdigit() for p in parts[1:]):
+            model, context, compute = (int(p) * MIB for p in parts[1:])
+            out.append(DeviceNeed(parts[0], model, context, compute))
+    return out
+
+
+def gpu_need(fit_tool: Path, model: Path, ctx: int, extra_args: list[str] | None = None,
+             timeout: float = 300) -> DeviceNeed | None:
+    """What the first GPU holds for a server of this model and context with every routed expert in
+    RAM, by llama.cpp's own estimate; None when the tool is missing, fails or finds no GPU."""
+    if not fit_tool.exists():
+        return None
+    try:
+        r = subprocess.run([str(fit_tool), "-m", str(model), "-c", str(ctx), "-ngl", "99", "--cpu-moe",
+                            "--fit-print", "on", *(extra_args or [])], capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if r.returncode != 0:
+        return None
+    devices = parse_fit_print(r.stdout)
+    return devices[0] if devices else None
+
+
+def expert_room(need: DeviceNeed, vram_budget: int) -> int:
+    """VRAM left for routed experts (whole layers and slots) at this budget."""
+    return vram_budget - need.total - CUDA_CONTEXT_RESERVE
