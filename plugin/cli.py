@@ -44,6 +44,8 @@ COMMAND_MODULES = (
     "moeplug.trace_cli",  # trace convert | info
     "moeplug.hooks.cli",  # hook llama-server | llama-swap | list | remove | watch
     "moeplug.tui.cli",  # tui
+    "moeplug.reprofile_cli",  # reprofile
+    "moeplug.schedule_cli",  # schedule install | status | remove
 )
 
 
