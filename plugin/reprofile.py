@@ -252,14 +252,18 @@ def swap_previous(dest: Path) -> Path:
 # new counts
 
 
-def fetch_live_profile(record: ServerRecord, reset: bool = False, timeout: float = 60) -> Profile:
-    """The routing counts a server run with --moe-cache-record gathered (reset: and zero them)."""
-    import requests
-
+def _require_recording(record: ServerRecord) -> None:
     if RECORD_FLAG not in record.args:
         raise MoeplugError(f"'{record.name}' is served without {RECORD_FLAG}, so its routing is not counted: "
                            f"serve it with 'moeplug serve {record.name} --record' (or stop it to re-profile "
                            f"with the prompts)")
+
+
+def fetch_live_profile(record: ServerRecord, reset: bool = False, timeout: float = 60) -> Profile:
+    """The routing counts a server run with --moe-cache-record gathered (reset: and zero them)."""
+    import requests
+
+    _require_recording(record)
     try:
         r = requests.get(f"http://{HOST}:{record.port}{PROFILE_ENDPOINT}", params={"reset": 1} if reset else None,
                          timeout=timeout)
@@ -275,6 +279,7 @@ def fetch_live_profile(record: ServerRecord, reset: bool = False, timeout: float
 
 def _new_counts(m: InstalledModel, served: ServerRecord | None, progress: ProgressFn) -> tuple[str, Profile]:
     if served is not None:
+        _require_recording(served)
         progress(Note(f"{m.name}: reading the routing counts of the server at {served.url}"))
         return "live", fetch_live_profile(served)
     with tempfile.TemporaryDirectory(prefix="moeplug-reprofile-") as tmp:
