@@ -18,6 +18,7 @@ from moeplug.errors import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
     EXIT_NOT_APPLICABLE,
+    EXIT_NOTHING_TO_DO,
     EXIT_OK,
     EXIT_USAGE,
     MoeplugError,
@@ -32,6 +33,7 @@ EPILOG = f"""exit codes:
   {EXIT_USAGE}    usage error (unknown option, missing argument, a value out of range)
   {EXIT_NOT_APPLICABLE}    not applicable: a dense model, or a plan that does not fit
   {EXIT_BUILD_FAILED}    native build failed (the message names the log file)
+  {EXIT_NOTHING_TO_DO}   reprofile: nothing to do (the new plan would not gain --min-gain)
   {EXIT_INTERRUPTED}  interrupted
 """
 

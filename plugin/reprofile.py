@@ -297,8 +297,9 @@ def _served(name: str) -> ServerRecord | None:
 
 def _drift(m: InstalledModel, old: Profile | None, new: Profile) -> list[LayerDrift]:
     info = inspect_model(m.path)
-    slots = list(m.plan.slots_per_layer)
     n_layers, n_expert = len(info.layers), info.n_expert
+    planned = m.plan.slots_per_layer
+    slots = list(planned) if isinstance(planned, list) else [int(planned)] * n_layers  # an older record: one count
     traffic = (new.counts_prefill + new.counts_decode)[:n_layers]
     if old is None:
         return [LayerDrift(layer.block, n, n_expert, None, None) for layer, n in zip(info.layers, slots)]
@@ -434,7 +435,7 @@ def reprofile_model(name: str, opts: Options, progress: ProgressFn = silent) -> 
                         old_weight=0.5 ** ((tokens["prefill"] + tokens["decode"]) / opts.half_life) if old else 0.0,
                         layers=layers, plan_predicted=m.plan.predicted_hit_rate, measured=measured,
                         new_predicted=preview.predicted_hit_rate, gain=gain, min_gain=opts.min_gain,
-                        profile=str(dest), slots_before=list(m.plan.slots_per_layer))
+                        profile=str(dest), slots_before=[x.slots for x in layers])
     if not tokens["prefill"] + tokens["decode"]:
         result.notes.append("no new traffic counted since the last re-profile")
         return result

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 import random
 import signal
 import subprocess
@@ -23,9 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
-from helpers import CliResult, fixture_spec, run_cli_process
-
-from moeplug.paths import builds_dir
+from helpers import CliResult, fixture_spec, run_cli_process, xdg_homes
 
 XDG = ("XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CONFIG_HOME")
 
@@ -164,13 +161,7 @@ def test_sigkill_while_writing_leaves_the_old_or_the_new_profile(small_model: Pa
 
 @pytest.fixture
 def home(patched_build, tmp_path: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    for var in XDG:
-        env[var] = str(tmp_path / var.lower())
-    shared = Path(env["XDG_DATA_HOME"]) / "moeplug" / "builds"
-    shared.parent.mkdir(parents=True)
-    shared.symlink_to(builds_dir())
-    return env
+    return xdg_homes(tmp_path)
 
 
 def moeplug(env: dict[str, str], *args: str) -> CliResult:
@@ -262,7 +253,7 @@ def test_traffic_like_the_bundled_prompts_is_nothing_to_do(home: dict[str, str])
 
 
 def test_bad_input_is_one_line(tmp_path: Path) -> None:
-    env = {**os.environ, **{v: str(tmp_path / v.lower()) for v in XDG}}
+    env = xdg_homes(tmp_path, share_builds=False)
     for args, code, text in ((("reprofile",), 2, "name one installed model, or pass --all"),
                              (("reprofile", "demo", "--all"), 2, "or pass --all"),
                              (("reprofile", "nothing"), 1, "'nothing' is not installed"),

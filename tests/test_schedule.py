@@ -8,21 +8,20 @@ scheduled command itself is run, as the timer or cron would run it.
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import CliResult, run_cli_process
+from helpers import CliResult, run_cli_process, xdg_homes
 
 XDG = ("XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CONFIG_HOME")
 
 
 @pytest.fixture
 def env(tmp_path: Path) -> dict[str, str]:
-    e = {**os.environ, **{v: str(tmp_path / v.lower()) for v in XDG}}
+    e = xdg_homes(tmp_path, share_builds=False)
     e.pop("MOEPLUG_CRONTAB_FILE", None)
     return e
 
