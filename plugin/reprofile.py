@@ -382,7 +382,12 @@ def _apply(m: InstalledModel, served: ServerRecord | None, opts: Options,
         return "not served", None
     if opts.apply == "never":
         return "never", None
-    if not wait_for_idle(served, opts.idle_s if opts.apply == "idle" else 0.0, opts.wait_s, progress):
+    try:
+        idle = wait_for_idle(served, opts.idle_s if opts.apply == "idle" else 0.0, opts.wait_s, progress)
+    except MoeplugError as exc:  # the profile and plan are stored: report, do not fail the run
+        progress(Note(f"{m.name}: {exc}"))
+        return f"not restarted: {exc}", None
+    if not idle:
         progress(Note(f"{m.name}: still busy after {opts.wait_s:g} s: not restarted (the next serve uses the new plan)"))
         return "busy", None
     progress(Note(f"{m.name}: restarting it with the new plan on port {served.port}"))
