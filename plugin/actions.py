@@ -55,23 +55,26 @@ class Served:
 
 
 def serve(name: str, *, port: int | None = None, vram_budget: int | None = None, ctx: int | None = None,
-          ctx_override: bool = False, allow_fallback: bool = False, metrics: bool = False,
+          ctx_override: bool = False, allow_fallback: bool = False, metrics: bool = False, record: bool = False,
           progress: ProgressFn = silent) -> Served:
     """Launch an installed model again (detached) with its build; re-planned when a budget or a
-    context is given, else with the plan it was installed with."""
+    context is given, else with the plan it was installed with. Waits while another moeplug holds
+    the model (an install, a re-profile), then reads the model as that one left it. record: count
+    the router's selections for `moeplug reprofile` (llama-server --moe-cache-record)."""
     from moeplug.serving import launch_verified, model_lock
 
-    m = read_installed(name)
-    if vram_budget is not None or ctx is not None:
-        if ctx is not None:
-            ctx = context_size(inspect_model(m.path), ctx, ctx_override)
-        m = replan(m, ctx, vram_budget)  # the new plan becomes the model's own; the hooks follow
-    plan = m.plan
-    with model_lock(m.name):
-        record = launch_verified(m.name, Path(m.path), installed_build(m).binary("llama-server"), m.build_id,
+    read_installed(name)  # an unknown name fails now, not after a wait
+    with model_lock(name, progress):
+        m = read_installed(name)
+        if vram_budget is not None or ctx is not None:
+            if ctx is not None:
+                ctx = context_size(inspect_model(m.path), ctx, ctx_override)
+            m = replan(m, ctx, vram_budget)  # the new plan becomes the model's own; the hooks follow
+        plan = m.plan
+        served = launch_verified(m.name, Path(m.path), installed_build(m).binary("llama-server"), m.build_id,
                                  plan.server_args, plan.ctx, port=port, allow_fallback=allow_fallback,
-                                 env=m.server_env(), metrics=metrics, plan=plan)
-    return Served(m.name, record)
+                                 env=m.server_env(), metrics=metrics, plan=plan, record=record)
+    return Served(m.name, served)
 
 
 @dataclass

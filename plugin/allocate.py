@@ -74,13 +74,16 @@ def _curve(rank_counts: np.ndarray, score_counts: np.ndarray) -> np.ndarray:
     return np.concatenate([[0.0], np.cumsum(score_counts[order]) / total])
 
 
-def _layer_counts(seq: np.ndarray, n_layers: int, n_expert: int) -> np.ndarray:
-    """int64 [n_layers, n_expert] selection counts of seq [n_steps, n_layers, n_expert_used]."""
-    counts = np.zeros((n_layers, n_expert), dtype=np.int64)
+def _layer_counts(seq: np.ndarray, n_layers: int, n_expert: int, weights: np.ndarray | None = None) -> np.ndarray:
+    """[n_layers, n_expert] selection counts of seq [n_steps, n_layers, n_expert_used], each step
+    counted `weights[step]` times (None: once; int64 then)."""
+    counts = np.zeros((n_layers, n_expert), dtype=np.int64 if weights is None else np.float64)
     for layer in range(n_layers):
-        ids = seq[:, layer, :].ravel()
-        ids = ids[(ids >= 0) & (ids < n_expert)]
-        counts[layer] = np.bincount(ids, minlength=n_expert)
+        ids = seq[:, layer, :]
+        step_w = None if weights is None else np.broadcast_to(weights[:, None], ids.shape).ravel()
+        ids = ids.ravel()
+        keep = (ids >= 0) & (ids < n_expert)
+        counts[layer] = np.bincount(ids[keep], weights=None if step_w is None else step_w[keep], minlength=n_expert)
     return counts
 
 
@@ -100,14 +103,24 @@ def _prompt_folds(sources: list[ProfileSource]) -> np.ndarray:
 
 
 def hit_curves(profile: Profile | None, n_layers: int, n_expert: int) -> np.ndarray:
-    """float [n_layers, n_expert + 1]: each layer's expected share of selections its top-N serve."""
+    """float [n_layers, n_expert + 1]: each layer's expected share of selections its top-N serve.
+
+    Sources with sequences are cross-validated by prompt, each token counted at its source's
+    weight (older traffic counts less after a decayed merge). Counts no sequence holds (a
+    llama-server's live counts: the file's counts minus the weighted sequences) have no prompts
+    to split: half of them goes to each fold, so that part is scored on itself."""
     if profile is None:
         return np.tile(uniform_hits(n_expert), (n_layers, 1))
     sources = [s for s in profile.sources if len(s.seq)]
     if sources:
         seq = np.concatenate([s.seq for s in sources]).astype(np.int64)
+        weights = np.concatenate([np.full(len(s.seq), s.weight) for s in sources])
         fold = _prompt_folds(sources)
-        halves = [_layer_counts(seq[fold == 0], n_layers, n_expert), _layer_counts(seq[fold == 1], n_layers, n_expert)]
+        halves = [_layer_counts(seq[fold == f], n_layers, n_expert, weights[fold == f]) for f in (0, 1)]
+        if any(not len(s.seq) for s in profile.sources):
+            counted = (profile.counts_prefill + profile.counts_decode).astype(np.float64)
+            rest = np.maximum(counted - halves[0] - halves[1], 0.0) / 2
+            halves = [h + rest for h in halves]
         curves = np.stack([(_curve(halves[0][i], halves[1][i]) + _curve(halves[1][i], halves[0][i])) / 2
                            for i in range(n_layers)])
     else:
@@ -116,6 +129,29 @@ def hit_curves(profile: Profile | None, n_layers: int, n_expert: int) -> np.ndar
     curves = np.maximum.accumulate(np.clip(curves, 0.0, 1.0), axis=1)
     curves[:, -1] = 1.0
     return curves
+
+
+def slot_order(counts_decode: np.ndarray, counts_prefill: np.ndarray) -> np.ndarray:
+    """The experts of one layer in the order llama-server fills its slots from a profile
+    (common/moeplug-cache.cpp): most generated-token selections first, then most prompt-token
+    selections, then the lower id."""
+    ids = np.arange(len(counts_decode))
+    return np.lexsort((ids, -np.asarray(counts_prefill), -np.asarray(counts_decode)))
+
+
+def served_share(profile: Profile, slots_per_layer: list[int], counts: np.ndarray) -> list[float | None]:
+    """Per MoE layer, the share of `counts` ([n_layers, n_expert]: selections of some traffic)
+    that the slots a server holds from `profile` would have served; a whole layer serves all,
+    a layer without slots none; None where the traffic has no selection."""
+    out: list[float | None] = []
+    for i, n in enumerate(slots_per_layer):
+        total = float(counts[i].sum())
+        if total <= 0:
+            out.append(None)
+            continue
+        resident = slot_order(profile.counts_decode[i], profile.counts_prefill[i])[:n]
+        out.append(float(counts[i][resident].sum()) / total)
+    return out
 
 
 def _unit_weights(layers: list[LayerCost], room: int) -> tuple[list[int], int]:

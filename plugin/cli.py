@@ -18,6 +18,7 @@ from moeplug.errors import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
     EXIT_NOT_APPLICABLE,
+    EXIT_NOTHING_TO_DO,
     EXIT_OK,
     EXIT_USAGE,
     MoeplugError,
@@ -32,6 +33,7 @@ EPILOG = f"""exit codes:
   {EXIT_USAGE}    usage error (unknown option, missing argument, a value out of range)
   {EXIT_NOT_APPLICABLE}    not applicable: a dense model, or a plan that does not fit
   {EXIT_BUILD_FAILED}    native build failed (the message names the log file)
+  {EXIT_NOTHING_TO_DO}   reprofile: nothing to do (the new plan would not gain --min-gain)
   {EXIT_INTERRUPTED}  interrupted
 """
 
@@ -44,6 +46,8 @@ COMMAND_MODULES = (
     "moeplug.trace_cli",  # trace convert | info
     "moeplug.hooks.cli",  # hook llama-server | llama-swap | list | remove | watch
     "moeplug.tui.cli",  # tui
+    "moeplug.reprofile_cli",  # reprofile
+    "moeplug.schedule_cli",  # schedule install | status | remove
 )
 
 

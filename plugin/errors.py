@@ -12,6 +12,7 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_NOT_APPLICABLE = 3  # e.g. a dense model, or a plan that does not fit
 EXIT_BUILD_FAILED = 4  # the native build (download, patch, cmake) failed
+EXIT_NOTHING_TO_DO = 10  # `moeplug reprofile`: the new routing would not gain enough to re-plan (for cron)
 EXIT_INTERRUPTED = 130
 
 

@@ -23,12 +23,14 @@ from moeplug.gpu import free_vram_bytes
 from moeplug.output import human_bytes
 from moeplug.paths import data_dir
 from moeplug.plan import Plan, make_plan
+from moeplug.profile.format import Profile
 from moeplug.probes import available_ram_bytes
 from moeplug.profile.runner import DEFAULT_PROMPT_SETS
 from moeplug.progress import Note, ProgressFn, silent
 from moeplug.refs import ModelRef, ResolvedModel, parse_ref, resolve_ref
 
 DEMO_PROFILE_TOKENS = 32
+PROFILE_CTX = 2048  # the profiler's context: each prompt is one sequence, far shorter than this
 SLOTS_ON_CPU_ENV = {"LLAMA_MOE_CACHE_DEVICE": "CPU"}
 
 
@@ -43,6 +45,9 @@ class InstalledModel:
     plan: Plan
     slots_on_cpu: bool = False  # the demo's stand-in for a GPU: slots in RAM, same results, no speedup
     installed_at: float = field(default_factory=time.time)
+    # prompt files (.txt, prompts separated by '---') that `moeplug reprofile` runs besides the
+    # bundled sets when the model is not served: `moeplug reprofile NAME --prompt-file FILE`
+    prompt_files: list[str] = field(default_factory=list)
 
     def server_env(self) -> dict[str, str]:
         return dict(SLOTS_ON_CPU_ENV) if self.slots_on_cpu else {}
@@ -145,9 +150,19 @@ def ensure_profile(model: Path, tool: Path, n_predict: int, prompt_sets: list[st
     if dest.exists() and not remake:
         progress(Note(f"profile: {dest} (already made; 'moeplug profile' re-makes it)"))
         return dest
-    run = ProfileRun(tool=tool, model=model, n_predict=n_predict, ctx=2048)
+    run = ProfileRun(tool=tool, model=model, n_predict=n_predict, ctx=PROFILE_CTX)
     path, _ = run_profile(run, prompt_sets, dest, progress)
     return path
+
+
+def rerun_prompts(m: InstalledModel, out: Path, progress: ProgressFn = silent) -> Profile:
+    """An installed model's routing on the bundled prompt sets and its own prompt files, profiled
+    as install profiles it, written to `out` (not stored as the model's profile)."""
+    from moeplug.profile.runner import ProfileRun, run_profile
+
+    tool = installed_build(m).binary("llama-moe-profile")
+    run = ProfileRun(tool=tool, model=Path(m.path), n_predict=default_profile_tokens(parse_ref(m.ref)), ctx=PROFILE_CTX)
+    return run_profile(run, [*DEFAULT_PROMPT_SETS, *m.prompt_files], out, progress)[1]
 
 
 def default_profile_tokens(ref: ModelRef) -> int:
@@ -167,15 +182,18 @@ def remake_profile(name: str, prompt_sets: list[str] | None = None, progress: Pr
 
 
 def plan_for(info: ModelInfo, ctx: int, vram_budget: int | None, profile: Path | None,
-             slots_on_cpu: bool, fit_tool: Path | None = None, policy: str = "auto") -> Plan:
-    """The plan at a budget (None: the free VRAM). fit_tool: the build's llama-fit-params, whose
-    estimate of the GPU's other buffers replaces moeplug's own where it sees a GPU."""
+             slots_on_cpu: bool, loaded: Profile | None = None, fit_tool: Path | None = None,
+             policy: str = "auto") -> Plan:
+    """The plan at a budget (None: the free VRAM). loaded: the profile to plan from when it is not
+    (yet) the file at `profile`. fit_tool: the build's llama-fit-params, whose estimate of the
+    GPU's other buffers replaces moeplug's own where it sees a GPU."""
     from moeplug.fit_estimate import gpu_need
 
     budget = vram_budget if vram_budget is not None else free_vram_bytes()
     slots_in_ram = max(1, info.n_expert // 4) if slots_on_cpu else 0  # the demo without a GPU
     need = gpu_need(fit_tool, info.path, ctx) if fit_tool is not None and budget is not None else None
-    return make_plan(info, ctx, budget, profile, available_ram_bytes(), slots_in_ram, need=need, policy=policy)
+    return make_plan(info, ctx, budget, profile, available_ram_bytes(), slots_in_ram, need=need, policy=policy,
+                     profile=loaded)
 
 
 def installed_build(m: InstalledModel) -> Any:
@@ -201,7 +219,7 @@ def install(text: str, *, ctx: int | None = None, vram_budget: int | None = None
     ref = parse_ref(text)
     name = model_name(ref)
     is_demo = ref.kind == "demo"
-    with model_lock(name):
+    with model_lock(name, progress):
         resolved = locate(text, progress=progress)
         info = inspect_model(resolved.path)
         require_moe(info)
@@ -228,16 +246,18 @@ def install(text: str, *, ctx: int | None = None, vram_budget: int | None = None
     return done
 
 
-def plan_installed(m: InstalledModel, ctx: int | None = None, vram_budget: int | None = None) -> Plan:
+def plan_installed(m: InstalledModel, ctx: int | None = None, vram_budget: int | None = None,
+                   profile: Profile | None = None) -> Plan:
     """An installed model's plan made again, for another budget or context (None: the stored
-    ones), from its profile; nothing is stored (replan keeps it)."""
+    ones), from its profile (or `profile`, the one about to replace it); nothing is stored
+    (replan keeps it)."""
     budget = vram_budget if vram_budget is not None else m.plan.vram_budget_bytes
-    profile = Path(m.profile) if m.profile and Path(m.profile).exists() else None
+    path = Path(m.profile) if m.profile and (profile is not None or Path(m.profile).exists()) else None
     try:
         fit_tool = installed_build(m).binary("llama-fit-params")
     except MoeplugError:
         fit_tool = None  # the build is gone: moeplug's own estimate
-    return plan_for(inspect_model(m.path), ctx or m.ctx, budget, profile, m.slots_on_cpu, fit_tool=fit_tool)
+    return plan_for(inspect_model(m.path), ctx or m.ctx, budget, path, m.slots_on_cpu, profile, fit_tool=fit_tool)
 
 
 def replan(m: InstalledModel, ctx: int | None = None, vram_budget: int | None = None) -> InstalledModel:

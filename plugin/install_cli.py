@@ -94,7 +94,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     out = Output.for_args(args)
     served = serve(args.model, port=args.port, vram_budget=args.vram_budget, ctx=args.ctx,
                    ctx_override=args.ctx_override, allow_fallback=args.allow_fallback, metrics=args.metrics,
-                   progress=out.progress)
+                   record=args.record, progress=out.progress)
     return out.result(served, lambda s: served_text(s.name, s.server))
 
 
@@ -184,6 +184,8 @@ def register(sub: Any) -> None:
     add_plan_options(p, "re-plan for this budget, e.g. 12GiB (kept as the model's plan)",
                      "re-plan for this context size (kept as the model's plan)")
     add_serve_options(p)
+    p.add_argument("--record", action="store_true",
+                   help="count the router's selections (llama-server --moe-cache-record) for 'moeplug reprofile'")
     add_json(p)
     p.set_defaults(func=cmd_serve)
 

@@ -103,8 +103,9 @@ def _fit_warnings(fit: float, hit: float | None) -> list[str]:
 
 def make_plan(info: ModelInfo, ctx: int, vram_budget: int | None, profile_path: Path | None = None,
               ram_available: int | None = None, slots_in_ram: int = 0, expert_room: int | None = None,
-              need: DeviceNeed | None = None, policy: str = "auto") -> Plan:
-    """slots_in_ram: without a GPU, hold that many slots per layer in RAM anyway (the demo's
+              need: DeviceNeed | None = None, policy: str = "auto", profile: Profile | None = None) -> Plan:
+    """profile: the profile at profile_path when the caller has read it already (a re-profile's
+    preview plans from the profile it is about to store there). slots_in_ram: without a GPU, hold that many slots per layer in RAM anyway (the demo's
     stand-in for a GPU, LLAMA_MOE_CACHE_DEVICE=CPU: same results as stock, no speedup).
     expert_room: VRAM for experts when known better than the estimate (measured by llama.cpp's
     own fit, as the benchmark does). need: what llama.cpp's own estimate (fit_estimate.gpu_need)
@@ -119,7 +120,8 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | None, profile_path: 
     compute = compute_buffer_bytes(info) + CUDA_POOL_HEADROOM if need is None else need.compute
     non_expert = info.non_expert_bytes if need is None else need.model
     margin = SAFETY_MARGIN if need is None else CUDA_CONTEXT_RESERVE
-    profile = _read_profile(profile_path) if profile_path else None
+    if profile is None and profile_path:
+        profile = _read_profile(profile_path)
     costs = _layer_costs(info, profile)
     load_mode, load_notes = choose_load_mode(info, ram_available)
     n_layers = len(info.layers)

@@ -22,6 +22,7 @@ from typing import Any
 from moeplug.errors import MoeplugError, NotApplicableError
 from moeplug.fsutil import write_text_atomic
 from moeplug.paths import logs_dir, state_dir
+from moeplug.progress import Note, ProgressFn, silent
 from moeplug.runlog import log_tail
 from moeplug.server import HOST, Server, server_argv, start_server
 
@@ -133,25 +134,37 @@ def find_record(name: str) -> ServerRecord | None:
 
 
 @contextlib.contextmanager
-def model_lock(name: str) -> Iterator[None]:
-    """One install or launch per model at a time."""
+def model_lock(name: str, progress: ProgressFn = silent, poll_s: float = 0.2) -> Iterator[None]:
+    """One install, launch or re-profile per model at a time: a second one waits for the first
+    (progress hears that it waits, once)."""
     path = state_dir() / "locks" / f"{name}.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise MoeplugError(f"another moeplug is installing or launching '{name}'") from None
+    with open(path, "a") as f:
+        waited = False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not waited:
+                    progress(Note(f"waiting for another moeplug working on '{name}' (installing, launching or "
+                                  f"re-profiling it)"))
+                    waited = True
+                time.sleep(poll_s)
         try:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def served_args(server_args: list[str], metrics: bool = False) -> list[str]:
+RECORD_FLAG = "--moe-cache-record"  # llama-server counts the router's selections for /moe-cache/profile
+
+
+def served_args(server_args: list[str], metrics: bool = False, record: bool = False) -> list[str]:
     """The flags moeplug serves a model with besides model, host and port: its plan's server args,
-    and -lv 4 (the log then holds the buffer sizes, about 20 lines per request)."""
-    return ["-lv", "4", *(["--metrics"] if metrics else []), *server_args]
+    and -lv 4 (the log then holds the buffer sizes, about 20 lines per request); record: count
+    the router's selections for `moeplug reprofile` (RECORD_FLAG)."""
+    return ["-lv", "4", *(["--metrics"] if metrics else []), *([RECORD_FLAG] if record else []), *server_args]
 
 
 def served_argv(binary: Path, model: Path, port: int | str, server_args: list[str], metrics: bool = False) -> list[str]:
@@ -162,17 +175,25 @@ def served_argv(binary: Path, model: Path, port: int | str, server_args: list[st
 
 def launch_verified(name: str, model: Path, binary: Path, build_id: str, server_args: list[str], ctx: int,
                     port: int | None = None, allow_fallback: bool = False, env: dict[str, str] | None = None,
-                    timeout: float = 300, metrics: bool = False, plan: Any = None) -> ServerRecord:
+                    timeout: float = 300, metrics: bool = False, plan: Any = None,
+                    record: bool = False) -> ServerRecord:
     """Start a served model's llama-server detached (server.start_server), wait for /health, check
     the cache engaged, probe the context, and record it for `status` and `stop`.
     metrics: serve /metrics, with the cache's slot-hit counters (moeplug.metrics). plan: the plan
-    server_args come from (a Plan or its JSON), kept in the record (moeplug.monitor shows its slots)."""
+    server_args come from (a Plan or its JSON), kept in the record (moeplug.monitor shows its slots).
+    record: count the router's selections (RECORD_FLAG; the build must have it)."""
     existing = find_record(name)
     if existing and existing.alive():
         raise MoeplugError(f"'{name}' is already served at {existing.url} (pid {existing.pid}); "
                            f"'moeplug stop {name}' first")
+    if record:
+        from moeplug.native.features import detect_features
+
+        if not detect_features(binary).get("moe_cache_record"):
+            raise MoeplugError(f"{binary} has no {RECORD_FLAG}: this build cannot count routing for 'moeplug "
+                               f"reprofile'; serve without --record, or rebuild ('moeplug native build')")
     log_path = logs_dir() / f"server-{name}.log"
-    server = start_server(binary, model, log_path, served_args(server_args, metrics), port=port, ctx=None,
+    server = start_server(binary, model, log_path, served_args(server_args, metrics, record), port=port, ctx=None,
                           detached=True, env=env)
     proc, port, args = server.proc, server.port, server.args
     try:

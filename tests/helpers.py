@@ -42,6 +42,24 @@ def run_cli(*args: str) -> CliResult:
     return CliResult(code, out.getvalue(), err.getvalue())
 
 
+def xdg_homes(root: Path, share_builds: bool = True) -> dict[str, str]:
+    """This process's environment with fresh XDG data, state and config homes under root; the
+    native builds (slow to make) shared through a link to the real builds folder."""
+    import os
+
+    from moeplug.paths import builds_dir
+
+    builds = builds_dir()  # the real one, before the homes move
+    env = dict(os.environ)
+    for var in ("XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CONFIG_HOME"):
+        env[var] = str(root / var.lower())
+    if share_builds:
+        shared = Path(env["XDG_DATA_HOME"]) / "moeplug" / "builds"
+        shared.parent.mkdir(parents=True)
+        shared.symlink_to(builds)
+    return env
+
+
 def run_cli_process(*args: str, env: dict[str, str] | None = None, timeout: float = 900) -> CliResult:
     """The real `moeplug` command in a child process (end-to-end tests: servers that outlive it)."""
     r = subprocess.run([sys.executable, "-m", "moeplug", *args], capture_output=True, text=True, env=env,

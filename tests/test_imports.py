@@ -15,13 +15,14 @@ PACKAGES = {"moeplug": ROOT / "plugin", "moeplug.tui": ROOT / "tui"}
 # A module may import modules of its own rank or below. Listed by name or by prefix (a package).
 RANKS: list[tuple[int, tuple[str, ...]]] = [
     (6, ("moeplug.__main__", "moeplug.cli", "moeplug.install_cli", "moeplug.profile.cli", "moeplug.native.cli",
-         "moeplug.tui", "moeplug.trace_cli", "moeplug.hooks.cli")),
-    (5, ("moeplug.actions", "moeplug.monitor", "moeplug.hooks.watch")),
+         "moeplug.tui", "moeplug.trace_cli", "moeplug.hooks.cli", "moeplug.reprofile_cli", "moeplug.schedule_cli")),
+    (5, ("moeplug.actions", "moeplug.monitor", "moeplug.hooks.watch", "moeplug.reprofile")),
     (4, ("moeplug.install",)),
     (3, ("moeplug.plan", "moeplug.hooks")),
     (2, ("moeplug.allocate", "moeplug.estimates", "moeplug.server_flags")),
     (1, ("moeplug.profile", "moeplug.native", "moeplug.model_inspect", "moeplug.synth", "moeplug.refs",
-         "moeplug.demo", "moeplug.download", "moeplug.serving", "moeplug.server", "moeplug.metrics", "moeplug.trace")),
+         "moeplug.demo", "moeplug.download", "moeplug.serving", "moeplug.server", "moeplug.metrics", "moeplug.trace",
+         "moeplug.schedule")),
     (0, ("moeplug", "moeplug.errors", "moeplug.paths", "moeplug.fsutil", "moeplug.output", "moeplug.progress",
          "moeplug.runlog", "moeplug.sizes", "moeplug.gpu", "moeplug.probes", "moeplug.archs", "moeplug.options",
          "moeplug.fit_estimate")),

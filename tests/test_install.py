@@ -7,17 +7,15 @@ native builds, slow to make, are shared through a link to the real builds folder
 from __future__ import annotations
 
 import json
-import os
 import socket
 from pathlib import Path
 
 import pytest
 import requests
-from helpers import CliResult, run_cli_process
+from helpers import CliResult, run_cli_process, xdg_homes
 
 from moeplug.download import check_disk
 from moeplug.errors import MoeplugError
-from moeplug.paths import builds_dir
 
 pytestmark = pytest.mark.native
 
@@ -25,13 +23,7 @@ pytestmark = pytest.mark.native
 @pytest.fixture
 def home(patched_build, tmp_path: Path) -> dict[str, str]:
     """Fresh XDG homes sharing the built binaries."""
-    env = dict(os.environ)
-    for var in ("XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CONFIG_HOME"):
-        env[var] = str(tmp_path / var.lower())
-    shared = Path(env["XDG_DATA_HOME"]) / "moeplug" / "builds"
-    shared.parent.mkdir(parents=True)
-    shared.symlink_to(builds_dir())
-    return env
+    return xdg_homes(tmp_path)
 
 
 def moeplug(env: dict[str, str], *args: str) -> CliResult:

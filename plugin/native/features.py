@@ -25,6 +25,7 @@ FEATURE_FLAGS: dict[str, str] = {
     "load_mode": "--load-mode",
     "repack": "--repack",
     "metrics": "--metrics",
+    "moe_cache_record": "--moe-cache-record",  # routing counts at /moe-cache/profile (moeplug reprofile)
 }
 
 

@@ -7,7 +7,7 @@ by a fingerprint that both llama-moe-profile and this module compute from the mo
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +117,7 @@ class ProfileSource:
     n_predict: int = 0
     seed: int = 0
     temp: float = 0.0
+    weight: float = 1.0  # what its selections count for: < 1 once newer sources aged it (merge_decayed)
 
     def phase_steps(self, phase: int) -> np.ndarray:
         """The selected ids of the steps in one phase: [n_steps_phase, n_tensors, k]."""
@@ -131,8 +132,8 @@ class Profile:
     counts_decode: np.ndarray
     sources: list[ProfileSource] = field(default_factory=list)
     version: int = PROFILE_VERSION
-    # prompt and generated tokens of sources recorded without sequences (llama-server's live
-    # counts, GET /moe-cache/profile): what moe_profile.tokens.* holds beyond the sequences
+    # tokens of the sources without sequences (llama-server's `live` counts), [prefill, decode]:
+    # the counts cover them, no seq tensor holds them
     unsequenced_tokens: tuple[int, int] = (0, 0)
 
     @property
@@ -144,7 +145,11 @@ class Profile:
         return self.fingerprint.n_expert_used
 
     def tokens(self, phase: int) -> int:
-        return int(sum(int((s.meta[:, 2] == phase).sum()) for s in self.sources)) + self.unsequenced_tokens[phase]
+        """Tokens the counts cover in a phase (as recorded, not weighted)."""
+        return self.sequenced_tokens(phase) + self.unsequenced_tokens[phase]
+
+    def sequenced_tokens(self, phase: int) -> int:
+        return int(sum(int((s.meta[:, 2] == phase).sum()) for s in self.sources))
 
     def check_model(self, fp: ModelFingerprint) -> None:
         diffs = self.fingerprint.differences(fp)
@@ -211,37 +216,58 @@ def _parse(reader: Any) -> Profile:
             seq=seq, meta=meta, n_predict=int(_field(reader, p + "n_predict", required=False) or 0),
             seed=int(_field(reader, p + "seed", required=False) or 0),
             temp=float(_field(reader, p + "temp", required=False) or 0.0),
+            weight=float(_field(reader, p + "weight", required=False) or 1.0),
         ))
     profile = Profile(fingerprint=fp, tensors=names, counts_prefill=counts["prefill"],
                       counts_decode=counts["decode"], sources=sources)
-    stored = [int(_field(reader, f"moe_profile.tokens.{key}")) for key in ("prefill", "decode")]
+    unsequenced = [0, 0]
+    every_source_sequenced = bool(sources) and all(len(s.seq) for s in sources)
     for phase, key in ((PHASE_PREFILL, "prefill"), (PHASE_DECODE, "decode")):
-        in_seq = profile.tokens(phase)
-        every_source_sequenced = bool(sources) and all(len(s.seq) for s in sources)
-        if (every_source_sequenced and stored[phase] != in_seq) or stored[phase] < in_seq:
-            raise ProfileError(f"moe_profile.tokens.{key} is {stored[phase]} but the sequences hold {in_seq}")
-    profile.unsequenced_tokens = (stored[PHASE_PREFILL] - profile.tokens(PHASE_PREFILL),
-                                  stored[PHASE_DECODE] - profile.tokens(PHASE_DECODE))
+        stored, held = int(_field(reader, f"moe_profile.tokens.{key}")), profile.sequenced_tokens(phase)
+        if (stored != held) if every_source_sequenced else (stored < held):
+            raise ProfileError(f"moe_profile.tokens.{key} is {stored} but the sequences hold {held}")
+        unsequenced[phase] = stored - held
+    profile.unsequenced_tokens = (unsequenced[0], unsequenced[1])
     return profile
 
 
-def merge_profiles(profiles: list[Profile]) -> Profile:
-    """Counts add up; each source keeps its own sequences. Refuses profiles of different models."""
+def merge_profiles(profiles: list[Profile], scales: list[float] | None = None) -> Profile:
+    """Counts add up; each source keeps its own sequences. Refuses profiles of different models.
+    scales: one factor per profile for its counts and its sources' weights (default 1: a plain sum);
+    scaled counts are rounded to the nearest integer."""
     if not profiles:
         raise ProfileError("nothing to merge")
+    scales = scales or [1.0] * len(profiles)
     first = profiles[0]
     for other in profiles[1:]:
         other.check_model(first.fingerprint)
         if other.tensors != first.tensors:
             raise ProfileError("profiles recorded different expert tensors (one of them ran an MTP head?)")
+
+    def total(phase: str) -> np.ndarray:
+        summed = sum((getattr(p, phase) * f for p, f in zip(profiles, scales)), np.zeros(first.counts_decode.shape))
+        return np.rint(summed).astype(np.int64)
+
     return Profile(
         fingerprint=first.fingerprint,
         tensors=list(first.tensors),
-        counts_prefill=sum((p.counts_prefill for p in profiles), np.zeros_like(first.counts_prefill)),
-        counts_decode=sum((p.counts_decode for p in profiles), np.zeros_like(first.counts_decode)),
-        sources=[s for p in profiles for s in p.sources],
-        unsequenced_tokens=(sum(p.unsequenced_tokens[0] for p in profiles), sum(p.unsequenced_tokens[1] for p in profiles)),
+        counts_prefill=total("counts_prefill"),
+        counts_decode=total("counts_decode"),
+        sources=[replace(s, weight=s.weight * f) for p, f in zip(profiles, scales) for s in p.sources],
+        unsequenced_tokens=(sum(p.unsequenced_tokens[0] for p in profiles),
+                            sum(p.unsequenced_tokens[1] for p in profiles)),
     )
+
+
+def merge_decayed(old: Profile, new: Profile, half_life: int) -> Profile:
+    """The stored profile `old` aged by the tokens of `new`, plus `new`: exponential decay by token
+    age. With T the prompt and generated tokens `new` covers, old's counts and the weights of its
+    sources are multiplied by 0.5 ** (T / half_life) (rounded to whole counts), and new's are
+    added at weight 1. A selection recorded `half_life` tokens before the latest one counts half."""
+    if half_life <= 0:
+        raise ProfileError(f"a half-life of {half_life} tokens: give a positive number")
+    age = new.tokens(PHASE_PREFILL) + new.tokens(PHASE_DECODE)
+    return merge_profiles([old, new], [0.5 ** (age / half_life), 1.0])
 
 
 def write_profile(profile: Profile, path: str | Path) -> Path:
@@ -277,6 +303,8 @@ def write_profile(profile: Profile, path: str | Path) -> Path:
             w.add_uint32(p + "n_predict", s.n_predict)
             w.add_uint32(p + "seed", s.seed)
             w.add_float32(p + "temp", s.temp)
+            if s.weight != 1.0:
+                w.add_float32(p + "weight", s.weight)
             if len(s.seq):
                 w.add_tensor(f"seq.{i}", np.ascontiguousarray(s.seq, dtype=np.int16))
                 w.add_tensor(f"seq_meta.{i}", np.ascontiguousarray(s.meta, dtype=np.int32))
