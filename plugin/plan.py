@@ -33,7 +33,7 @@ from moeplug.estimates import (
 )
 from moeplug.model_inspect import ModelInfo
 from moeplug.profile.format import Profile
-from moeplug.server_flags import placement_args
+from moeplug.server_flags import DYNAMIC_ARGS, placement_args
 from moeplug.sizes import GIB
 
 WARN_FIT = 0.20
@@ -152,7 +152,7 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | None, profile_path: 
             args += ["--moe-cache-profile", str(profile_path)] if profile_path else []
             if profile_path and policy in ("auto", "dynamic"):
                 base["cache_policy"] = "dynamic"
-                args += ["--moe-cache-policy", "dynamic"]
+                args += DYNAMIC_ARGS
             note = (f"no NVIDIA GPU: {slots[0]} slots per layer held in RAM (LLAMA_MOE_CACHE_DEVICE=CPU) to show the "
                     f"cache engage: same results as stock, no speedup")
         return Plan(backend="cpu", vram_budget_bytes=None, stock_ncmoe=None, modelled_host_ms=None,

@@ -118,6 +118,14 @@ WRITER = textwrap.dedent("""
 """)
 
 
+def tmp_size(path: Path) -> int:
+    """Bytes of a file another process may rename away at any moment (0 when it is gone)."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
 def test_sigkill_while_writing_leaves_the_old_or_the_new_profile(small_model: Path, tmp_path: Path) -> None:
     from moeplug.profile import read_profile, write_profile
     from moeplug.reprofile import previous_path
@@ -133,8 +141,11 @@ def test_sigkill_while_writing_leaves_the_old_or_the_new_profile(small_model: Pa
         proc = subprocess.Popen(cmd)
         try:
             while proc.poll() is None:
-                tmps = [p for p in dest.parent.iterdir() if p.name.startswith(f".{dest.name}.") and p.suffix == ".tmp"]
-                if tmps and tmps[0].stat().st_size > 1 << 20:  # the new profile is being written
+                # the new profile's temporary file (not the copy of the old one kept as .previous,
+                # which comes and goes quickly)
+                tmps = [p for p in dest.parent.iterdir() if p.name.startswith(f".{dest.name}.") and p.suffix == ".tmp"
+                        and ".previous." not in p.name]
+                if tmps and tmp_size(tmps[0]) > 1 << 20:  # the new profile is being written
                     proc.send_signal(signal.SIGKILL)
                     proc.wait()
                     killed_mid_write = True
@@ -401,7 +412,10 @@ def test_live_counts_from_a_recording_server(home: dict[str, str], patched_build
         got.check_model(model_fingerprint(installed(home)["path"]))
         assert [s.label for s in got.sources] == ["live"]
         assert got.tokens(0) >= 6 * 60 and got.tokens(1) >= 6 * 32  # at least the requests' tokens
-        assert got.tokens(1) <= metrics.decode_tokens + 1
+        # a token whose logits are asked for counts as generated (native/README.md): each request's
+        # last prompt token does, its last sampled token is never decoded; the warm-up run and the
+        # launch's context probe add a few
+        assert abs(got.tokens(1) - metrics.decode_tokens) <= 6 + 3
 
         r = moeplug(home, "reprofile", "demo", "--apply", "now", "--min-gain", "0", "--json")
         assert r.returncode in (0, 10), r.stderr[-3000:]
