@@ -203,7 +203,14 @@ def test_an_ollama_update_shows_in_hook_list_and_the_watcher_swaps_again(ollama,
     from moeplug.hooks.watch import watch_store
 
     lib = ollama["lib"]
-    assert moeplug("hook", "ollama", "--ollama-dir", str(lib)).returncode == 0, "swapped in"
+    units = Path(os.environ["MOEPLUG_SYSTEMD_DIR"])
+    units.mkdir(parents=True, exist_ok=True)
+    (units / "ollama.service").write_text("[Service]\nExecStart=/usr/local/bin/ollama serve\n")
+    r = moeplug("hook", "ollama", "--ollama-dir", str(lib))
+    assert r.returncode == 0, r.stderr
+    dropin = units / "ollama.service.d" / "moeplug.conf"
+    assert f"wrote {dropin}" in r.stdout
+    assert "Environment=LLAMA_ARG_MOE_CACHE_SLOTS=auto\n" in dropin.read_text()
     update = ollama["root"] / "update"
 
     def ollama_update(data_from: Path) -> None:  # Ollama's updater puts another llama-server in place
@@ -232,6 +239,8 @@ def test_an_ollama_update_shows_in_hook_list_and_the_watcher_swaps_again(ollama,
     assert json.loads(moeplug("hook", "list", "--json").stdout)["hooks"][0]["state"] == "ok"
     assert moeplug("hook", "remove", "ollama").returncode == 0
     assert tree_digest(lib) == ollama["stock"]  # the update's binary (here: stock's) back, the rest as first kept
+    assert not dropin.exists()
+    (units / "ollama.service").unlink()
 
 
 def test_refusals_change_nothing(ollama, tmp_path: Path) -> None:
