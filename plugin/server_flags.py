@@ -16,6 +16,12 @@ from moeplug.estimates import DEFAULT_UBATCH
 # engine's rule simulated in Python) the slots served 52.7% of selections at 25% of the expert
 # bytes (static 46.7%, 128/4 51.6%) and 80.5% at 50% (static 76.9%, 128/4 79.7%): DESIGN.md.
 DYNAMIC_ARGS = ["--moe-cache-policy", "dynamic", "--moe-cache-half-life", "32", "--moe-cache-uploads", "8"]
+
+
+def env_of(args: list[str]) -> dict[str, str]:
+    """The LLAMA_ARG_* environment that stands for llama-server flags of the --moe-cache-NAME VALUE form."""
+    return {"LLAMA_ARG_" + flag.removeprefix("--").replace("-", "_").upper(): value
+            for flag, value in zip(args[::2], args[1::2])}
 from moeplug.model_inspect import ModelInfo
 from moeplug.profile.format import Profile
 

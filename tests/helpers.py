@@ -8,6 +8,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -84,3 +85,18 @@ def write_npz(path: Path, prompts: int = 12, seed: int = 3, layers: int = 24, ex
     arrays = {"experts": ex, "probs": probs, "offsets": offsets, **override}
     np.savez_compressed(path, **arrays)
     return arrays
+
+
+XDG = ("XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CONFIG_HOME")
+
+
+def xdg_homes(mp: Any, root: Path) -> None:
+    """Move moeplug's XDG homes under root (mp: a pytest MonkeyPatch), sharing the real builds."""
+    from moeplug.paths import builds_dir
+
+    builds = builds_dir()  # the real one, before the homes move
+    for var in XDG:
+        mp.setenv(var, str(root / var.lower()))
+    shared = root / "xdg_data_home" / "moeplug" / "builds"
+    shared.parent.mkdir(parents=True)
+    shared.symlink_to(builds)

@@ -25,16 +25,15 @@ import jsonschema
 import pytest
 import requests
 import yaml
+from helpers import xdg_homes
 
 from moeplug.hooks.command import flag_pairs
-from moeplug.paths import builds_dir
 from moeplug.server import free_port
 
 pytestmark = pytest.mark.native
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_SWAP = ROOT.parent / "shared" / "data" / "llama-swap"
-XDG = ("XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CONFIG_HOME")
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +45,8 @@ def store(patched_build, tmp_path_factory: pytest.TempPathFactory):
     from moeplug.synth import ModelSpec, make_model
 
     root = tmp_path_factory.mktemp("hooks")
-    builds = builds_dir()  # the real one, before the homes move
     with pytest.MonkeyPatch.context() as mp:
-        for var in XDG:
-            mp.setenv(var, str(root / var.lower()))
-        shared = root / "xdg_data_home" / "moeplug" / "builds"
-        shared.parent.mkdir(parents=True)
-        shared.symlink_to(builds)
+        xdg_homes(mp, root)
         r = subprocess.run([sys.executable, "-m", "moeplug", "install", "demo", "--no-serve", "--ctx", "1024"],
                            capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stderr[-3000:]

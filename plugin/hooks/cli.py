@@ -18,8 +18,10 @@ EXAMPLES = """examples:
   moeplug hook llama-server --print                   the sections, nothing written
   moeplug hook llama-swap --config-dir ~/llama-swap.d writes ~/llama-swap.d/moeplug.yaml
   moeplug hook llama-swap --file ~/llama-swap.yaml    a marked block inside a single config
+  moeplug hook ollama                                 Ollama runs moeplug's llama-server, every model its profile
   moeplug hook list                                   the hooks moeplug keeps current
   moeplug hook remove ~/router.ini                    takes moeplug's part out again
+  moeplug hook remove ollama                          gives Ollama its bundled llama-server back
   moeplug hook watch                                  keep them current when files change (a user service)
 """
 
@@ -85,24 +87,40 @@ def cmd_llama_swap(args: argparse.Namespace) -> int:
                    "\nllama-swap reads it on start; with -watch-config (or a SIGHUP) it reloads it")
 
 
+def cmd_ollama(args: argparse.Namespace) -> int:
+    from moeplug.hooks import ollama
+    from moeplug.hooks.maintain import add_ollama_hook
+
+    out = Output.for_args(args)
+    install = ollama.find_install(Path(args.ollama_dir) if args.ollama_dir else None)
+    record, next_step = add_ollama_hook(install, _installed(), out.progress)
+    doc = {"hook": asdict(record), "file": str(install.lib_dir / ollama.SERVER), "environment": ollama.environment(),
+           "next": next_step}
+    return out.result(doc, lambda d: (f"Ollama at {install.lib_dir} now runs moeplug's llama-server; every model "
+                                      f"finds its profile and slots in {d['environment']['LLAMA_ARG_MOE_CACHE_PROFILE']}"
+                                      f" ({len(record.models)} installed: {', '.join(record.models) or 'none yet'})\n"
+                                      f"{next_step}"))
+
+
 def _list_text(records: list[Any]) -> str:
-    from moeplug.hooks.maintain import hook_file
+    from moeplug.hooks.maintain import hook_file, hook_state
 
     if not records:
         return ("moeplug maintains no hook ('moeplug hook llama-server --preset FILE' or 'moeplug hook llama-swap "
                 "--config-dir DIR' adds one)")
     rows = [[r.target, str(hook_file(r.target, Path(r.path))), ", ".join(r.models) or "-",
-             time.strftime("%Y-%m-%d %H:%M", time.localtime(r.updated)), f"error: {r.error}" if r.error else "ok"]
+             time.strftime("%Y-%m-%d %H:%M", time.localtime(r.updated)), hook_state(r)]
             for r in records]
     return table(["target", "file", "models", "updated", "state"], rows, "lllll")
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from moeplug.hooks.maintain import hook_file
+    from moeplug.hooks.maintain import hook_file, hook_state
     from moeplug.hooks.store import read_hooks
 
     records = read_hooks()
-    doc = {"hooks": [asdict(r) | {"file": str(hook_file(r.target, Path(r.path)))} for r in records]}
+    doc = {"hooks": [asdict(r) | {"file": str(hook_file(r.target, Path(r.path))), "state": hook_state(r)}
+                     for r in records]}
     return Output.for_args(args).result(doc, lambda _: _list_text(records))
 
 
@@ -112,11 +130,22 @@ def cmd_remove(args: argparse.Namespace) -> int:
 
     if args.all == bool(args.path):
         raise MoeplugError("hook remove: give the hook's path (see 'moeplug hook list') or --all", EXIT_USAGE)
-    records = read_hooks() if args.all else [find(None, Path(args.path))]
+    if args.path == "ollama" and not Path(args.path).exists():
+        records = [r for r in read_hooks() if r.target == "ollama"]
+        if not records:
+            raise MoeplugError("moeplug maintains no ollama hook ('moeplug hook list')")
+    else:
+        records = read_hooks() if args.all else [find(None, Path(args.path))]
     for r in records:
         remove_hook(r)
-    return Output.for_args(args).result({"removed": [asdict(r) for r in records]},
-                                        lambda _: "\n".join(f"removed the {r.target} hook at {r.path}" for r in records))
+
+    def text(_: Any) -> str:
+        lines = []
+        for r in records:
+            what = "restored Ollama's bundled files in" if r.target == "ollama" else f"removed the {r.target} hook at"
+            lines.append(f"{what} {r.path}" + (f" ({r.error})" if r.target == "ollama" and r.error else ""))
+        return "\n".join(lines)
+    return Output.for_args(args).result({"removed": [asdict(r) for r in records]}, text)
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
@@ -157,9 +186,14 @@ def add_hook_commands(sub: Any) -> None:
     p.add_argument("--schema", help="llama-swap's config-schema.json to validate against")
     p.add_argument("--print", action="store_true", help="print the fragment, write nothing")
 
+    p = _command(hsub, "ollama", "Ollama runs moeplug's llama-server; every model finds its profile and slots",
+                 cmd_ollama)
+    p.add_argument("--ollama-dir", help="Ollama's install folder (holding lib/ollama) or its lib/ollama "
+                   "(default: from 'ollama' on PATH)")
+
     _command(hsub, "list", "the hooks moeplug maintains", cmd_list)
     p = _command(hsub, "remove", "take moeplug's part out of a hook's file and stop maintaining it", cmd_remove)
-    p.add_argument("path", nargs="?", help="the hook's path as 'moeplug hook list' shows it (or --all)")
+    p.add_argument("path", nargs="?", help="the hook's path as 'moeplug hook list' shows it, 'ollama' (or --all)")
     p.add_argument("--all", action="store_true")
 
     p = _command(hsub, "watch", "regenerate the hooks when installed models or profiles change on disk", cmd_watch,

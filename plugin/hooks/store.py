@@ -14,13 +14,13 @@ from pathlib import Path
 from moeplug.fsutil import write_text_atomic
 from moeplug.paths import state_dir
 
-TARGETS = ("llama-server", "llama-swap", "llama-swap-file")
+TARGETS = ("llama-server", "llama-swap", "llama-swap-file", "ollama")
 
 
 @dataclass
 class HookRecord:
     target: str  # one of TARGETS
-    path: str  # the preset file, the llama-swap config dir, or the single llama-swap config file
+    path: str  # the preset file, the llama-swap config dir, the single llama-swap config file, or lib/ollama
     created_file: bool  # moeplug made the file (remove deletes it when nothing of the user's is left)
     models: list[str] = field(default_factory=list)  # the models it held when last written
     ttl: int | None = None  # llama-swap: seconds idle before it unloads a model

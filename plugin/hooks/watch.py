@@ -26,6 +26,7 @@ class Changes:
 
     profiles: set[Path] = field(default_factory=set)  # profile files created, replaced or removed
     models: set[Path] = field(default_factory=set)  # installed-model records created, replaced or removed
+    binaries: set[Path] = field(default_factory=set)  # a hooked lib/ollama/llama-server written (an Ollama update?)
 
 
 def _relevant(path: str, folder: Path, suffix: str) -> Path | None:
@@ -52,14 +53,17 @@ class _Handler(FileSystemEventHandler):
                 w.mark(profile=p)
             elif (p := _relevant(raw, w.models_dir, ".json")) is not None:
                 w.mark(model=p)
+            elif Path(raw).parent in w.binary_dirs and Path(raw).name == "llama-server":
+                w.mark(binary=Path(raw))
 
 
 class Watcher:
     """Watch two folders; call `on_change(Changes)` from one thread, debounced."""
 
     def __init__(self, models_dir: Path, profiles_dir: Path, on_change: Callable[[Changes], None],
-                 debounce: float = DEBOUNCE_S, progress: ProgressFn = silent) -> None:
+                 debounce: float = DEBOUNCE_S, progress: ProgressFn = silent, binary_dirs: tuple[Path, ...] = ()) -> None:
         self.models_dir, self.profiles_dir = models_dir.absolute(), profiles_dir.absolute()
+        self.binary_dirs = tuple(d.absolute() for d in binary_dirs)  # hooked lib/ollama folders
         self.on_change, self.debounce, self.progress = on_change, debounce, progress
         self._lock = threading.Lock()
         self._pending = Changes()
@@ -69,12 +73,14 @@ class Watcher:
         self._observer = Observer()
         self._worker = threading.Thread(target=self._run, name="moeplug-hook-watch", daemon=True)
 
-    def mark(self, profile: Path | None = None, model: Path | None = None) -> None:
+    def mark(self, profile: Path | None = None, model: Path | None = None, binary: Path | None = None) -> None:
         with self._lock:
             if profile is not None:
                 self._pending.profiles.add(profile)
             if model is not None:
                 self._pending.models.add(model)
+            if binary is not None:
+                self._pending.binaries.add(binary)
             self._last = time.monotonic()
         self._wake.set()
 
@@ -82,6 +88,9 @@ class Watcher:
         for folder in (self.models_dir, self.profiles_dir):
             folder.mkdir(parents=True, exist_ok=True)
             self._observer.schedule(_Handler(self), str(folder), recursive=False)
+        for folder in self.binary_dirs:
+            if folder.is_dir():
+                self._observer.schedule(_Handler(self), str(folder), recursive=False)
         self._observer.start()
         self._worker.start()
 
@@ -103,7 +112,7 @@ class Watcher:
                         self._wake.clear()
                         break
                 time.sleep(left)
-            if not self._stop.is_set() and (changes.profiles or changes.models):
+            if not self._stop.is_set() and (changes.profiles or changes.models or changes.binaries):
                 try:
                     self.on_change(changes)
                 except Exception as exc:  # a bad record or file must not end the service
@@ -116,9 +125,22 @@ def regenerate(changes: Changes) -> None:
     from moeplug.hooks.maintain import refresh_hooks
     from moeplug.install import list_installed, replan_profile_users
 
+    for binary in sorted(changes.binaries):
+        reapply_ollama(binary.parent)
     replanned = [m for p in sorted(changes.profiles) for m in replan_profile_users(p)]
-    if changes.models or not replanned:
+    if changes.models or (changes.profiles and not replanned):
         refresh_hooks(list_installed())
+
+
+def reapply_ollama(lib_dir: Path) -> None:
+    """Ollama replaced the llama-server of a hooked lib/ollama (an update): swap moeplug's in again,
+    after the same check as `moeplug hook ollama` (a refusal is raised: the watcher reports it)."""
+    from moeplug.hooks import ollama
+    from moeplug.hooks.maintain import add_ollama_hook
+    from moeplug.install import list_installed
+
+    if ollama.binary_state(lib_dir) == "replaced":
+        add_ollama_hook(ollama.OllamaInstall(lib_dir, None), list_installed())
 
 
 def watch_store(on_change: Callable[[Changes], None] = regenerate, debounce: float = DEBOUNCE_S,
@@ -127,6 +149,9 @@ def watch_store(on_change: Callable[[Changes], None] = regenerate, debounce: flo
     from moeplug.install import installed_dir
     from moeplug.paths import data_dir
 
-    w = Watcher(installed_dir(), data_dir() / "profiles", on_change, debounce, progress)
+    from moeplug.hooks.store import read_hooks
+
+    w = Watcher(installed_dir(), data_dir() / "profiles", on_change, debounce, progress,
+                tuple(Path(r.path) for r in read_hooks() if r.target == "ollama"))
     w.start()
     return w

@@ -8,8 +8,13 @@
 #include "log.h"
 #include "llama.h"
 
+#include "ggml-backend.h"
+
 #include <algorithm>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <map>
 #include <numeric>
 #include <stdexcept>
 #include <iterator>
@@ -235,6 +240,9 @@ std::string common_moeplug_fingerprint_diff(const gguf_context * g, const common
 
 std::vector<int32_t> common_moeplug_parse_slots(const std::string & spec) {
     std::vector<int32_t> res;
+    if (spec == "auto") {
+        return res; // common_moeplug_cache_resolve decides
+    }
     for (const std::string & item : string_split<std::string>(spec, ',')) {
         size_t end = 0;
         int value = -1;
@@ -385,9 +393,15 @@ bool common_moeplug_cache_init(llama_model * model, const common_params & params
             LOG_WRN("moe-cache: not engaged, running without it: --moe-cache-slots needs --moe-cache-profile\n");
         }
     } else {
-        engaged = common_moeplug_cache_enable(model, params.model.path, params.moeplug_cache_profile, params.moeplug_cache_slots,
-            params.moeplug_cache_max_batch, params.moeplug_cache_margin_mib, params.endpoint_metrics,
-            params.moeplug_cache_policy, params.moeplug_cache_half_life, params.moeplug_cache_uploads);
+        const common_moeplug_cache_source src = common_moeplug_cache_resolve(params.model.path, params.moeplug_cache_profile,
+            params.moeplug_cache_slots, params.moeplug_cache_margin_mib);
+        if (!src.reason.empty()) {
+            LOG_WRN("moe-cache: not engaged, running without it: %s\n", src.reason.c_str());
+        } else {
+            engaged = common_moeplug_cache_enable(model, params.model.path, src.profile, src.slots,
+                params.moeplug_cache_max_batch, params.moeplug_cache_margin_mib, params.endpoint_metrics,
+                params.moeplug_cache_policy, params.moeplug_cache_half_life, params.moeplug_cache_uploads);
+        }
     }
     if (params.moeplug_cache_record) {
         if (llama_model_moeplug_record_init(model)) {
@@ -469,6 +483,194 @@ std::string common_moeplug_record_profile(const llama_model * model, const std::
         err = "cannot write the profile";
     }
     return bytes;
+}
+
+//
+// --moe-cache-profile DIR, --moe-cache-slots auto (native/SLOTS-FORMAT.md)
+//
+
+std::string common_moeplug_slots_path(const std::string & profile_path) {
+    const std::string ext = ".gguf";
+    const bool has_ext = profile_path.size() > ext.size() &&
+        profile_path.compare(profile_path.size() - ext.size(), ext.size(), ext) == 0;
+    return (has_ext ? profile_path.substr(0, profile_path.size() - ext.size()) : profile_path) + ".slots";
+}
+
+static std::string moe_trim(const std::string & s) {
+    const size_t b = s.find_first_not_of(" \t\r");
+    const size_t e = s.find_last_not_of(" \t\r");
+    return b == std::string::npos ? "" : s.substr(b, e - b + 1);
+}
+
+std::string common_moeplug_read_slots_file(const std::string & path, const common_moeplug_fingerprint & fp) {
+    std::ifstream f(path);
+    if (!f) {
+        throw std::runtime_error("cannot read the slots file " + path);
+    }
+    std::map<std::string, std::string> kv;
+    std::string line;
+    for (int n = 1; std::getline(f, line); ++n) {
+        line = moe_trim(line);
+        if (line.empty() || line[0] == '#') {
+            continue;
+        }
+        const size_t eq = line.find('=');
+        if (eq == std::string::npos) {
+            throw std::runtime_error(string_format("the slots file %s is corrupt: line %d is not KEY = VALUE", path.c_str(), n));
+        }
+        kv[moe_trim(line.substr(0, eq))] = moe_trim(line.substr(eq + 1));
+    }
+    for (const char * key : { "version", "model.meta_hash", "model.size", "slots" }) {
+        if (kv.find(key) == kv.end()) {
+            throw std::runtime_error(string_format("the slots file %s is corrupt: no %s", path.c_str(), key));
+        }
+    }
+    if (kv["version"] != "1") {
+        throw std::runtime_error("the slots file " + path + " is version " + kv["version"] + "; this build reads version 1");
+    }
+    if (kv["model.meta_hash"] != fp.meta_hash || kv["model.size"] != std::to_string(fp.size)) {
+        throw std::runtime_error("the slots file " + path + " was planned for another model (model.meta_hash or model.size differ)");
+    }
+    try {
+        if (kv["slots"] == "auto" || common_moeplug_parse_slots(kv["slots"]).empty()) {
+            throw std::invalid_argument("auto");
+        }
+    } catch (const std::invalid_argument &) {
+        throw std::runtime_error("the slots file " + path + " is corrupt: slots = " + kv["slots"] + " is not N or N0,N1,...");
+    }
+    return kv["slots"];
+}
+
+// bytes of one expert of every routed-expert tensor of the block of `down` (the profile's layer)
+static uint64_t moe_slot_bytes(const common_moeplug_fingerprint & fp, const std::string & down) {
+    const std::string prefix = "blk." + down.substr(4, down.find('.', 4) - 4) + ".";
+    uint64_t bytes = 0;
+    for (size_t i = 0; i < fp.expert_tensors.size(); ++i) {
+        if (fp.expert_tensors[i].rfind(prefix, 0) != 0) {
+            continue;
+        }
+        const int64_t * ne = &fp.expert_shapes[4*i];
+        const uint64_t n = ggml_row_size((ggml_type) fp.expert_types[i], ne[0]) * ne[1] * ne[2] * ne[3];
+        bytes += fp.n_expert > 0 ? n / fp.n_expert : 0;
+    }
+    return bytes;
+}
+
+std::string common_moeplug_auto_slots(const std::string & profile_path, const common_moeplug_fingerprint & fp,
+        int32_t margin_mib, std::string & origin) {
+    gguf_init_params ip = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
+    gguf_context_ptr gp { gguf_init_from_file(profile_path.c_str(), ip) };
+    if (!gp) {
+        throw std::runtime_error("cannot read the profile " + profile_path + " (missing, truncated or not GGUF)");
+    }
+    const std::vector<std::string> tensors = moe_get_arr_str(gp.get(), "moe_profile.tensors");
+    uint64_t per_slot = 0; // one slot in every profiled layer
+    for (const auto & t : tensors) {
+        per_slot += moe_slot_bytes(fp, t);
+    }
+    if (tensors.empty() || per_slot == 0 || fp.n_expert == 0) {
+        throw std::runtime_error("--moe-cache-slots auto: the profile " + profile_path + " lists no expert layer of this model");
+    }
+    const uint64_t margin = (uint64_t) std::max(margin_mib, 0) * 1024 * 1024;
+
+    const char * dev_env = getenv("LLAMA_MOE_CACHE_DEVICE");
+    const bool on_cpu = dev_env != nullptr && strcmp(dev_env, "CPU") == 0;
+    uint64_t room = 0;
+    std::string where;
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+        const auto type = ggml_backend_dev_type(dev);
+        if (on_cpu ? type != GGML_BACKEND_DEVICE_TYPE_CPU : (type != GGML_BACKEND_DEVICE_TYPE_GPU && type != GGML_BACKEND_DEVICE_TYPE_IGPU)) {
+            continue;
+        }
+        size_t free = 0, total = 0;
+        ggml_backend_dev_memory(dev, &free, &total);
+        room  += free > margin ? free - margin : 0;
+        where += (where.empty() ? "" : "+") + std::string(ggml_backend_dev_name(dev));
+        if (on_cpu) {
+            break;
+        }
+    }
+    if (where.empty()) {
+        throw std::runtime_error("--moe-cache-slots auto: no GPU to hold slots (LLAMA_MOE_CACHE_DEVICE=CPU holds them in RAM)");
+    }
+    const uint64_t fit = room / per_slot;
+    const uint64_t want = on_cpu ? std::max<uint64_t>(1, fp.n_expert / 4) : fp.n_expert;
+    const uint64_t n = std::min(fit, want);
+    if (n < 1) {
+        throw std::runtime_error(string_format("--moe-cache-slots auto: %.2f MiB free on %s less a %d MiB margin holds no slot (%.2f MiB per slot across %zu layers)",
+            room / 1048576.0 + margin_mib, where.c_str(), margin_mib, per_slot / 1048576.0, tensors.size()));
+    }
+    origin = string_format("auto, %.2f MiB free on %s less a %d MiB margin, %.2f MiB per slot across %zu layers%s",
+        (room + margin) / 1048576.0, where.c_str(), margin_mib, per_slot / 1048576.0, tensors.size(),
+        on_cpu ? "; slots in RAM: a quarter of the experts" : "");
+    return std::to_string(n);
+}
+
+common_moeplug_cache_source common_moeplug_cache_resolve(const std::string & model_path, const std::string & profile,
+        const std::string & slots, int32_t margin_mib) {
+    namespace fs = std::filesystem;
+    common_moeplug_cache_source res;
+    std::error_code ec;
+    const bool is_dir = fs::is_directory(profile, ec);
+    const bool is_auto = slots == "auto" || (slots.empty() && is_dir);
+    if (!is_dir && !is_auto) {
+        res.profile = profile; // a profile file and counts: as given
+        res.slots   = slots;
+        return res;
+    }
+    try {
+        const common_moeplug_fingerprint fp = common_moeplug_fingerprint_of(model_path);
+        res.profile = profile;
+        if (is_dir) {
+            std::vector<std::string> matches;
+            std::vector<fs::path> entries;
+            for (const auto & e : fs::directory_iterator(profile, ec)) {
+                entries.push_back(e.path());
+            }
+            std::sort(entries.begin(), entries.end());
+            for (const auto & p : entries) {
+                const std::string name = p.filename().string();
+                if (p.extension() != ".gguf" || name[0] == '.') {
+                    continue;
+                }
+                gguf_init_params ip = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
+                gguf_context_ptr g { gguf_init_from_file(p.string().c_str(), ip) };
+                if (g && moe_get_str(g.get(), "general.type") == "moe-profile" && common_moeplug_fingerprint_diff(g.get(), fp).empty()) {
+                    matches.push_back(p.string());
+                }
+            }
+            if (ec) {
+                throw std::runtime_error("cannot list " + profile + ": " + ec.message());
+            }
+            if (matches.empty()) {
+                throw std::runtime_error("no profile for this model in " + profile);
+            }
+            if (matches.size() > 1) {
+                std::string names;
+                for (const auto & m : matches) {
+                    names += (names.empty() ? "" : ", ") + fs::path(m).filename().string();
+                }
+                throw std::runtime_error(string_format("%zu profiles for this model in %s (%s): keep one",
+                    matches.size(), profile.c_str(), names.c_str()));
+            }
+            res.profile = matches[0];
+        }
+        if (!is_auto) {
+            res.slots = slots;
+        } else if (fs::exists(common_moeplug_slots_path(res.profile), ec)) {
+            res.origin = common_moeplug_slots_path(res.profile);
+            res.slots  = common_moeplug_read_slots_file(res.origin, fp);
+        } else {
+            res.slots = common_moeplug_auto_slots(res.profile, fp, margin_mib, res.origin);
+        }
+    } catch (const std::exception & err) {
+        res.reason = err.what();
+        return res;
+    }
+    LOG_INF("moe-cache: profile %s, slots %s%s%s\n", res.profile.c_str(), res.slots.c_str(),
+        res.origin.empty() ? "" : " from ", res.origin.c_str());
+    return res;
 }
 
 std::string common_moeplug_cache_metrics(const llama_model * model) {

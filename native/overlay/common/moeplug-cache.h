@@ -43,7 +43,8 @@ void common_moeplug_set_arr_str(gguf_context * g, const char * key, const std::v
 std::string common_moeplug_fingerprint_diff(const gguf_context * profile, const common_moeplug_fingerprint & fp);
 
 // the slots each profiled layer asks for: "N" (every layer) or "N0,N1,..." (one per layer of the
-// profile, in its order; 0 leaves a layer out); throws std::invalid_argument
+// profile, in its order; 0 leaves a layer out); "auto" gives an empty list (resolved by
+// common_moeplug_cache_resolve); throws std::invalid_argument
 std::vector<int32_t> common_moeplug_parse_slots(const std::string & spec);
 
 // reads the profile, checks it against the model's fingerprint and picks the slots of each layer:
@@ -71,8 +72,9 @@ bool common_moeplug_cache_enable(llama_model * model, const std::string & model_
         const std::string & slots, int32_t max_batch, int32_t margin_mib, bool count = false,
         const std::string & policy = "static", float half_life = 0.0f, int32_t uploads = 0);
 
-// common_moeplug_cache_enable from params.moeplug_cache_*, when a profile is given; counts slot hits
-// when the server's metrics endpoint is on; then, with --moe-cache-record, starts recording and logs
+// common_moeplug_cache_enable from params.moeplug_cache_*, when a profile is given (through
+// common_moeplug_cache_resolve); counts slot hits when the server's metrics endpoint is on; then,
+// with --moe-cache-record, starts recording and logs
 //   moe-cache: recording the router's selections of L layers
 bool common_moeplug_cache_init(llama_model * model, const common_params & params);
 
@@ -81,6 +83,38 @@ bool common_moeplug_cache_init(llama_model * model, const common_params & params
 // bytes, or "" with err set (not recording, or the profile cannot be written); reset: zero the counts
 std::string common_moeplug_record_profile(const llama_model * model, const std::string & model_path, bool reset,
         std::string & err);
+
+// what --moe-cache-profile FILE|DIR and --moe-cache-slots N|N0,N1,...|auto come to for one model
+// (native/SLOTS-FORMAT.md): the profile file, the slots spec, and where the spec came from; or,
+// when the cache cannot apply, only the reason (the model then runs without it)
+struct common_moeplug_cache_source {
+    std::string profile; // the profile file
+    std::string slots;   // a spec common_moeplug_parse_slots reads ("auto" resolved)
+    std::string origin;  // "" (as given), the slots file's path, or how auto chose
+    std::string reason;  // set: not engaged, why
+};
+
+// A DIR holds profiles (moeplug names them <arch>-<meta_hash>.gguf) and, beside each, its slots
+// file <name>.slots; the one profile whose fingerprint is the model's is taken (none, or more than
+// one: a reason). Slots "auto", or none with a DIR: the slots file beside the profile, else
+// common_moeplug_auto_slots.
+common_moeplug_cache_source common_moeplug_cache_resolve(const std::string & model_path, const std::string & profile,
+        const std::string & slots, int32_t margin_mib);
+
+// the slots file beside a profile: P.gguf -> P.slots
+std::string common_moeplug_slots_path(const std::string & profile_path);
+
+// reads a slots file (native/SLOTS-FORMAT.md) planned for the model fp; throws std::runtime_error
+std::string common_moeplug_read_slots_file(const std::string & path, const common_moeplug_fingerprint & fp);
+
+// --moe-cache-slots auto without a slots file: one count for every profiled layer, the device
+// memory free now (after the model loaded) less the margin, divided by the bytes of one slot in
+// every profiled layer, at most the layer's experts; summed over the GPUs. With the slots on the
+// CPU (LLAMA_MOE_CACHE_DEVICE=CPU): a quarter of the experts (at least 1), as moeplug's demo
+// plans, within the host memory free less the margin. Sets how it chose in origin; throws
+// std::runtime_error when no slot fits or there is no device to hold one.
+std::string common_moeplug_auto_slots(const std::string & profile_path, const common_moeplug_fingerprint & fp,
+        int32_t margin_mib, std::string & origin);
 
 // the cache's counters in the Prometheus text format of llama-server's /metrics ("" without a cache)
 std::string common_moeplug_cache_metrics(const llama_model * model);

@@ -1,0 +1,344 @@
+"""Ollama: swap moeplug's patched llama-server in for the one Ollama bundles, and keep a slots file
+beside every installed model's profile so that one setting serves every model Ollama loads.
+
+What this relies on, read from Ollama's source (ollama/ollama, not copied):
+- `llm/llama_server_binary.go` (llamaCppBinaryCandidates): Ollama runs `llama-server` from its
+  `lib/ollama` folder: on Linux `<dir of the resolved ollama executable>/../lib/ollama`, elsewhere
+  also `<dir>/lib/ollama`.
+- `llm/llama_server.go` (startLlamaServer, SetupLlamaServerCommandEnv): argv `--model BLOB --port P
+  --host 127.0.0.1 --no-webui --offline -c N -np N --log-verbosity 4 --no-log-prefix
+  --no-log-timestamps --flash-attn on|off|auto`, and when set `-ngl`, `-t`, `-b`/`-ub`,
+  `--cache-type-k/-v`, `--load-mode`, `--mmproj`, `--lora`, `--spec-*`, `--context-shift --keep`,
+  `--split-mode --main-gpu`, `--no-jinja --chat-template`; env: Ollama's own environment plus
+  `LD_LIBRARY_PATH` (llama-server's folder first), `LLAMA_MEDIA_MARKER`, `GGML_BACKEND_PATH` (a GPU
+  variant's backend library) and `LLAMA_ARG_FIT_TARGET` (for projector models, unless inherited).
+  So `LLAMA_ARG_MOE_CACHE_*` set on `ollama serve` reach every llama-server it starts.
+
+The swap backs up every file it replaces (bytes, mode, links) under moeplug's state folder and
+restores them exactly; the swapped binary is recognised by its sha256, so an Ollama update that
+replaced it shows in `moeplug hook list` and is re-applied (or warned about) by `hook watch`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from moeplug.errors import MoeplugError
+from moeplug.fsutil import atomic_path, sha256_file, write_text_atomic
+from moeplug.hooks.command import Installed
+from moeplug.paths import data_dir, state_dir
+from moeplug.progress import Note, ProgressFn, silent
+
+SERVER = "llama-server"
+# The flags and variables Ollama's startLlamaServer can pass (llm/llama_server.go), for when the
+# ollama executable is not at hand to read them from.
+OLLAMA_FLAGS = ("--model", "--port", "--host", "--no-webui", "--offline", "-c", "-np", "--log-verbosity",
+                "--no-log-prefix", "--no-log-timestamps", "--no-jinja", "--chat-template", "--mmproj",
+                "--no-mmproj-offload", "--spec-type", "--spec-draft-n-max", "--spec-draft-backend-sampling",
+                "--no-spec-draft-backend-sampling", "--spec-draft-model", "--image-min-tokens", "--lora",
+                "--load-mode", "--cache-type-k", "--cache-type-v", "--flash-attn", "--embedding", "-b", "-ub",
+                "-ngl", "-t", "--split-mode", "--main-gpu", "--context-shift", "--keep")
+OLLAMA_VARS = ("LLAMA_ARG_FIT_TARGET",)
+SLOTS_HEADER = "# written by moeplug"
+DROPIN_NAME = "moeplug.conf"
+_FLAG = re.compile(r"(?:^|[\s,])(--?[A-Za-z][A-Za-z0-9-]*)")
+_VAR = re.compile(r"LLAMA_ARG_[A-Z0-9_]+")
+
+
+@dataclass(frozen=True)
+class OllamaInstall:
+    lib_dir: Path  # the folder whose llama-server Ollama runs
+    executable: Path | None  # the ollama program, when found
+
+
+def find_install(ollama_dir: Path | None = None) -> OllamaInstall:
+    """Ollama's lib/ollama: from --ollama-dir (the install prefix, or lib/ollama itself), else from
+    `ollama` on PATH as Ollama itself looks (llamaCppBinaryCandidates)."""
+    if ollama_dir is not None:
+        d = ollama_dir.expanduser().absolute()
+        for lib, exes in ((d, (d.parent.parent / "bin" / "ollama", d.parent.parent / "ollama")),
+                          (d / "lib" / "ollama", (d / "bin" / "ollama", d / "ollama"))):
+            if (lib / SERVER).is_file():
+                return OllamaInstall(lib, next((e for e in exes if e.is_file()), None))
+        raise MoeplugError(f"ollama: no {SERVER} in {d} or {d / 'lib' / 'ollama'} (give Ollama's install "
+                           f"folder, e.g. /usr/local, or its lib/ollama)")
+    found = shutil.which("ollama")
+    if not found:
+        raise MoeplugError("ollama: 'ollama' is not on PATH; give its install folder with --ollama-dir DIR")
+    exe = Path(found).resolve()
+    for lib in (exe.parent.parent / "lib" / "ollama", exe.parent / "lib" / "ollama"):
+        if (lib / SERVER).is_file():
+            return OllamaInstall(lib, exe)
+    raise MoeplugError(f"ollama: {exe} has no {SERVER} in ../lib/ollama or lib/ollama: an Ollama older than its "
+                       f"llama-server runner? (give --ollama-dir DIR)")
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    version: str
+    flags: frozenset[str]
+    variables: frozenset[str]
+
+
+def server_info(binary: Path, lib_dirs: Sequence[Path]) -> ServerInfo:
+    """A llama-server's version line and the flags and LLAMA_ARG_* variables its --help lists, run
+    with these folders on LD_LIBRARY_PATH, as Ollama runs it with its own."""
+    paths = [str(d) for d in lib_dirs] + [os.environ.get("LD_LIBRARY_PATH", "")]
+    env = dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join(filter(None, paths)))
+    out = {}
+    for arg in ("--version", "--help"):
+        try:
+            r = subprocess.run([str(binary), arg], capture_output=True, text=True, env=env, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise MoeplugError(f"ollama: cannot run {binary} {arg}: {exc}") from None
+        out[arg] = r.stdout + r.stderr
+    if "--model" not in out["--help"]:
+        raise MoeplugError(f"ollama: {binary} --help lists no --model: not a llama-server")
+    version = next((ln.strip() for ln in out["--version"].splitlines() if ln.strip().startswith("version")), "unknown")
+    return ServerInfo(version, frozenset(_FLAG.findall(out["--help"])), frozenset(_VAR.findall(out["--help"])))
+
+
+def passed_by_ollama(bundled: ServerInfo, executable: Path | None) -> tuple[set[str], set[str]]:
+    """The flags and variables of the bundled llama-server that Ollama may pass: those its program
+    names (read from the executable's bytes), else the ones its source passes (OLLAMA_FLAGS)."""
+    flags, variables = set(OLLAMA_FLAGS), set(OLLAMA_VARS)
+    if executable is not None:
+        data = executable.read_bytes()
+        flags |= {f for f in bundled.flags if re.search(re.escape(f.encode()) + rb"(?![A-Za-z0-9-])", data)}
+        variables |= {v.decode() for v in set(re.findall(rb"LLAMA_ARG_[A-Z0-9_]+", data))}
+    return flags & bundled.flags, variables & bundled.variables
+
+
+def check_compatible(ours: ServerInfo, bundled: ServerInfo, executable: Path | None) -> None:
+    flags, variables = passed_by_ollama(bundled, executable)
+    missing = sorted(flags - ours.flags) + sorted(variables - ours.variables)
+    if missing:
+        raise MoeplugError(f"ollama: moeplug's llama-server does not accept {', '.join(missing)}, which Ollama passes "
+                           f"to its bundled llama-server ({bundled.version}): nothing changed")
+
+
+# ---------------------------------------------------------------------------------------------
+# the swap: back up, install atomically, restore
+
+
+def backup_dir(lib_dir: Path) -> Path:
+    return state_dir() / "ollama-backup" / hashlib.sha256(str(lib_dir).encode()).hexdigest()[:16]
+
+
+def _ours(bin_dir: Path) -> list[Path]:
+    """What goes into lib/ollama: llama-server and the shared libraries beside it (links as links)."""
+    return sorted(p for p in bin_dir.iterdir() if p.name == SERVER or ".so" in p.name)
+
+
+def _entry(path: Path) -> dict[str, object]:
+    if path.is_symlink():
+        return {"kind": "link", "target": os.readlink(path)}
+    if path.is_file():
+        return {"kind": "file", "sha256": sha256_file(path), "mode": path.stat().st_mode & 0o7777}
+    return {"kind": "absent"}
+
+
+def _put(src_entry: dict[str, object], dest: Path, data_from: Path | None) -> None:
+    """Make dest what src_entry describes (a link, a file copied from data_from, or nothing), atomically."""
+    if src_entry["kind"] == "absent":
+        dest.unlink(missing_ok=True)
+        return
+    with atomic_path(dest) as tmp:
+        tmp.unlink()
+        if src_entry["kind"] == "link":
+            os.symlink(str(src_entry["target"]), tmp)
+        else:
+            assert data_from is not None
+            shutil.copyfile(data_from, tmp)
+            os.chmod(tmp, int(str(src_entry["mode"])))
+
+
+def manifest_path(lib_dir: Path) -> Path:
+    return backup_dir(lib_dir) / "manifest.json"
+
+
+def read_manifest(lib_dir: Path) -> dict[str, object] | None:
+    try:
+        return json.loads(manifest_path(lib_dir).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def check_writable(lib_dir: Path) -> None:
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".moeplug-write-check.", dir=lib_dir)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise MoeplugError(f"ollama: cannot write {lib_dir} ({exc.strerror}; run as its owner, e.g. with sudo): "
+                           f"nothing changed") from None
+
+
+def swap_in(install: OllamaInstall, bin_dir: Path, build_id: str, progress: ProgressFn = silent) -> dict[str, object]:
+    """Back up the bundled files moeplug's replace (first time only), then install moeplug's
+    llama-server and libraries into lib/ollama, each file atomically, the binary last."""
+    lib = install.lib_dir
+    old = read_manifest(lib)
+    ours = _ours(bin_dir)
+    bdir = backup_dir(lib)
+    bdir.mkdir(parents=True, exist_ok=True)
+    originals: dict[str, object] = {}
+    if old is not None:  # keep the first backup of every file still as moeplug installed it
+        installed: dict[str, str | None] = old["installed"]  # type: ignore[assignment]
+        originals = {name: entry for name, entry in old["originals"].items()  # type: ignore[union-attr]
+                     if _entry(lib / name).get("sha256") == installed.get(name)}
+    for p in ours:
+        if p.name not in originals:  # first time, or Ollama put a new one there since
+            entry = _entry(lib / p.name)
+            if entry["kind"] == "file":
+                shutil.copyfile(lib / p.name, bdir / p.name)
+            originals[p.name] = entry
+    for p in sorted(ours, key=lambda p: p.name == SERVER):
+        _put(_entry(p), lib / p.name, p)
+    manifest = {"lib_dir": str(lib), "build_id": build_id, "originals": originals,
+                "installed": {p.name: _entry(lib / p.name).get("sha256") for p in ours}}
+    write_text_atomic(manifest_path(lib), json.dumps(manifest, indent=2) + "\n")
+    progress(Note(f"ollama: moeplug's llama-server ({build_id}) installed in {lib}; the bundled files are kept in {bdir}"))
+    return manifest
+
+
+def binary_state(lib_dir: Path) -> str:
+    """'swapped' (moeplug's binary is in place), 'replaced' (Ollama put another there since), 'missing'."""
+    m = read_manifest(lib_dir)
+    if m is None or not (lib_dir / SERVER).is_file():
+        return "missing"
+    return "swapped" if sha256_file(lib_dir / SERVER) == m["installed"].get(SERVER) else "replaced"  # type: ignore[union-attr]
+
+
+def restore(lib_dir: Path) -> list[str]:
+    """Put back the bundled files exactly (checked by sha256); files Ollama replaced since are left
+    as Ollama put them. Returns notes on what was left."""
+    m = read_manifest(lib_dir)
+    if m is None:
+        return [f"no backup of {lib_dir}: nothing to restore"]
+    bdir, notes = backup_dir(lib_dir), []
+    installed: dict[str, str | None] = m["installed"]  # type: ignore[assignment]
+    for name, entry in sorted(m["originals"].items()):  # type: ignore[union-attr]
+        dest = lib_dir / name
+        now = _entry(dest)
+        if now.get("sha256") != installed.get(name) and now["kind"] == "file":
+            notes.append(f"{dest} was replaced since (an Ollama update?): left as it is")
+            continue
+        _put(entry, dest, bdir / name)
+        if entry["kind"] == "file" and sha256_file(dest) != entry["sha256"]:
+            raise MoeplugError(f"ollama: {dest} does not match its backup after restoring (sha256); the backup is "
+                               f"kept in {bdir}")
+    shutil.rmtree(bdir, ignore_errors=True)
+    return notes
+
+
+# ---------------------------------------------------------------------------------------------
+# the environment: a systemd drop-in for ollama.service, or lines for the shell
+
+
+def profiles_dir() -> Path:
+    return data_dir() / "profiles"
+
+
+def environment() -> dict[str, str]:
+    """What `ollama serve` needs: every model finds its profile and planned slots in moeplug's store,
+    and the slots follow the prompt as under `moeplug serve` (server_flags.DYNAMIC_ARGS)."""
+    from moeplug.server_flags import DYNAMIC_ARGS, env_of
+
+    return {"LLAMA_ARG_MOE_CACHE_PROFILE": str(profiles_dir()), "LLAMA_ARG_MOE_CACHE_SLOTS": "auto",
+            "LLAMA_ARG_MOE_CACHE_MAX_BATCH": "512", **env_of(DYNAMIC_ARGS)}
+
+
+def systemd_dirs() -> list[Path]:
+    if os.environ.get("MOEPLUG_SYSTEMD_DIR"):  # tests: a folder standing for /etc/systemd/system
+        return [Path(os.environ["MOEPLUG_SYSTEMD_DIR"])]
+    return [Path("/etc/systemd/system"), Path("/lib/systemd/system"), Path("/usr/lib/systemd/system")]
+
+
+def dropin_path() -> Path | None:
+    """ollama.service's drop-in file, when the unit exists."""
+    dirs = systemd_dirs()
+    if any((d / "ollama.service").exists() for d in dirs):
+        return dirs[0] / "ollama.service.d" / DROPIN_NAME
+    return None
+
+
+def write_environment() -> tuple[Path | None, str]:
+    """The drop-in written (path) and what to do next, or (None, the shell lines)."""
+    env = environment()
+    path = dropin_path()
+    if path is None:
+        lines = "\n".join(f"export {k}={v}" for k, v in env.items())
+        return None, f"no ollama.service here: set these where 'ollama serve' runs, then restart it:\n{lines}"
+    text = "\n".join([f"{SLOTS_HEADER} ('moeplug hook ollama'); 'moeplug hook remove ollama' removes it", "[Service]",
+                      *(f"Environment={k}={v}" for k, v in env.items()), ""])
+    write_text_atomic(path, text)
+    return path, f"wrote {path}; run: systemctl daemon-reload && systemctl restart ollama"
+
+
+def remove_environment() -> None:
+    path = dropin_path()
+    if path is not None and path.exists() and path.read_text().startswith(SLOTS_HEADER):
+        path.unlink()
+
+
+# ---------------------------------------------------------------------------------------------
+# slots files beside the profiles (native/SLOTS-FORMAT.md)
+
+
+def slots_path(profile: Path) -> Path:
+    return profile.with_suffix(".slots") if profile.suffix == ".gguf" else profile.with_name(profile.name + ".slots")
+
+
+def slots_text(m: Installed) -> str | None:
+    """The slots file of an installed model's plan, or None when the plan holds no slot."""
+    from moeplug.profile.format import model_fingerprint, read_profile
+
+    plan = m.plan
+    slots = list(plan.slots_per_layer)
+    if not m.profile or not any(slots):
+        return None
+    tensors = read_profile(m.profile).tensors
+    blocks = sorted(int(t.split(".")[1]) for t in tensors)
+    if len(blocks) != len(slots):
+        return None  # a plan of another profile: the engine's auto rule applies
+    by_block = dict(zip(blocks, slots))
+    counts = [by_block[int(t.split(".")[1])] for t in tensors]
+    spec = str(counts[0]) if len(set(counts)) == 1 else ",".join(map(str, counts))
+    fp = model_fingerprint(m.path)
+    budget = f"{plan.vram_budget_bytes / 2**30:.2f}GiB" if plan.vram_budget_bytes else "none"
+    digest = hashlib.sha256(json.dumps(plan.to_json(), sort_keys=True).encode()).hexdigest()[:16]
+    return "\n".join([f"{SLOTS_HEADER} from the installed plan of {m.name}; edits are replaced", "version = 1",
+                      f"model.meta_hash = {fp.meta_hash}", f"model.size = {fp.size}", f"slots = {spec}",
+                      f"plan = {m.name} ctx={plan.ctx} budget={budget} sha256:{digest}", ""])
+
+
+def write_slots_files(models: Sequence[Installed]) -> bool:
+    """A slots file beside every installed model's profile; moeplug's files of profiles no model
+    uses any more are removed. Returns whether a file changed."""
+    changed, wanted = False, set()
+    for m in models:
+        if not m.profile or not Path(m.profile).exists():
+            continue
+        path, text = slots_path(Path(m.profile)), slots_text(m)
+        if text is None:
+            continue
+        wanted.add(path)
+        if not path.exists() or path.read_text() != text:
+            write_text_atomic(path, text)
+            changed = True
+    folder = profiles_dir()
+    for stale in sorted(folder.glob("*.slots")) if folder.exists() else []:
+        if stale not in wanted and stale.read_text(errors="replace").startswith(SLOTS_HEADER):
+            stale.unlink()
+            changed = True
+    return changed

@@ -1,0 +1,313 @@
+"""`moeplug hook ollama` and `--moe-cache-profile DIR` / `--moe-cache-slots auto`, on the CPU build.
+
+No Ollama can be installed here, so its side is laid out from its source (ollama/ollama): an
+install tree `bin/ollama` + `lib/ollama/` whose llama-server is the stock build (its shared
+libraries beside it), a model store (`manifests/registry.ollama.ai/library/NAME/TAG` -> blob
+`sha256-HEX`), and llama-server started with the argv and environment `llm/llama_server.go`
+gives it (startLlamaServer, SetupLlamaServerCommandEnv). `bin/ollama` is a text file naming the
+flags and variables that program passes, as the real executable holds them as string literals.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+from helpers import xdg_homes
+
+from moeplug.server import complete, free_port
+
+pytestmark = pytest.mark.native
+
+# startLlamaServer's flags (llm/llama_server.go) and the variables SetupLlamaServerCommandEnv sets
+OLLAMA_PROGRAM = ("--model --port --host --no-webui --offline -c -np --log-verbosity --no-log-prefix "
+                  "--no-log-timestamps --flash-attn --cache-type-k --cache-type-v -ngl -t -b -ub --load-mode "
+                  "LLAMA_ARG_FIT_TARGET LLAMA_MEDIA_MARKER GGML_BACKEND_PATH")
+PROMPT = "def fib(n):\n    return"
+
+
+def tree_digest(folder: Path) -> dict[str, str]:
+    """Every entry of a folder: file bytes and mode, or link target."""
+    out = {}
+    for p in sorted(folder.iterdir()):
+        if p.is_symlink():
+            out[p.name] = "link:" + os.readlink(p)
+        else:
+            out[p.name] = f"{oct(p.stat().st_mode & 0o7777)}:{hashlib.sha256(p.read_bytes()).hexdigest()}"
+    return out
+
+
+def copy_server(bin_dir: Path, dest: Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    for p in bin_dir.iterdir():
+        if p.name == "llama-server" or ".so" in p.name:
+            if p.is_symlink():
+                os.symlink(os.readlink(p), dest / p.name)
+            else:
+                shutil.copy2(p, dest / p.name)
+
+
+def add_to_store(models: Path, name: str, blob_src: Path) -> Path:
+    data = blob_src.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    blob = models / "blobs" / f"sha256-{digest}"
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    blob.write_bytes(data)
+    manifest = models / "manifests" / "registry.ollama.ai" / "library" / name / "latest"
+    manifest.parent.mkdir(parents=True, exist_ok=True)
+    manifest.write_text(json.dumps({"schemaVersion": 2, "layers": [
+        {"mediaType": "application/vnd.ollama.image.model", "digest": f"sha256:{digest}", "size": len(data)}]}))
+    return blob
+
+
+@pytest.fixture(scope="module")
+def ollama(stock_build, patched_build, tmp_path_factory: pytest.TempPathFactory):
+    """XDG homes, a fake Ollama install with the stock llama-server, two models in its store."""
+    from moeplug.synth import ModelSpec, make_model
+
+    root = tmp_path_factory.mktemp("ollama")
+    with pytest.MonkeyPatch.context() as mp:
+        xdg_homes(mp, root)
+        mp.setenv("OLLAMA_MODELS", str(root / "models"))
+        mp.setenv("MOEPLUG_SYSTEMD_DIR", str(root / "systemd"))  # no ollama.service: shell lines
+        prefix = root / "ollama"
+        (prefix / "bin").mkdir(parents=True)
+        (prefix / "bin" / "ollama").write_text(f"#!/bin/sh\n# {OLLAMA_PROGRAM}\n")
+        (prefix / "bin" / "ollama").chmod(0o755)
+        copy_server(stock_build.bin_dir, prefix / "lib" / "ollama")
+        blobs = {}
+        for name, seed in (("alpha", 99), ("beta", 5)):
+            src = make_model(ModelSpec(arch="qwen3moe", layers=4, experts=32, used=4, embd=256, expert_ff=256,
+                                       dtype="q8_0", seed=seed, name=name), root / f"{name}.gguf")[0]
+            blobs[name] = add_to_store(root / "models", name, src)
+        yield {"root": root, "prefix": prefix, "lib": prefix / "lib" / "ollama", "blobs": blobs,
+               "stock": tree_digest(prefix / "lib" / "ollama")}
+
+
+def moeplug(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "moeplug", *args], capture_output=True, text=True, timeout=900)
+
+
+def one_line_error(r: subprocess.CompletedProcess[str], *words: str) -> str:
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moeplug: error: ") and "Traceback" not in r.stderr, r.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+    return lines[0]
+
+
+def start_as_ollama(binary: Path, blob: Path, log: Path, env_extra: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    """llama-server as startLlamaServer runs it: its argv, Ollama's environment plus LD_LIBRARY_PATH
+    (the binary's folder first) and LLAMA_MEDIA_MARKER."""
+    port = free_port()
+    argv = [str(binary), "--model", str(blob), "--port", str(port), "--host", "127.0.0.1", "--no-webui", "--offline",
+            "-c", "1024", "-np", "1", "--log-verbosity", "4", "--no-log-prefix", "--no-log-timestamps",
+            "--flash-attn", "auto"]
+    env = dict(os.environ, **env_extra)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(binary.parent), os.environ.get("LD_LIBRARY_PATH")]))
+    env["LLAMA_MEDIA_MARKER"] = "<__ollama_media_0__>"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except requests.RequestException:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise AssertionError(log.read_text()[-3000:])
+
+
+def answer(binary: Path, blob: Path, log: Path, env: dict[str, str]) -> tuple[list[int], str]:
+    proc, url = start_as_ollama(binary, blob, log, env)
+    try:
+        tokens = complete(url, PROMPT, n_predict=12)["tokens"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    return tokens, log.read_text()
+
+
+def cache_lines(log: str) -> list[str]:
+    return [ln for ln in log.splitlines() if ln.startswith("moe-cache:")]
+
+
+def test_hook_swaps_in_every_model_finds_its_profile_and_remove_restores(ollama, tmp_path: Path) -> None:
+    lib, prefix = ollama["lib"], ollama["prefix"]
+    stock_answers = {n: answer(lib / "llama-server", b, tmp_path / f"stock-{n}.log", {})[0]
+                     for n, b in ollama["blobs"].items()}
+
+    r = moeplug("hook", "ollama", "--ollama-dir", str(prefix), "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["environment"]["LLAMA_ARG_MOE_CACHE_SLOTS"] == "auto" and "export LLAMA_ARG_MOE_CACHE_PROFILE=" in doc["next"]
+    assert tree_digest(lib) != ollama["stock"]
+    assert "moe_cache_profile" in subprocess.run([str(lib / "llama-server"), "--help"], capture_output=True,
+                                                 text=True).stdout.replace("-", "_")
+
+    # alpha installed from Ollama's store (its blob in place) with a budget that holds part of its experts
+    r = moeplug("plan", "ollama:alpha", "--vram-budget", "8GiB", "--json")
+    assert r.returncode == 0, r.stderr
+    p = json.loads(r.stdout)
+    fixed = p["non_expert_vram_bytes"] + p["kv_cache_bytes"] + p["compute_bytes"] + p["margin_bytes"]
+    budget = fixed + 12 * p["bytes_per_slot"]
+    r = moeplug("install", "ollama:alpha", "--vram-budget", str(budget), "--no-serve", "--ctx", "1024",
+                "--profile-tokens", "16", "--json")
+    assert r.returncode == 0, r.stderr
+    inst = json.loads(r.stdout)
+    assert inst["model"] == str(ollama["blobs"]["alpha"])
+    slots = inst["plan"]["slots_per_layer"]
+    assert 0 < sum(slots) < 32 * 4, slots
+    sidecar = Path(inst["profile"]).with_suffix(".slots")
+    assert f"slots = {slots[0] if len(set(slots)) == 1 else ','.join(map(str, slots))}" in sidecar.read_text()
+
+    env = {"LLAMA_ARG_MOE_CACHE_PROFILE": doc["environment"]["LLAMA_ARG_MOE_CACHE_PROFILE"],
+           "LLAMA_ARG_MOE_CACHE_SLOTS": "auto", "LLAMA_MOE_CACHE_DEVICE": "CPU"}
+    tokens, log = answer(lib / "llama-server", ollama["blobs"]["alpha"], tmp_path / "alpha.log", env)
+    lines = cache_lines(log)
+    used = [n for n in slots if n]
+    span = f"{max(used)}" if len(set(used)) == 1 else f"{min(used)}-{max(used)}"
+    assert any(f"from {sidecar}" in ln for ln in lines), lines
+    assert any(ln.startswith(f"moe-cache: {len(used)} layers x {span} slots") for ln in lines), lines
+    assert tokens == stock_answers["alpha"]  # bitwise stock on the CPU
+
+    tokens, log = answer(lib / "llama-server", ollama["blobs"]["beta"], tmp_path / "beta.log", env)
+    assert cache_lines(log) == [f"moe-cache: not engaged, running without it: no profile for this model in "
+                                f"{env['LLAMA_ARG_MOE_CACHE_PROFILE']}"]
+    assert tokens == stock_answers["beta"]
+
+    r = moeplug("hook", "list", "--json")
+    assert [h["state"] for h in json.loads(r.stdout)["hooks"]] == ["ok"]
+
+    r = moeplug("hook", "remove", "ollama")
+    assert r.returncode == 0, r.stderr
+    assert tree_digest(lib) == ollama["stock"]  # byte for byte, modes and links
+    assert moeplug("hook", "list", "--json").stdout.count('"target"') == 0
+
+
+def test_an_ollama_update_shows_in_hook_list_and_the_watcher_swaps_again(ollama, stock_build) -> None:
+    from moeplug.hooks import ollama as hook
+    from moeplug.hooks.watch import watch_store
+
+    lib = ollama["lib"]
+    units = Path(os.environ["MOEPLUG_SYSTEMD_DIR"])
+    units.mkdir(parents=True, exist_ok=True)
+    (units / "ollama.service").write_text("[Service]\nExecStart=/usr/local/bin/ollama serve\n")
+    r = moeplug("hook", "ollama", "--ollama-dir", str(lib))
+    assert r.returncode == 0, r.stderr
+    dropin = units / "ollama.service.d" / "moeplug.conf"
+    assert f"wrote {dropin}" in r.stdout
+    assert "Environment=LLAMA_ARG_MOE_CACHE_SLOTS=auto\n" in dropin.read_text()
+    update = ollama["root"] / "update"
+
+    def ollama_update(data_from: Path) -> None:  # Ollama's updater puts another llama-server in place
+        shutil.copy2(data_from, update)
+        os.replace(update, lib / "llama-server")
+
+    ollama_update(ollama["prefix"] / "bin" / "ollama")
+    assert "an Ollama update" in json.loads(moeplug("hook", "list", "--json").stdout)["hooks"][0]["state"]
+
+    notes: list[str] = []
+    watcher = watch_store(debounce=0.2, progress=lambda e: notes.append(str(e)))
+    try:
+        ollama_update(ollama["prefix"] / "bin" / "ollama")  # not a llama-server: the watcher warns
+        deadline = time.time() + 30
+        while time.time() < deadline and not any("not a llama-server" in n for n in notes):
+            time.sleep(0.2)
+        assert any("not a llama-server" in n for n in notes), notes
+        assert hook.binary_state(lib) == "replaced"
+        ollama_update(stock_build.binary("llama-server"))  # a real one: checked and swapped again
+        deadline = time.time() + 60
+        while time.time() < deadline and hook.binary_state(lib) != "swapped":
+            time.sleep(0.2)
+        assert hook.binary_state(lib) == "swapped", notes
+    finally:
+        watcher.stop()
+    assert json.loads(moeplug("hook", "list", "--json").stdout)["hooks"][0]["state"] == "ok"
+    assert moeplug("hook", "remove", "ollama").returncode == 0
+    assert tree_digest(lib) == ollama["stock"]  # the update's binary (here: stock's) back, the rest as first kept
+    assert not dropin.exists()
+    (units / "ollama.service").unlink()
+
+
+def test_refusals_change_nothing(ollama, tmp_path: Path) -> None:
+    # a bundled llama-server that takes a flag this Ollama passes and moeplug's does not
+    prefix = tmp_path / "newer"
+    (prefix / "bin").mkdir(parents=True)
+    (prefix / "bin" / "ollama").write_text(f"# {OLLAMA_PROGRAM} --reasoning-budget-next\n")
+    copy_server(ollama["lib"], prefix / "lib" / "ollama")
+    server = prefix / "lib" / "ollama" / "llama-server"
+    os.replace(server, server.with_name("llama-server.real"))
+    server.write_text('#!/bin/sh\nif [ "$1" = --help ]; then "$0.real" --help; '
+                      'echo "--reasoning-budget-next N   a flag of a newer llama.cpp"; else exec "$0.real" "$@"; fi\n')
+    server.chmod(0o755)
+    before = tree_digest(server.parent)
+    one_line_error(moeplug("hook", "ollama", "--ollama-dir", str(prefix)), "--reasoning-budget-next",
+                   "nothing changed")
+    assert tree_digest(server.parent) == before
+    assert json.loads(moeplug("hook", "list", "--json").stdout)["hooks"] == []
+
+    # an install folder moeplug cannot write (immutable: root writes anywhere else)
+    lib = ollama["lib"]
+    if subprocess.run(["chattr", "+i", str(lib)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not supported on this file system")
+    try:
+        one_line_error(moeplug("hook", "ollama", "--ollama-dir", str(lib)), f"cannot write {lib}", "nothing changed")
+    finally:
+        subprocess.run(["chattr", "-i", str(lib)], check=True)
+    assert tree_digest(lib) == ollama["stock"]
+    assert json.loads(moeplug("hook", "list", "--json").stdout)["hooks"] == []
+
+
+def test_profile_dir_no_match_two_matches_corrupt_slots_auto(ollama, patched_build, tmp_path: Path) -> None:
+    """--moe-cache-profile DIR straight on the patched llama-server: one line each, the model serves."""
+    from moeplug.install import ensure_profile
+
+    binary = patched_build.binary("llama-server")
+    alpha = ollama["blobs"]["alpha"]
+    profile = ensure_profile(alpha, patched_build.binary("llama-moe-profile"), 16, ["codeish"])
+    stock_tokens = answer(binary, alpha, tmp_path / "stock.log", {})[0]
+
+    def run(folder: Path, slots: str | None = "auto") -> list[str]:
+        env = {"LLAMA_ARG_MOE_CACHE_PROFILE": str(folder), "LLAMA_MOE_CACHE_DEVICE": "CPU"}
+        if slots is not None:
+            env["LLAMA_ARG_MOE_CACHE_SLOTS"] = slots
+        tokens, log = answer(binary, alpha, tmp_path / f"{folder.name}.log", env)
+        assert tokens == stock_tokens
+        return cache_lines(log)
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.gguf").write_text("not a GGUF")
+    assert run(empty) == [f"moe-cache: not engaged, running without it: no profile for this model in {empty}"]
+
+    two = tmp_path / "two"
+    two.mkdir()
+    shutil.copy(profile, two / "a.gguf")
+    shutil.copy(profile, two / "b.gguf")
+    assert run(two) == [f"moe-cache: not engaged, running without it: 2 profiles for this model in {two} "
+                        f"(a.gguf, b.gguf): keep one"]
+
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    shutil.copy(profile, corrupt / "p.gguf")
+    (corrupt / "p.slots").write_text("version = 1\nslots 8\n")
+    assert run(corrupt) == [f"moe-cache: not engaged, running without it: the slots file {corrupt / 'p.slots'} is "
+                            f"corrupt: line 2 is not KEY = VALUE"]
+
+    (corrupt / "p.slots").unlink()  # no slots file: auto, on the CPU device a quarter of the experts
+    lines = run(corrupt, slots=None)
+    assert len(lines) == 2 and "slots 8 from auto" in lines[0] and lines[1].startswith("moe-cache: 4 layers x 8 slots"), lines
