@@ -142,6 +142,10 @@ void moe_observe(const llm_graph_context & g, ggml_tensor * selected_experts, in
 } // namespace
 
 llama_moeplug_cache::~llama_moeplug_cache() {
+    // no upload may still be writing a slot when the slots' buffers go
+    for (auto & b : upload_backends) {
+        ggml_backend_synchronize(b.get());
+    }
     for (ggml_backend_event_t ev : events) {
         ggml_backend_event_free(ev);
     }
