@@ -90,13 +90,9 @@ def write_npz(path: Path, prompts: int = 12, seed: int = 3, layers: int = 24, ex
 XDG = ("XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CONFIG_HOME")
 
 
-def xdg_homes(mp: Any, root: Path) -> None:
-    """Move moeplug's XDG homes under root (mp: a pytest MonkeyPatch), sharing the real builds."""
-    from moeplug.paths import builds_dir
-
-    builds = builds_dir()  # the real one, before the homes move
+def use_xdg_homes(mp: Any, root: Path) -> None:
+    """xdg_homes for this process (mp: a pytest MonkeyPatch): moeplug's homes under root, the
+    builds shared."""
+    env = xdg_homes(root)
     for var in XDG:
-        mp.setenv(var, str(root / var.lower()))
-    shared = root / "xdg_data_home" / "moeplug" / "builds"
-    shared.parent.mkdir(parents=True)
-    shared.symlink_to(builds)
+        mp.setenv(var, env[var])

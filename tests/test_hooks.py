@@ -25,7 +25,7 @@ import jsonschema
 import pytest
 import requests
 import yaml
-from helpers import xdg_homes
+from helpers import use_xdg_homes
 
 from moeplug.hooks.command import flag_pairs
 from moeplug.server import free_port
@@ -46,7 +46,7 @@ def store(patched_build, tmp_path_factory: pytest.TempPathFactory):
 
     root = tmp_path_factory.mktemp("hooks")
     with pytest.MonkeyPatch.context() as mp:
-        xdg_homes(mp, root)
+        use_xdg_homes(mp, root)
         r = subprocess.run([sys.executable, "-m", "moeplug", "install", "demo", "--no-serve", "--ctx", "1024"],
                            capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stderr[-3000:]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from helpers import xdg_homes
+from helpers import use_xdg_homes
 
 from moeplug.server import complete, free_port
 
@@ -75,7 +75,7 @@ def ollama(stock_build, patched_build, tmp_path_factory: pytest.TempPathFactory)
 
     root = tmp_path_factory.mktemp("ollama")
     with pytest.MonkeyPatch.context() as mp:
-        xdg_homes(mp, root)
+        use_xdg_homes(mp, root)
         mp.setenv("OLLAMA_MODELS", str(root / "models"))
         mp.setenv("MOEPLUG_SYSTEMD_DIR", str(root / "systemd"))  # no ollama.service: shell lines
         prefix = root / "ollama"
