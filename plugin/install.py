@@ -134,7 +134,7 @@ def require_moe(info: ModelInfo) -> None:
                                  f"offload; run it with stock llama.cpp")
 
 
-def ensure_profile(model: Path, tool: Path, n_predict: int, prompt_sets: list[str], remake: bool = False,
+def ensure_profile(model: Path, tool: Path, n_predict: int, prompt_sets: list[str], *, remake: bool = False,
                    progress: ProgressFn = silent) -> Path:
     """The model's stored profile, made with the bundled prompts when there is none yet (remake:
     made again, replacing it atomically)."""
@@ -206,7 +206,7 @@ def install(text: str, *, ctx: int | None = None, vram_budget: int | None = None
         result = build(resolve_options(backend, stock=False, jobs=jobs, cuda_arch=None), progress=progress)
         n_predict = profile_tokens or default_profile_tokens(ref)
         profile = ensure_profile(resolved.path, result.binary("llama-moe-profile"), n_predict,
-                                 list(prompt_sets or DEFAULT_PROMPT_SETS), progress)
+                                 list(prompt_sets or DEFAULT_PROMPT_SETS), progress=progress)
         slots_on_cpu = is_demo and result.manifest.get("backend") == "cpu"
         plan = plan_for(info, ctx, vram_budget, profile, slots_on_cpu)
         record = InstalledModel(name=name, ref=text, path=str(resolved.path), profile=str(profile),

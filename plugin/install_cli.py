@@ -123,7 +123,8 @@ def status_text(snap: Any) -> str:
         c = s.record.cache or {}
         cache = f"{c['layers']}x{c['slots']} on {c['device']}" if c.get("engaged") else ("off" if not c else "not engaged")
         counters = s.cache_counters.to_json() if s.cache_counters else None
-        rows.append([s.name, s.record.url, s.record.pid, s.state, cache, _hit_rate_text(counters), s.record.log])
+        state = s.state if s.model_present else f"{s.state}, model file gone"
+        rows.append([s.name, s.record.url, s.record.pid, state, cache, _hit_rate_text(counters), s.record.log])
     return table(["name", "url", "pid", "state", "expert cache", "measured hit rate", "log"], rows, "llrllrl")
 
 

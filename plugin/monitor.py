@@ -160,7 +160,18 @@ class ServerSnapshot:
 
     @property
     def state(self) -> str:
-        return "healthy" if self.healthy else ("starting/unhealthy" if self.alive else "down")
+        if not self.alive:
+            return "down"
+        if self.record.launch_interrupted():
+            return "unverified"  # its moeplug was killed before checking it: `moeplug stop` it or serve again
+        if self.record.launcher is not None:
+            return "starting"
+        return "healthy" if self.healthy else "starting/unhealthy"
+
+    @property
+    def model_present(self) -> bool:
+        """False when the model file was deleted or moved while served (it runs on; it cannot start again)."""
+        return Path(self.record.model).exists()
 
     @property
     def cpu_bytes_per_token(self) -> float | None:
@@ -173,6 +184,7 @@ class ServerSnapshot:
         """`moeplug status --json`'s entry for this server."""
         return asdict(self.record) | {
             "url": self.record.url, "alive": self.alive, "healthy": self.healthy, "state": self.state,
+            "model_present": self.model_present,
             "uptime_s": round(self.uptime_s, 1),
             "cache_counters": self.cache_counters.to_json() if self.cache_counters else None,
             "metrics": self.metrics.to_json() if self.metrics else None,

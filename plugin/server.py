@@ -77,14 +77,25 @@ class Server:
         while time.monotonic() < deadline:
             rc = self.proc.poll()
             if rc is not None:
-                raise MoeplugError(f"llama-server exited with code {rc} while loading: {log_tail(self.log_path)} "
-                                   f"(log: {self.log_path})")
+                raise MoeplugError(self._exit_reason(rc))
             h = self.health()
             if h and h.get("http_status") == 200 and h.get("status") == "ok":
                 return
             time.sleep(0.2)
         self.stop()
         raise MoeplugError(f"llama-server did not become healthy in {timeout:.0f} s (log: {self.log_path})")
+
+    def _exit_reason(self, rc: int) -> str:
+        """Why the server exited while loading, in one line naming its log."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            text = ""
+        if "couldn't bind HTTP server socket" in text:
+            return (f"port {self.port} on {HOST} was taken before llama-server could listen on it; pick another "
+                    f"with --port, or leave it out for a free one (log: {self.log_path})")
+        how = f"was killed (signal {-rc})" if rc < 0 else f"exited with code {rc}"
+        return f"llama-server {how} while loading: {log_tail(self.log_path) or '(nothing logged)'} (log: {self.log_path})"
 
     def complete(self, prompt: str | list[int], n_predict: int = 16, seed: int = 42, **params: Any) -> dict[str, Any]:
         """A greedy /completion; the reply includes the generated token ids."""
@@ -124,6 +135,8 @@ def start_server(binary: Path, model: Path, log_path: Path, extra_args: list[str
     env: added to this process's environment."""
     if not binary.exists():
         raise MoeplugError(f"{binary}: no llama-server there (run 'moeplug native build')")
+    if not model.exists():
+        raise MoeplugError(f"{model}: no such model file (deleted or moved?)")
     port = port or free_port()
     if port_in_use(port):
         raise MoeplugError(f"port {port} on {HOST} is already in use; pick another with --port")

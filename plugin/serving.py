@@ -15,7 +15,7 @@ import re
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -84,22 +84,31 @@ class ServerRecord:
     cache: dict[str, Any] | None = None
     buffers: dict[str, dict[str, float]] = field(default_factory=dict)
     plan: dict[str, Any] | None = None  # the plan it runs (moeplug.plan.Plan.to_json()); None: not known
+    launcher: int | None = None  # pid of the moeplug still verifying it; None once verified
 
     @property
     def url(self) -> str:
         return f"http://{HOST}:{self.port}"
 
+    def launch_interrupted(self) -> bool:
+        """The moeplug that launched it died before verifying it (killed, or the machine's OOM killer)."""
+        return self.launcher is not None and not pid_alive(self.launcher)
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self) | {"url": self.url}
 
     def alive(self) -> bool:
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return _cmdline(self.pid).startswith(self.args[0])
+        return pid_alive(self.pid) and _cmdline(self.pid).startswith(self.args[0])
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _cmdline(pid: int) -> str:
@@ -169,13 +178,22 @@ def launch_verified(name: str, model: Path, binary: Path, build_id: str, server_
     server_args come from (a Plan or its JSON), kept in the record (moeplug.monitor shows its slots)."""
     existing = find_record(name)
     if existing and existing.alive():
-        raise MoeplugError(f"'{name}' is already served at {existing.url} (pid {existing.pid}); "
-                           f"'moeplug stop {name}' first")
+        if not existing.launch_interrupted():
+            raise MoeplugError(f"'{name}' is already served at {existing.url} (pid {existing.pid}); "
+                               f"'moeplug stop {name}' first")
+        stop(name)  # left running, unverified, by a moeplug that was killed: replaced
     log_path = logs_dir() / f"server-{name}.log"
     server = start_server(binary, model, log_path, served_args(server_args, metrics), port=port, ctx=None,
                           detached=True, env=env)
     proc, port, args = server.proc, server.port, server.args
+    started = time.time()
+    plan_json = plan.to_json() if hasattr(plan, "to_json") else plan
+    # recorded before it is verified, so that a moeplug killed now leaves a server `status` shows
+    # and `stop` (or the next launch) ends, never an unknown one
+    pending = ServerRecord(name=name, model=str(model), pid=proc.pid, port=port, log=str(log_path), args=args,
+                           started=started, build_id=build_id, plan=plan_json, launcher=os.getpid())
     try:
+        write_text_atomic(record_path(name), json.dumps(asdict(pending), indent=2) + "\n")
         server.wait_healthy(timeout=timeout)
         text = log_path.read_text(errors="replace")
         cache = parse_cache_line(text)
@@ -186,11 +204,9 @@ def launch_verified(name: str, model: Path, binary: Path, build_id: str, server_
         _probe_context(server, ctx)
     except BaseException:
         server.stop()
+        record_path(name).unlink(missing_ok=True)
         raise
-    record = ServerRecord(name=name, model=str(model), pid=proc.pid, port=port, log=str(log_path), args=args,
-                          started=time.time(), build_id=build_id, cache=asdict(cache) if cache else None,
-                          buffers=parse_buffers(text),
-                          plan=plan.to_json() if hasattr(plan, "to_json") else plan)
+    record = replace(pending, cache=asdict(cache) if cache else None, buffers=parse_buffers(text), launcher=None)
     write_text_atomic(record_path(name), json.dumps(asdict(record), indent=2) + "\n")
     return record
 

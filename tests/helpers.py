@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moeplug.paths import builds_dir
 from moeplug.synth import ModelSpec
 
 # Small but real: 256-wide rows so every dtype, Q4_K included, applies to the expert tensors.
@@ -66,3 +68,32 @@ def write_npz(path: Path, prompts: int = 12, seed: int = 3, layers: int = 24, ex
     arrays = {"experts": ex, "probs": probs, "offsets": offsets, **override}
     np.savez_compressed(path, **arrays)
     return arrays
+
+
+class XdgHome:
+    """Fresh XDG data/state/config homes sharing the built binaries (a link to the real builds
+    folder), a llama-swap config folder and a router preset of the user's, and `moeplug` run in them."""
+
+    def __init__(self, root: Path) -> None:
+        self.env = dict(os.environ)
+        for var in ("XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CONFIG_HOME"):
+            self.env[var] = str(root / var.lower())
+        shared = Path(self.env["XDG_DATA_HOME"]) / "moeplug" / "builds"
+        shared.parent.mkdir(parents=True)
+        shared.symlink_to(builds_dir())
+        self.swap_dir = root / "llama-swap"
+        self.swap_dir.mkdir()
+        self.preset = root / "router.ini"
+        self.preset.write_text("; mine\n[*]\nc = 2048\n")
+        self.data = Path(self.env["XDG_DATA_HOME"]) / "moeplug"
+        self.state = Path(self.env["XDG_STATE_HOME"]) / "moeplug"
+
+    def argv(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "moeplug", *args]
+
+    def run(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(self.argv(*args), env=self.env, capture_output=True, text=True, timeout=timeout)
+
+    def in_library(self, code: str) -> subprocess.CompletedProcess[str]:
+        """Python code run against this home (the library reads the XDG variables)."""
+        return subprocess.run([sys.executable, "-c", code], env=self.env, capture_output=True, text=True, timeout=120)
