@@ -27,6 +27,7 @@ from moeplug.probes import available_ram_bytes
 from moeplug.profile.runner import DEFAULT_PROMPT_SETS
 from moeplug.progress import Note, ProgressFn, silent
 from moeplug.refs import ModelRef, ResolvedModel, parse_ref, resolve_ref
+from moeplug.server import HOST, exposure_warning
 
 DEMO_PROFILE_TOKENS = 32
 SLOTS_ON_CPU_ENV = {"LLAMA_MOE_CACHE_DEVICE": "CPU"}
@@ -187,11 +188,14 @@ def installed_build(m: InstalledModel) -> Any:
 def install(text: str, *, ctx: int | None = None, vram_budget: int | None = None, backend: str | None = None,
             jobs: int = 0, profile_tokens: int | None = None, prompt_sets: list[str] | None = None, serve: bool = True,
             port: int | None = None, allow_fallback: bool = False, metrics: bool = False, ctx_override: bool = False,
-            progress: ProgressFn = silent) -> Installed:
+            host: str = HOST, progress: ProgressFn = silent) -> Installed:
     """Install (and unless serve=False, serve) a model. ctx None: 4096, or less for a model trained
-    with less; above the training context only with ctx_override."""
+    with less; above the training context only with ctx_override. host: where the server listens."""
     from moeplug.native.build import build, resolve_options
     from moeplug.serving import launch_verified, model_lock
+
+    if serve:
+        warn_exposure(host, progress)
 
     ref = parse_ref(text)
     name = model_name(ref)
@@ -219,8 +223,15 @@ def install(text: str, *, ctx: int | None = None, vram_budget: int | None = None
         if serve:
             done.server = launch_verified(name, resolved.path, result.binary("llama-server"), result.build_id,
                                           plan.server_args, ctx, port=port, allow_fallback=allow_fallback,
-                                          env=record.server_env(), metrics=metrics, plan=plan)
+                                          env=record.server_env(), metrics=metrics, plan=plan, host=host)
     return done
+
+
+def warn_exposure(host: str, progress: ProgressFn) -> None:
+    """The warning for a server that will listen beyond this machine, before it starts."""
+    warning = exposure_warning(host)
+    if warning:
+        progress(Note(warning))
 
 
 def plan_installed(m: InstalledModel, ctx: int | None = None, vram_budget: int | None = None) -> Plan:

@@ -23,7 +23,7 @@ from moeplug.errors import MoeplugError, NotApplicableError
 from moeplug.fsutil import write_text_atomic
 from moeplug.paths import logs_dir, state_dir
 from moeplug.runlog import log_tail
-from moeplug.server import HOST, Server, server_argv, start_server
+from moeplug.server import HOST, Server, server_argv, start_server, url_of
 
 # "L layers x N slots, ..."; with whole layers or layers that differ,
 # "L layers x N0-N1 slots (S in all, F whole layers), ..." (N0- only when they differ)
@@ -85,10 +85,11 @@ class ServerRecord:
     buffers: dict[str, dict[str, float]] = field(default_factory=dict)
     plan: dict[str, Any] | None = None  # the plan it runs (moeplug.plan.Plan.to_json()); None: not known
     launcher: int | None = None  # pid of the moeplug still verifying it; None once verified
+    host: str = HOST  # the address it listens on
 
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
+        return url_of(self.host, self.port)
 
     def launch_interrupted(self) -> bool:
         """The moeplug that launched it died before verifying it (killed, or the machine's OOM killer)."""
@@ -171,11 +172,12 @@ def served_argv(binary: Path, model: Path, port: int | str, server_args: list[st
 
 def launch_verified(name: str, model: Path, binary: Path, build_id: str, server_args: list[str], ctx: int,
                     port: int | None = None, allow_fallback: bool = False, env: dict[str, str] | None = None,
-                    timeout: float = 300, metrics: bool = False, plan: Any = None) -> ServerRecord:
+                    timeout: float = 300, metrics: bool = False, plan: Any = None, host: str = HOST) -> ServerRecord:
     """Start a served model's llama-server detached (server.start_server), wait for /health, check
     the cache engaged, probe the context, and record it for `status` and `stop`.
     metrics: serve /metrics, with the cache's slot-hit counters (moeplug.metrics). plan: the plan
-    server_args come from (a Plan or its JSON), kept in the record (moeplug.monitor shows its slots)."""
+    server_args come from (a Plan or its JSON), kept in the record (moeplug.monitor shows its slots).
+    host: where it listens (127.0.0.1 unless the user asked; server.exposure_warning says what else means)."""
     existing = find_record(name)
     if existing and existing.alive():
         if not existing.launch_interrupted():
@@ -184,14 +186,14 @@ def launch_verified(name: str, model: Path, binary: Path, build_id: str, server_
         stop(name)  # left running, unverified, by a moeplug that was killed: replaced
     log_path = logs_dir() / f"server-{name}.log"
     server = start_server(binary, model, log_path, served_args(server_args, metrics), port=port, ctx=None,
-                          detached=True, env=env)
+                          detached=True, env=env, host=host)
     proc, port, args = server.proc, server.port, server.args
     started = time.time()
     plan_json = plan.to_json() if hasattr(plan, "to_json") else plan
     # recorded before it is verified, so that a moeplug killed now leaves a server `status` shows
     # and `stop` (or the next launch) ends, never an unknown one
     pending = ServerRecord(name=name, model=str(model), pid=proc.pid, port=port, log=str(log_path), args=args,
-                           started=started, build_id=build_id, plan=plan_json, launcher=os.getpid())
+                           started=started, build_id=build_id, plan=plan_json, launcher=os.getpid(), host=host)
     try:
         write_text_atomic(record_path(name), json.dumps(asdict(pending), indent=2) + "\n")
         server.wait_healthy(timeout=timeout)
