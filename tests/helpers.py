@@ -51,6 +51,16 @@ def run_cli_process(*args: str, env: dict[str, str] | None = None, timeout: floa
     return CliResult(r.returncode, r.stdout, r.stderr)
 
 
+def make_profile(build, model: Path, out: Path, n_predict: int, timeout: float = 600) -> Path:
+    """A real profile of the model: llama-moe-profile of `build` on the bundled code prompts."""
+    prompts = Path(__file__).parents[1] / "profiles" / "codeish.txt"
+    r = subprocess.run([str(build.binary("llama-moe-profile")), "-m", str(model), "--prompts", str(prompts),
+                        "--out", str(out), "-n", str(n_predict), "-t", "2"], capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out
+
+
 def write_npz(path: Path, prompts: int = 12, seed: int = 3, layers: int = 24, experts: int = 32,
               used: int = 4, **override: np.ndarray) -> dict[str, np.ndarray]:
     """A routing trace in the npz layout of shared/data/traces (default: gpt-oss-20b's 24 layers x 4

@@ -26,7 +26,7 @@ import pytest
 import requests
 
 from gguf_mutate import mutants, truncations
-from helpers import run_cli
+from helpers import make_profile, run_cli
 from moeplug.server import free_port, server_argv
 from moeplug.synth import ModelSpec, make_model
 
@@ -45,13 +45,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_profile(tiny_model: Path, patched_build) -> Path:
-    out = tiny_model.with_name("tiny.profile.gguf")
-    prompts = Path(__file__).parents[1] / "profiles" / "codeish.txt"
-    r = subprocess.run([str(patched_build.binary("llama-moe-profile")), "-m", str(tiny_model), "--prompts",
-                        str(prompts), "--out", str(out), "-n", "4", "-t", "2"], capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return out
+    return make_profile(patched_build, tiny_model, tiny_model.with_name("tiny.profile.gguf"), 4)
 
 
 def cases(data: bytes, n: int, data_too: bool) -> list[tuple[str, bytes]]:
