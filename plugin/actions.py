@@ -14,6 +14,7 @@ from typing import Any
 from moeplug.errors import EXIT_ERROR, EXIT_OK, MoeplugError
 from moeplug.estimates import context_size
 from moeplug.install import (
+    warn_exposure,
     installed_build,
     list_installed,
     locate,
@@ -26,6 +27,7 @@ from moeplug.install import (
 from moeplug.model_inspect import inspect_model
 from moeplug.plan import Plan
 from moeplug.progress import Note, ProgressFn, silent
+from moeplug.server import HOST
 from moeplug.serving import ServerRecord
 
 
@@ -56,13 +58,15 @@ class Served:
 
 def serve(name: str, *, port: int | None = None, vram_budget: int | None = None, ctx: int | None = None,
           ctx_override: bool = False, allow_fallback: bool = False, metrics: bool = False, record: bool = False,
-          progress: ProgressFn = silent) -> Served:
+          host: str = HOST, progress: ProgressFn = silent) -> Served:
     """Launch an installed model again (detached) with its build; re-planned when a budget or a
     context is given, else with the plan it was installed with. Waits while another moeplug holds
     the model (an install, a re-profile), then reads the model as that one left it. record: count
-    the router's selections for `moeplug reprofile` (llama-server --moe-cache-record)."""
+    the router's selections for `moeplug reprofile` (llama-server --moe-cache-record). host: where
+    it listens (127.0.0.1 unless the user gave another address; then a warning)."""
     from moeplug.serving import launch_verified, model_lock
 
+    warn_exposure(host, progress)
     read_installed(name)  # an unknown name fails now, not after a wait
     with model_lock(name, progress):
         m = read_installed(name)
@@ -73,7 +77,7 @@ def serve(name: str, *, port: int | None = None, vram_budget: int | None = None,
         plan = m.plan
         served = launch_verified(m.name, Path(m.path), installed_build(m).binary("llama-server"), m.build_id,
                                  plan.server_args, plan.ctx, port=port, allow_fallback=allow_fallback,
-                                 env=m.server_env(), metrics=metrics, plan=plan, record=record)
+                                 env=m.server_env(), metrics=metrics, plan=plan, record=record, host=host)
     return Served(m.name, served)
 
 

@@ -2,7 +2,8 @@
 
 Files are pinned to the commit the Hub names when the download starts; split GGUFs come complete;
 huggingface_hub resumes an interrupted download where it stopped; free disk space is checked
-before the first byte. With HF_HUB_OFFLINE=1 only the cache is used.
+before the first byte; every downloaded file is checked against the SHA-256 the Hub lists for it
+(a file that does not match is deleted and named). With HF_HUB_OFFLINE=1 only the cache is used.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import shutil
 from pathlib import Path
 
 from moeplug.errors import MoeplugError
+from moeplug.fsutil import sha256_file
 from moeplug.output import human_bytes
 from moeplug.progress import Note, ProgressFn, silent
 from moeplug.refs import ModelRef, ResolvedModel, pick_quant_files, resolve_hf_cached, shard_set, hf_cache_dir
@@ -41,6 +43,23 @@ def check_disk(repo: str, need: int, folder: Path) -> None:
         raise MoeplugError(f"{repo}: {human_bytes(need)} to download but {human_bytes(free)} free in {folder}")
 
 
+def check_hash(path: Path, sha256: str | None, what: str, progress: ProgressFn = silent) -> None:
+    """The file's SHA-256 is the one the Hub lists (None: the Hub lists none, as for small non-LFS
+    files); otherwise the file is deleted (its cache blob too) and named, so the next run fetches
+    it again."""
+    if sha256 is None:
+        progress(Note(f"{what}: the Hub lists no SHA-256 for it; not checked"))
+        return
+    progress(Note(f"checking {what} (SHA-256)"))
+    got = sha256_file(path)
+    if got != sha256.lower():
+        blob = path.resolve()
+        path.unlink(missing_ok=True)
+        blob.unlink(missing_ok=True)
+        raise MoeplugError(f"{what}: SHA-256 {got[:16]}... is not the Hub's {sha256[:16]}...; the file was "
+                           f"deleted: run again to download it again")
+
+
 def _download(ref: ModelRef, progress: ProgressFn) -> ResolvedModel:
     assert ref.repo is not None
     from huggingface_hub import HfApi, hf_hub_download
@@ -53,6 +72,7 @@ def _download(ref: ModelRef, progress: ProgressFn) -> ResolvedModel:
     except OSError as exc:
         raise MoeplugError(f"{ref.repo}: cannot reach the Hugging Face Hub ({exc})") from None
     sizes = {s.rfilename: s.size or 0 for s in info.siblings or []}
+    hashes = {s.rfilename: s.lfs.sha256 for s in info.siblings or [] if getattr(s, "lfs", None)}
     where = f"{ref.repo}@{(info.sha or '')[:12]} on the Hub"
     files = shard_set(ref.filename, set(sizes), where) if ref.filename else \
         pick_quant_files(list(sizes), str(ref.quant), where)
@@ -66,4 +86,5 @@ def _download(ref: ModelRef, progress: ProgressFn) -> ResolvedModel:
             paths.append(Path(hf_hub_download(ref.repo, f, revision=info.sha, cache_dir=cache)))
         except (HfHubHTTPError, OSError) as exc:
             raise MoeplugError(f"{ref.repo}/{f}: download failed ({exc}); run again to resume") from None
+        check_hash(paths[-1], hashes.get(f), f"{ref.repo}/{f}", progress)
     return ResolvedModel(ref=ref, path=paths[0], files=paths, source="hf-download", revision=info.sha)

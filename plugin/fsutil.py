@@ -11,19 +11,31 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from moeplug.errors import MoeplugError
+
 
 @contextlib.contextmanager
 def atomic_path(dest: Path) -> Iterator[Path]:
-    """Yield a temporary path beside `dest`; rename it over `dest` only on success."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
-    os.close(fd)
-    tmp_path = Path(tmp)
+    """Yield a temporary path beside `dest`; rename it over `dest` only on success. A file system
+    error (a full disk, a read-only folder) is one MoeplugError naming `dest`, left as it was."""
+    tmp_path = None
     try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+        os.close(fd)
+        tmp_path = Path(tmp)
         yield tmp_path
         os.replace(tmp_path, dest)
+    except OSError as exc:
+        try:
+            free = f", {shutil.disk_usage(dest.parent).free} bytes free there"
+        except OSError:
+            free = ""
+        raise MoeplugError(f"{dest}: cannot write it ({exc.strerror or exc}{free}); "
+                           f"{'left as it was' if dest.exists() else 'not written'}") from None
     finally:
-        tmp_path.unlink(missing_ok=True)
+        if tmp_path is not None:
+            tmp_path.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

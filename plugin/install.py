@@ -28,6 +28,7 @@ from moeplug.probes import available_ram_bytes
 from moeplug.profile.runner import DEFAULT_PROMPT_SETS
 from moeplug.progress import Note, ProgressFn, silent
 from moeplug.refs import ModelRef, ResolvedModel, parse_ref, resolve_ref
+from moeplug.server import HOST, exposure_warning
 
 DEMO_PROFILE_TOKENS = 32
 PROFILE_CTX = 2048  # the profiler's context: each prompt is one sequence, far shorter than this
@@ -139,7 +140,7 @@ def require_moe(info: ModelInfo) -> None:
                                  f"offload; run it with stock llama.cpp")
 
 
-def ensure_profile(model: Path, tool: Path, n_predict: int, prompt_sets: list[str], remake: bool = False,
+def ensure_profile(model: Path, tool: Path, n_predict: int, prompt_sets: list[str], *, remake: bool = False,
                    progress: ProgressFn = silent) -> Path:
     """The model's stored profile, made with the bundled prompts when there is none yet (remake:
     made again, replacing it atomically)."""
@@ -210,11 +211,14 @@ def installed_build(m: InstalledModel) -> Any:
 def install(text: str, *, ctx: int | None = None, vram_budget: int | None = None, backend: str | None = None,
             jobs: int = 0, profile_tokens: int | None = None, prompt_sets: list[str] | None = None, serve: bool = True,
             port: int | None = None, allow_fallback: bool = False, metrics: bool = False, ctx_override: bool = False,
-            progress: ProgressFn = silent) -> Installed:
+            host: str = HOST, progress: ProgressFn = silent) -> Installed:
     """Install (and unless serve=False, serve) a model. ctx None: 4096, or less for a model trained
-    with less; above the training context only with ctx_override."""
+    with less; above the training context only with ctx_override. host: where the server listens."""
     from moeplug.native.build import build, resolve_options
     from moeplug.serving import launch_verified, model_lock
+
+    if serve:
+        warn_exposure(host, progress)
 
     ref = parse_ref(text)
     name = model_name(ref)
@@ -229,7 +233,7 @@ def install(text: str, *, ctx: int | None = None, vram_budget: int | None = None
         result = build(resolve_options(backend, stock=False, jobs=jobs, cuda_arch=None), progress=progress)
         n_predict = profile_tokens or default_profile_tokens(ref)
         profile = ensure_profile(resolved.path, result.binary("llama-moe-profile"), n_predict,
-                                 list(prompt_sets or DEFAULT_PROMPT_SETS), progress)
+                                 list(prompt_sets or DEFAULT_PROMPT_SETS), progress=progress)
         slots_on_cpu = is_demo and result.manifest.get("backend") == "cpu"
         plan = plan_for(info, ctx, vram_budget, profile, slots_on_cpu, fit_tool=result.binary("llama-fit-params"))
         record = InstalledModel(name=name, ref=text, path=str(resolved.path), profile=str(profile),
@@ -242,8 +246,15 @@ def install(text: str, *, ctx: int | None = None, vram_budget: int | None = None
         if serve:
             done.server = launch_verified(name, resolved.path, result.binary("llama-server"), result.build_id,
                                           plan.server_args, ctx, port=port, allow_fallback=allow_fallback,
-                                          env=record.server_env(), metrics=metrics, plan=plan)
+                                          env=record.server_env(), metrics=metrics, plan=plan, host=host)
     return done
+
+
+def warn_exposure(host: str, progress: ProgressFn) -> None:
+    """The warning for a server that will listen beyond this machine, before it starts."""
+    warning = exposure_warning(host)
+    if warning:
+        progress(Note(warning))
 
 
 def plan_installed(m: InstalledModel, ctx: int | None = None, vram_budget: int | None = None,

@@ -15,6 +15,7 @@ from typing import Any
 from moeplug.options import JOBS, TOKENS, add_backend, add_json, add_plan_options, add_serve_options
 from moeplug.output import Output, human_bytes, table
 from moeplug.plan import Plan, describe_slots
+from moeplug.server import HOST
 
 
 def plan_text(p: Plan) -> str:
@@ -74,7 +75,7 @@ def cmd_install(args: argparse.Namespace) -> int:
     done = install(args.model, ctx=args.ctx, vram_budget=args.vram_budget, backend=args.backend, jobs=args.jobs,
                    profile_tokens=args.profile_tokens, prompt_sets=[s for s in args.prompts.split(",") if s],
                    serve=not args.no_serve, port=args.port, allow_fallback=args.allow_fallback, metrics=args.metrics,
-                   ctx_override=args.ctx_override, progress=out.progress)
+                   ctx_override=args.ctx_override, host=args.host or HOST, progress=out.progress)
     return out.result(done, install_text)
 
 
@@ -94,7 +95,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     out = Output.for_args(args)
     served = serve(args.model, port=args.port, vram_budget=args.vram_budget, ctx=args.ctx,
                    ctx_override=args.ctx_override, allow_fallback=args.allow_fallback, metrics=args.metrics,
-                   record=args.record, progress=out.progress)
+                   record=args.record, host=args.host or HOST, progress=out.progress)
     return out.result(served, lambda s: served_text(s.name, s.server))
 
 
@@ -123,7 +124,8 @@ def status_text(snap: Any) -> str:
         c = s.record.cache or {}
         cache = f"{c['layers']}x{c['slots']} on {c['device']}" if c.get("engaged") else ("off" if not c else "not engaged")
         counters = s.cache_counters.to_json() if s.cache_counters else None
-        rows.append([s.name, s.record.url, s.record.pid, s.state, cache, _hit_rate_text(counters), s.record.log])
+        state = s.state if s.model_present else f"{s.state}, model file gone"
+        rows.append([s.name, s.record.url, s.record.pid, state, cache, _hit_rate_text(counters), s.record.log])
     return table(["name", "url", "pid", "state", "expert cache", "measured hit rate", "log"], rows, "llrllrl")
 
 

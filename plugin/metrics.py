@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from moeplug.server import HOST
+from moeplug.server import HOST, url_of
 
 _SAMPLE_RE = re.compile(r'^llamacpp:moe_cache_(\w+?)(?:\{layer="(\d+)"\})? (\d+)$')
 
@@ -58,12 +58,12 @@ def parse_cache_counters(text: str) -> CacheCounters | None:
     return c if found else None
 
 
-def fetch_metrics_page(port: int, timeout: float = 3) -> str | None:
+def fetch_metrics_page(port: int, timeout: float = 3, host: str = HOST) -> str | None:
     """llama-server's /metrics text, or None when nothing answers or it runs without --metrics."""
     import requests
 
     try:
-        r = requests.get(f"http://{HOST}:{port}/metrics", timeout=timeout)
+        r = requests.get(f"{url_of(host, port)}/metrics", timeout=timeout)
     except requests.RequestException:
         return None
     return r.text if r.status_code == 200 else None

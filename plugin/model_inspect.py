@@ -7,13 +7,15 @@ from every shard.
 
 from __future__ import annotations
 
+import os
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from moeplug.archs import LLAMA_CPP_ARCHITECTURES
-from moeplug.errors import GGUFError, MoeplugError, NotApplicableError
+from moeplug.errors import GGUFError, MoeplugError, NotApplicableError, about_file
 
 GGUF_MAGIC = b"GGUF"
 SHARD_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -146,6 +148,93 @@ def shard_paths(path: Path) -> list[Path]:
     return paths
 
 
+# GGUF value types with a fixed size (gguf.h); 8 is a string, 9 an array
+GGUF_VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+GGUF_STRING, GGUF_ARRAY = 8, 9
+GGML_MAX_DIMS = 4
+
+
+def header_problem(path: Path) -> str | None:
+    """What makes the GGUF header impossible, or None: every count, length, type code and tensor
+    rank checked against the bytes that are left, before a reader allocates or loops by them (a
+    hostile count of 2**32 strings would otherwise keep it busy for minutes)."""
+    import mmap
+    import struct
+
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 24:
+            return f"{size} bytes, shorter than a GGUF header"
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            pos = 0
+
+            def take(fmt: str, what: str) -> int:
+                nonlocal pos
+                n = struct.calcsize(fmt)
+                if pos + n > size:
+                    raise _HeaderEnd(f"{what} at byte {pos} runs past the end of the file")
+                (v,) = struct.unpack_from(fmt, buf, pos)
+                pos += n
+                return int(v)
+
+            def count(what: str, item_bytes: int) -> int:
+                n = take("<Q", what)
+                if n * item_bytes > size - pos:
+                    raise _HeaderEnd(f"{what} {n} at byte {pos - 8} needs more than the {size - pos} bytes left")
+                return n
+
+            def skip_value(vtype: int, what: str) -> None:
+                nonlocal pos
+                if vtype == GGUF_STRING:
+                    n = count(f"{what}: string length", 1)
+                    pos += n
+                elif vtype == GGUF_ARRAY:
+                    item = take("<I", f"{what}: array type")
+                    if item not in GGUF_VALUE_SIZES and item != GGUF_STRING:
+                        raise _HeaderEnd(f"{what}: array of unknown type {item}")
+                    n = count(f"{what}: array length", GGUF_VALUE_SIZES.get(item, 8))
+                    if item == GGUF_STRING:
+                        for _ in range(n):
+                            skip_value(GGUF_STRING, what)
+                    else:
+                        pos += n * GGUF_VALUE_SIZES[item]
+                elif vtype in GGUF_VALUE_SIZES:
+                    if pos + GGUF_VALUE_SIZES[vtype] > size:
+                        raise _HeaderEnd(f"{what}: value runs past the end of the file")
+                    pos += GGUF_VALUE_SIZES[vtype]
+                else:
+                    raise _HeaderEnd(f"{what}: unknown value type {vtype}")
+
+            try:
+                take("<I", "magic")
+                version = take("<I", "version")
+                if version not in (2, 3):
+                    return f"GGUF version {version}, llama.cpp reads 2 and 3"
+                n_tensors = count("tensor count", 8 + 4 + 4 + 8)  # name, rank, type, offset: at least 24 bytes
+                n_kv = count("key count", 8 + 4)
+                for i in range(n_kv):
+                    key_at = pos
+                    skip_value(GGUF_STRING, f"key {i}")
+                    skip_value(take("<I", f"key {i}: type"), f"key {bytes(buf[key_at + 8:pos])[:64]!r}")
+                for i in range(n_tensors):
+                    skip_value(GGUF_STRING, f"tensor {i}: name")
+                    dims = take("<I", f"tensor {i}: rank")
+                    if not 1 <= dims <= GGML_MAX_DIMS:
+                        return f"tensor {i}: rank {dims}"
+                    for _ in range(dims):
+                        if take("<q", f"tensor {i}: dimension") < 0:
+                            return f"tensor {i}: a negative dimension"
+                    take("<I", f"tensor {i}: type")
+                    take("<Q", f"tensor {i}: offset")
+            except _HeaderEnd as exc:
+                return str(exc)
+    return None
+
+
+class _HeaderEnd(Exception):
+    """A header field that cannot be (header_problem's walk stops at it)."""
+
+
 def open_gguf(path: Path, what: str = "file", error: type[MoeplugError] = GGUFError) -> Any:
     """A gguf.GGUFReader of path whose tensors all lie inside the file; every problem is one
     `error` naming it ('no such {what}', not a GGUF, damaged or truncated). Models, profiles and
@@ -160,8 +249,13 @@ def open_gguf(path: Path, what: str = "file", error: type[MoeplugError] = GGUFEr
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise error(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+    problem = header_problem(path)
+    if problem:
+        raise error(f"{path}: damaged or truncated GGUF header ({problem})")
     try:
-        reader = gguf.GGUFReader(path)
+        with warnings.catch_warnings():  # numpy's overflow warnings on hostile offsets: the check below names them
+            warnings.simplefilter("ignore")
+            reader = gguf.GGUFReader(path)
     except Exception as exc:  # the reader raises ValueError, IndexError, ... on damaged headers
         raise error(f"{path}: damaged or truncated GGUF header ({type(exc).__name__}: {exc})") from None
     size = path.stat().st_size
@@ -226,7 +320,9 @@ def inspect_model(path: str | Path) -> ModelInfo:
     path = Path(path)
     shards = shard_paths(path)
     readers = [open_gguf(p) for p in shards]
-    meta = _read_metadata(readers[0])
+    with about_file(shards[0], GGUFError, "GGUF header"):  # e.g. a key or string that is not UTF-8
+        meta = _read_metadata(readers[0])
+        tensors = _read_tensors(readers)
     split_count = meta.get("split.count")
     if split_count is not None and int(split_count) != len(shards):
         raise GGUFError(f"{path}: split model declares {split_count} shards but its name says {len(shards)}")
@@ -234,7 +330,6 @@ def inspect_model(path: str | Path) -> ModelInfo:
     arch = meta.get("general.architecture")
     if not isinstance(arch, str):
         raise GGUFError(f"{shards[0]}: no general.architecture key")
-    tensors = _read_tensors(readers)
     layers = _group_expert_layers(tensors)
 
     if arch not in LLAMA_CPP_ARCHITECTURES:

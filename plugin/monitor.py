@@ -24,7 +24,7 @@ from moeplug.gpu import GpuInfo, gpus
 from moeplug.install import InstalledModel, list_installed
 from moeplug.metrics import CacheCounters, fetch_metrics_page, parse_cache_counters
 from moeplug.serving import ServerRecord, read_records
-from moeplug.server import HOST, health
+from moeplug.server import health
 
 _SERVER_SAMPLE_RE = re.compile(r"^llamacpp:(\w+) ([-+\d.eE]+|nan|inf)$")
 HTTP_TIMEOUT_S = 2.0
@@ -160,7 +160,18 @@ class ServerSnapshot:
 
     @property
     def state(self) -> str:
-        return "healthy" if self.healthy else ("starting/unhealthy" if self.alive else "down")
+        if not self.alive:
+            return "down"
+        if self.record.launch_interrupted():
+            return "unverified"  # its moeplug was killed before checking it: `moeplug stop` it or serve again
+        if self.record.launcher is not None:
+            return "starting"
+        return "healthy" if self.healthy else "starting/unhealthy"
+
+    @property
+    def model_present(self) -> bool:
+        """False when the model file was deleted or moved while served (it runs on; it cannot start again)."""
+        return Path(self.record.model).exists()
 
     @property
     def cpu_bytes_per_token(self) -> float | None:
@@ -173,6 +184,7 @@ class ServerSnapshot:
         """`moeplug status --json`'s entry for this server."""
         return asdict(self.record) | {
             "url": self.record.url, "alive": self.alive, "healthy": self.healthy, "state": self.state,
+            "model_present": self.model_present,
             "uptime_s": round(self.uptime_s, 1),
             "cache_counters": self.cache_counters.to_json() if self.cache_counters else None,
             "metrics": self.metrics.to_json() if self.metrics else None,
@@ -196,12 +208,12 @@ class Snapshot:
         return {"servers": [s.to_json() for s in self.servers], "gpus": [g.to_json() for g in self.gpus]}
 
 
-def _slots_info(port: int) -> tuple[int | None, int | None]:
+def _slots_info(url: str) -> tuple[int | None, int | None]:
     """(tokens in the fullest llama-server slot, its n_ctx) from /slots, or (None, None)."""
     import requests
 
     try:
-        slots = requests.get(f"http://{HOST}:{port}/slots", timeout=HTTP_TIMEOUT_S).json()
+        slots = requests.get(f"{url}/slots", timeout=HTTP_TIMEOUT_S).json()
         return max(int(s.get("n_prompt_tokens") or 0) for s in slots), max(int(s["n_ctx"]) for s in slots)
     except (requests.RequestException, ValueError, TypeError, KeyError, AttributeError):
         return None, None
@@ -263,15 +275,15 @@ def server_snapshot(record: ServerRecord, installed: dict[str, InstalledModel] |
     """Everything about one served model; a server that does not answer is down, never an error.
     with_profile: also summarise its profile (analyzed once per profile file, then cached)."""
     alive = record.alive()
-    h = health(record.port) if alive else None
+    h = health(record.port, record.host) if alive else None
     counters = metrics = None
     ctx_used = n_ctx = None
     if alive:
         if "--metrics" in record.args:
-            page = fetch_metrics_page(record.port, timeout=HTTP_TIMEOUT_S)
+            page = fetch_metrics_page(record.port, timeout=HTTP_TIMEOUT_S, host=record.host)
             if page is not None:
                 counters, metrics = parse_cache_counters(page), parse_server_metrics(page)
-        ctx_used, n_ctx = _slots_info(record.port)
+        ctx_used, n_ctx = _slots_info(record.url)
     model = (installed or {}).get(record.name)
     plan = _plan_of(record, model)
     layers = layer_slots(plan, record.model, counters) if plan else []

@@ -145,8 +145,21 @@ def add_plan_options(p: argparse.ArgumentParser, budget_help: str, ctx_help: str
     add_ctx(p, ctx_help)
 
 
+def listen_address(text: str) -> str:
+    """--host: an IP address (a name would be resolved who knows where)."""
+    import ipaddress
+
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an IP address (e.g. 127.0.0.1, 0.0.0.0, ::1)") from None
+
+
 def add_serve_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--port", type=PORT, help="port on 127.0.0.1, 1-65535 (default: a free one)")
+    p.add_argument("--port", type=PORT, help="port, 1-65535 (default: a free one)")
+    p.add_argument("--host", type=listen_address, default=None,
+                   help="address llama-server listens on (default 127.0.0.1: this machine only; any other is "
+                        "reachable from elsewhere, without an API key: a warning says so)")
     p.add_argument("--allow-fallback", action="store_true", help="serve without the cache when it cannot engage")
     p.add_argument("--metrics", action="store_true",
                    help="count slot hits on llama-server's /metrics ('moeplug status' shows the measured hit rate; "

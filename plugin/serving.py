@@ -15,7 +15,7 @@ import re
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from moeplug.fsutil import write_text_atomic
 from moeplug.paths import logs_dir, state_dir
 from moeplug.progress import Note, ProgressFn, silent
 from moeplug.runlog import log_tail
-from moeplug.server import HOST, Server, server_argv, start_server
+from moeplug.server import HOST, Server, server_argv, start_server, url_of
 
 # "L layers x N slots, ..."; with whole layers or layers that differ,
 # "L layers x N0-N1 slots (S in all, F whole layers), ..." (N0- only when they differ)
@@ -85,22 +85,32 @@ class ServerRecord:
     cache: dict[str, Any] | None = None
     buffers: dict[str, dict[str, float]] = field(default_factory=dict)
     plan: dict[str, Any] | None = None  # the plan it runs (moeplug.plan.Plan.to_json()); None: not known
+    launcher: int | None = None  # pid of the moeplug still verifying it; None once verified
+    host: str = HOST  # the address it listens on
 
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
+        return url_of(self.host, self.port)
+
+    def launch_interrupted(self) -> bool:
+        """The moeplug that launched it died before verifying it (killed, or the machine's OOM killer)."""
+        return self.launcher is not None and not pid_alive(self.launcher)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self) | {"url": self.url}
 
     def alive(self) -> bool:
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return _cmdline(self.pid).startswith(self.args[0])
+        return pid_alive(self.pid) and _cmdline(self.pid).startswith(self.args[0])
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _cmdline(pid: int) -> str:
@@ -176,16 +186,19 @@ def served_argv(binary: Path, model: Path, port: int | str, server_args: list[st
 def launch_verified(name: str, model: Path, binary: Path, build_id: str, server_args: list[str], ctx: int,
                     port: int | None = None, allow_fallback: bool = False, env: dict[str, str] | None = None,
                     timeout: float = 300, metrics: bool = False, plan: Any = None,
-                    record: bool = False) -> ServerRecord:
+                    record: bool = False, host: str = HOST) -> ServerRecord:
     """Start a served model's llama-server detached (server.start_server), wait for /health, check
     the cache engaged, probe the context, and record it for `status` and `stop`.
     metrics: serve /metrics, with the cache's slot-hit counters (moeplug.metrics). plan: the plan
     server_args come from (a Plan or its JSON), kept in the record (moeplug.monitor shows its slots).
-    record: count the router's selections (RECORD_FLAG; the build must have it)."""
+    record: count the router's selections (RECORD_FLAG; the build must have it).
+    host: where it listens (127.0.0.1 unless the user asked; server.exposure_warning says what else means)."""
     existing = find_record(name)
     if existing and existing.alive():
-        raise MoeplugError(f"'{name}' is already served at {existing.url} (pid {existing.pid}); "
-                           f"'moeplug stop {name}' first")
+        if not existing.launch_interrupted():
+            raise MoeplugError(f"'{name}' is already served at {existing.url} (pid {existing.pid}); "
+                               f"'moeplug stop {name}' first")
+        stop(name)  # left running, unverified, by a moeplug that was killed: replaced
     if record:
         from moeplug.native.features import detect_features
 
@@ -194,9 +207,16 @@ def launch_verified(name: str, model: Path, binary: Path, build_id: str, server_
                                f"reprofile'; serve without --record, or rebuild ('moeplug native build')")
     log_path = logs_dir() / f"server-{name}.log"
     server = start_server(binary, model, log_path, served_args(server_args, metrics, record), port=port, ctx=None,
-                          detached=True, env=env)
+                          detached=True, env=env, host=host)
     proc, port, args = server.proc, server.port, server.args
+    started = time.time()
+    plan_json = plan.to_json() if hasattr(plan, "to_json") else plan
+    # recorded before it is verified, so that a moeplug killed now leaves a server `status` shows
+    # and `stop` (or the next launch) ends, never an unknown one
+    pending = ServerRecord(name=name, model=str(model), pid=proc.pid, port=port, log=str(log_path), args=args,
+                           started=started, build_id=build_id, plan=plan_json, launcher=os.getpid(), host=host)
     try:
+        write_text_atomic(record_path(name), json.dumps(asdict(pending), indent=2) + "\n")
         server.wait_healthy(timeout=timeout)
         text = log_path.read_text(errors="replace")
         cache = parse_cache_line(text)
@@ -207,13 +227,11 @@ def launch_verified(name: str, model: Path, binary: Path, build_id: str, server_
         _probe_context(server, ctx)
     except BaseException:
         server.stop()
+        record_path(name).unlink(missing_ok=True)
         raise
-    record = ServerRecord(name=name, model=str(model), pid=proc.pid, port=port, log=str(log_path), args=args,
-                          started=time.time(), build_id=build_id, cache=asdict(cache) if cache else None,
-                          buffers=parse_buffers(text),
-                          plan=plan.to_json() if hasattr(plan, "to_json") else plan)
-    write_text_atomic(record_path(name), json.dumps(asdict(record), indent=2) + "\n")
-    return record
+    verified = replace(pending, cache=asdict(cache) if cache else None, buffers=parse_buffers(text), launcher=None)
+    write_text_atomic(record_path(name), json.dumps(asdict(verified), indent=2) + "\n")
+    return verified
 
 
 def _probe_context(server: Server, ctx: int) -> None:

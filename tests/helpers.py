@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from moeplug.paths import builds_dir
 from moeplug.synth import ModelSpec
 
 # Small but real: 256-wide rows so every dtype, Q4_K included, applies to the expert tensors.
@@ -68,6 +70,16 @@ def run_cli_process(*args: str, env: dict[str, str] | None = None, timeout: floa
     return CliResult(r.returncode, r.stdout, r.stderr)
 
 
+def make_profile(build, model: Path, out: Path, n_predict: int, timeout: float = 600) -> Path:
+    """A real profile of the model: llama-moe-profile of `build` on the bundled code prompts."""
+    prompts = Path(__file__).parents[1] / "profiles" / "codeish.txt"
+    r = subprocess.run([str(build.binary("llama-moe-profile")), "-m", str(model), "--prompts", str(prompts),
+                        "--out", str(out), "-n", str(n_predict), "-t", "2"], capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out
+
+
 def write_npz(path: Path, prompts: int = 12, seed: int = 3, layers: int = 24, experts: int = 32,
               used: int = 4, **override: np.ndarray) -> dict[str, np.ndarray]:
     """A routing trace in the npz layout of shared/data/traces (default: gpt-oss-20b's 24 layers x 4
@@ -96,3 +108,32 @@ def use_xdg_homes(mp: Any, root: Path) -> None:
     env = xdg_homes(root)
     for var in XDG:
         mp.setenv(var, env[var])
+
+
+class XdgHome:
+    """Fresh XDG data/state/config homes sharing the built binaries (a link to the real builds
+    folder), a llama-swap config folder and a router preset of the user's, and `moeplug` run in them."""
+
+    def __init__(self, root: Path) -> None:
+        self.env = dict(os.environ)
+        for var in ("XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CONFIG_HOME"):
+            self.env[var] = str(root / var.lower())
+        shared = Path(self.env["XDG_DATA_HOME"]) / "moeplug" / "builds"
+        shared.parent.mkdir(parents=True)
+        shared.symlink_to(builds_dir())
+        self.swap_dir = root / "llama-swap"
+        self.swap_dir.mkdir()
+        self.preset = root / "router.ini"
+        self.preset.write_text("; mine\n[*]\nc = 2048\n")
+        self.data = Path(self.env["XDG_DATA_HOME"]) / "moeplug"
+        self.state = Path(self.env["XDG_STATE_HOME"]) / "moeplug"
+
+    def argv(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "moeplug", *args]
+
+    def run(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(self.argv(*args), env=self.env, capture_output=True, text=True, timeout=timeout)
+
+    def in_library(self, code: str) -> subprocess.CompletedProcess[str]:
+        """Python code run against this home (the library reads the XDG variables)."""
+        return subprocess.run([sys.executable, "-c", code], env=self.env, capture_output=True, text=True, timeout=120)

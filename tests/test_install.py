@@ -152,3 +152,14 @@ def test_serve_needs_its_build_and_an_install(home: dict[str, str]) -> None:
 def test_stop_unknown(home: dict[str, str]) -> None:
     r = moeplug(home, "stop", "nothing")
     assert r.returncode == 1 and "was not running" in r.stdout
+
+
+def test_reinstall_keeps_the_stored_profile(home: dict[str, str]) -> None:
+    """A second install finds the profile the first made and uses it (it once re-profiled every time)."""
+    assert moeplug(home, "install", "demo", "--ctx", "1024", "--no-serve").returncode == 0
+    profile = Path(json.loads(moeplug(home, "list", "--json").stdout)["models"][0]["profile"])
+    before = profile.stat()
+    r = moeplug(home, "install", "demo", "--ctx", "1024", "--no-serve")
+    assert r.returncode == 0 and "already made" in r.stderr, r.stderr
+    after = profile.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import FIXTURE_SHAPE, fixture_spec
+from helpers import FIXTURE_SHAPE, fixture_spec, make_profile
 from moeplug.metrics import CacheCounters, parse_cache_counters
 from moeplug.server import start_server
 from moeplug.serving import parse_cache_line
@@ -39,15 +39,8 @@ def cache_models(fixture_models: dict[str, Path], tmp_path_factory: pytest.TempP
 def profiles(patched_build, cache_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A real profile of each model, from llama-moe-profile on the bundled code prompts."""
     root = tmp_path_factory.mktemp("cache-profiles")
-    prompts = Path(__file__).parents[1] / "profiles" / "codeish.txt"
-    out = {}
-    for name, model in cache_models.items():
-        dest = root / f"{name}.profile.gguf"
-        r = subprocess.run([str(patched_build.binary("llama-moe-profile")), "-m", str(model), "--prompts", str(prompts),
-                            "--out", str(dest), "-n", "16", "-t", "2"], capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr[-2000:]
-        out[name] = dest
-    return out
+    return {name: make_profile(patched_build, model, root / f"{name}.profile.gguf", 16)
+            for name, model in cache_models.items()}
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers import make_profile
 from moeplug.metrics import parse_cache_counters
 from moeplug.profile.format import read_profile
 from moeplug.server import start_server
@@ -56,13 +57,7 @@ def replay_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Trace]:
 
 @pytest.fixture(scope="session")
 def replay_profile(patched_build, replay_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    dest = tmp_path_factory.mktemp("replay-profile") / "profile.gguf"
-    prompts = Path(__file__).parents[1] / "profiles" / "codeish.txt"
-    r = subprocess.run([str(patched_build.binary("llama-moe-profile")), "-m", str(replay_model), "--prompts",
-                        str(prompts), "--out", str(dest), "-n", "8", "-t", "2"], capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return dest
+    return make_profile(patched_build, replay_model, tmp_path_factory.mktemp("replay-profile") / "profile.gguf", 8)
 
 
 def slot_sets(profile: Path, n_slots: int) -> list[set[int]]:

@@ -1,4 +1,6 @@
-"""Security (issue 24, item 5, in part): no shell strings in the code, servers on loopback.
+"""Security (issue 24, item 5): no shell strings in the code, servers on loopback unless --host
+names another address (then with a warning), downloads hash-checked, hook files written only
+where the command says.
 
 The code check reads the syntax tree, so a comment or a string that mentions shell=True does not
 count and an actual call does. The servers are real llama-servers: the test reads the address
@@ -8,6 +10,7 @@ they listen on from the kernel's socket table, not only the argument list.
 from __future__ import annotations
 
 import ast
+import json
 import socket
 from pathlib import Path
 
@@ -138,3 +141,91 @@ def test_served_model_listens_on_loopback_only(tmp_path: Path, monkeypatch: pyte
     finally:
         assert serving.stop("security-test") is True
     assert not record.alive()
+
+
+def test_host_must_be_an_address(tmp_path: Path) -> None:
+    from helpers import run_cli
+
+    r = run_cli("serve", "demo", "--host", "example.com")
+    assert r.returncode == 2 and "is not an IP address" in r.stderr and r.stderr.count("\n") == 1
+
+
+@pytest.mark.native
+def test_explicit_host_is_used_with_a_warning(tmp_path: Path, patched_build) -> None:
+    """`moeplug install demo --host 0.0.0.0`: llama-server listens on every address, the command
+    warns on stderr, and status and stop reach it (through the loopback)."""
+    from helpers import XdgHome
+
+    home = XdgHome(tmp_path)
+    r = home.run("install", "demo", "--ctx", "1024", "--host", "0.0.0.0", "--json")
+    try:
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "warning: llama-server listens on every address of this machine" in r.stderr
+        srv = json.loads(r.stdout)["server"]
+        assert _host_argument(srv["args"]) == ["0.0.0.0"] and srv["url"].startswith("http://127.0.0.1:")
+        assert _listening(srv["port"]) == {"00000000"}
+        (status,) = json.loads(home.run("status", "--json").stdout)["servers"]
+        assert status["state"] == "healthy" and status["host"] == "0.0.0.0"
+    finally:
+        assert home.run("stop", "--all").returncode == 0
+    r = home.run("serve", "demo", "--json")  # without --host: loopback again, no warning
+    try:
+        assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+        srv = json.loads(r.stdout)["server"]
+        assert _host_argument(srv["args"]) == ["127.0.0.1"] and _listening(srv["port"]) == {LOOPBACK}
+    finally:
+        assert home.run("stop", "--all").returncode == 0
+
+
+def test_downloads_are_hash_checked(tmp_path: Path) -> None:
+    """A downloaded file whose SHA-256 is not the Hub's is deleted, blob and link, and named."""
+    from moeplug.download import check_hash
+    from moeplug.errors import MoeplugError
+    from moeplug.fsutil import sha256_file
+
+    blob = tmp_path / "blobs" / "abc"
+    blob.parent.mkdir()
+    blob.write_bytes(b"GGUF and some weights")
+    link = tmp_path / "snapshots" / "model.gguf"
+    link.parent.mkdir()
+    link.symlink_to(blob)
+    good = sha256_file(blob)
+    notes: list[object] = []
+    check_hash(link, good.upper(), "some/repo/model.gguf", notes.append)  # the Hub's hex may be either case
+    assert blob.exists() and len(notes) == 1
+    with pytest.raises(MoeplugError, match=r"some/repo/model.gguf: SHA-256 .* is not the Hub's .*deleted"):
+        check_hash(link, "0" * 64, "some/repo/model.gguf")
+    assert not blob.exists() and not link.is_symlink()
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.is_symlink() and "builds" not in p.parts and "logs" not in p.parts}
+
+
+@pytest.mark.native
+def test_hook_files_are_written_only_where_given(tmp_path: Path, patched_build) -> None:
+    """Every hook command, with HOME in the test's folder too: the only files that change are the
+    ones named on the command line (and the first version's backup) and moeplug's own state."""
+    from helpers import XdgHome
+
+    home = XdgHome(tmp_path)
+    home.env["HOME"] = str(tmp_path / "home")
+    assert home.run("install", "demo", "--no-serve", "--ctx", "1024").returncode == 0
+    swap_file = tmp_path / "swap.yaml"
+    swap_file.write_text("models:\n  mine:\n    cmd: llama-server --port ${PORT} -m mine.gguf\n")
+    allowed = {"llama-swap/moeplug.yaml", "router.ini", "router.ini.moeplug-backup", "swap.yaml",
+               "swap.yaml.moeplug-backup"}
+    for argv in (("hook", "llama-swap", "--config-dir", str(home.swap_dir)),
+                 ("hook", "llama-server", "--preset", str(home.preset)),
+                 ("hook", "llama-swap", "--file", str(swap_file)),
+                 ("hook", "list"),
+                 ("hook", "remove", str(home.preset))):
+        before = _tree(tmp_path)
+        r = home.run(*argv)
+        assert r.returncode == 0, (argv, r.stderr)
+        after = _tree(tmp_path)
+        changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
+        state = "xdg_state_home/moeplug/"
+        assert {k for k in changed if not k.startswith(state)} <= allowed, (argv, changed)
+        assert {k for k in changed if k.startswith(state)} <= {state + "hooks.json", state + "locks/hooks.lock"}

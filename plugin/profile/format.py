@@ -77,11 +77,10 @@ def fnv1a64_hex(data: bytes) -> str:
 
 def model_fingerprint(model_path: str | Path) -> ModelFingerprint:
     """The fingerprint llama-moe-profile writes, computed from the model's GGUF header(s)."""
-    import gguf
-    from moeplug.model_inspect import scalar_or_max, shard_paths
+    from moeplug.model_inspect import open_gguf, scalar_or_max, shard_paths
 
     shards = shard_paths(Path(model_path))
-    first = gguf.GGUFReader(shards[0])
+    first = open_gguf(shards[0], "model")
 
     def u32(key: str) -> int:
         f = first.get_field(key)
@@ -92,7 +91,7 @@ def model_fingerprint(model_path: str | Path) -> ModelFingerprint:
         meta_hash = fnv1a64_hex(fh.read(first.data_offset))
     names, shapes, types = [], [], []
     for path in shards:
-        reader = first if path == shards[0] else gguf.GGUFReader(path)
+        reader = first if path == shards[0] else open_gguf(path, "model")
         for t in reader.tensors:
             if EXPERT_TENSOR_RE.match(t.name):
                 ne = [int(x) for x in t.shape] + [1] * (4 - len(t.shape))
@@ -220,6 +219,7 @@ def _parse(reader: Any) -> Profile:
         ))
     profile = Profile(fingerprint=fp, tensors=names, counts_prefill=counts["prefill"],
                       counts_decode=counts["decode"], sources=sources)
+    _check_values(profile)
     unsequenced = [0, 0]
     every_source_sequenced = bool(sources) and all(len(s.seq) for s in sources)
     for phase, key in ((PHASE_PREFILL, "prefill"), (PHASE_DECODE, "decode")):
@@ -229,6 +229,20 @@ def _parse(reader: Any) -> Profile:
         unsequenced[phase] = stored - held
     profile.unsequenced_tokens = (unsequenced[0], unsequenced[1])
     return profile
+
+
+def _check_values(profile: Profile) -> None:
+    """Counts and ids a damaged file could hold but no profiler writes: negative counts, and
+    selected ids outside [0, n_expert) other than -1 (not routed)."""
+    if profile.counts_prefill.shape != profile.counts_decode.shape:
+        raise ProfileError("counts.prefill and counts.decode differ in shape")
+    if (profile.counts_prefill < 0).any() or (profile.counts_decode < 0).any():
+        raise ProfileError("negative expert counts")
+    for i, s in enumerate(profile.sources):
+        if ((s.seq < -1) | (s.seq >= profile.n_expert)).any():
+            raise ProfileError(f"seq.{i} holds expert ids outside 0-{profile.n_expert - 1}")
+        if not np.isin(s.meta[:, 2], (PHASE_PREFILL, PHASE_DECODE)).all():
+            raise ProfileError(f"seq_meta.{i} holds a phase other than 0 (prefill) and 1 (decode)")
 
 
 def merge_profiles(profiles: list[Profile], scales: list[float] | None = None) -> Profile:

@@ -1,0 +1,222 @@
+"""Hostile files (issue 24, item 2): mutated GGUF models and profiles (tests/gguf_mutate.py: bit
+flips, truncation at every header field, huge and negative counts, wrong type codes), fed to
+`moeplug inspect` and `moeplug profile analyze` in this process (thousands of cases) and to the
+real llama-server, patched and stock (a bounded number: each is a process start).
+
+moeplug must answer every case with its result or one line naming the problem ('moeplug: error:
+...', exit 1 or 3), never an unexpected exception; llama-server must never die of a signal, must
+say `moe-cache: not engaged, ...` once for a profile it cannot use (or engage on a mutant that is
+still a valid profile of the model) and keep serving, and must refuse a broken model exactly when
+stock refuses it. Each test stops at its time limit and prints how many cases it ran.
+
+MOEPLUG_FUZZ_CASES (random mutants per in-process test, 2000) and MOEPLUG_FUZZ_NATIVE_CASES
+(server starts per native test, 150) scale them.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from gguf_mutate import mutants, truncations
+from helpers import make_profile, run_cli
+from moeplug.server import free_port, server_argv
+from moeplug.synth import ModelSpec, make_model
+
+CASES = int(os.environ.get("MOEPLUG_FUZZ_CASES", "2000"))
+NATIVE_CASES = int(os.environ.get("MOEPLUG_FUZZ_NATIVE_CASES", "150"))
+TIME_LIMIT_S = 60  # per test
+SEEDS = (1, 2)
+TINY = ModelSpec(arch="qwen3moe", layers=2, experts=4, used=2, embd=64, expert_ff=64, heads=2, heads_kv=1,
+                 head_dim=32, dtype="f32", seed=5)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(TINY, tmp_path_factory.mktemp("fuzz") / "tiny.gguf")[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(tiny_model: Path, patched_build) -> Path:
+    return make_profile(patched_build, tiny_model, tiny_model.with_name("tiny.profile.gguf"), 4)
+
+
+def cases(data: bytes, n: int, data_too: bool) -> list[tuple[str, bytes]]:
+    """Every truncation, then n mutants split over the seeds."""
+    out = list(truncations(data))
+    for seed in SEEDS:
+        out += mutants(data, random.Random(seed), n // len(SEEDS), data_too)
+    return out
+
+
+def check_one_line_error(r, case: str) -> None:
+    assert r.returncode in (0, 1, 3), (case, r.returncode, r.stderr)
+    if r.returncode:
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("moeplug: error: "), (case, r.stderr)
+        assert "--debug" not in lines[0], (case, lines[0])  # an unexpected exception, not a named problem
+    assert "Traceback" not in r.stderr + r.stdout, case
+
+
+def fuzz_cli(data: bytes, path: Path, argv: list[str], data_too: bool, what: str) -> None:
+    path.write_bytes(data)
+    assert run_cli(*argv, str(path)).returncode == 0  # the file itself is read
+    deadline = time.monotonic() + TIME_LIMIT_S
+    ran = refused = 0
+    all_cases = cases(data, CASES, data_too)
+    for case, buf in all_cases:
+        if time.monotonic() > deadline:
+            break
+        path.write_bytes(buf)
+        r = run_cli(*argv, str(path))
+        check_one_line_error(r, case)
+        ran += 1
+        refused += r.returncode != 0
+    print(f"\nfuzz {what}: {ran} of {len(all_cases)} cases in the time limit, {refused} refused in one line, "
+          f"{ran - refused} read, 0 tracebacks")
+    assert ran >= min(len(all_cases), 1000)
+    assert 0 < refused < ran  # some mutants are still valid files, most are not
+
+
+def test_inspect_answers_hostile_headers_in_one_line(tiny_model: Path, tmp_path: Path) -> None:
+    fuzz_cli(tiny_model.read_bytes(), tmp_path / "case.gguf", ["inspect", "--json"], False, "moeplug inspect")
+
+
+@pytest.mark.native
+def test_profile_reader_answers_hostile_profiles_in_one_line(tiny_profile: Path, tmp_path: Path) -> None:
+    fuzz_cli(tiny_profile.read_bytes(), tmp_path / "case.gguf", ["profile", "analyze", "--slots", "1,2", "--json"],
+             True, "moeplug profile analyze")
+
+
+def test_header_walk_is_fast_on_huge_counts(tiny_model: Path, tmp_path: Path) -> None:
+    """A string array that claims 2**32 - 1 items: refused at once (the reader took 95 s on it)."""
+    from gguf_mutate import layout, put_u64
+
+    data = bytearray(tiny_model.read_bytes())
+    lay = layout(bytes(data))
+    path = tmp_path / "huge.gguf"
+    for at in lay.counts:
+        put_u64(data, at, 2**32 - 1)
+        path.write_bytes(data)
+        t0 = time.monotonic()
+        r = run_cli("inspect", str(path))
+        assert time.monotonic() - t0 < 2, at
+        check_one_line_error(r, f"u64@{at}")
+        data[at:at + 8] = tiny_model.read_bytes()[at:at + 8]
+
+
+# ---------------------------------------------------------------------------------------------
+# the native server
+
+LOAD_S = 20
+
+
+def start(binary: Path, model: Path, extra: list[str], log: Path) -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(server_argv(binary, model, port, ["-t", "1", "-c", "256", *extra]), stdout=f,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, "LLAMA_MOE_CACHE_DEVICE": "CPU"})
+    return proc, port
+
+
+def outcome(proc: subprocess.Popen[bytes], port: int) -> str:
+    """'serving' (healthy, answered a 2-token request), 'refused' (exited with an error code) or
+    'signal N'; the process is gone when this returns."""
+    deadline = time.monotonic() + LOAD_S
+    try:
+        while time.monotonic() < deadline:
+            rc = proc.poll()
+            if rc is not None:
+                return f"signal {-rc}" if rc < 0 else "refused"
+            try:
+                h = requests.get(f"http://127.0.0.1:{port}/health", timeout=1)
+                if h.status_code == 200:
+                    r = requests.post(f"http://127.0.0.1:{port}/completion", timeout=LOAD_S,
+                                      json={"prompt": "def main", "n_predict": 2, "temperature": 0})
+                    if r.status_code != 200:
+                        return f"HTTP {r.status_code}"
+                    rc = proc.poll()
+                    return "serving" if rc is None else f"died after a request ({rc})"
+            except requests.RequestException:
+                pass
+            time.sleep(0.02)
+        return "no answer in time"
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.mark.native
+def test_llama_server_serves_on_hostile_profiles(patched_build, tiny_model: Path, tiny_profile: Path,
+                                                 tmp_path: Path) -> None:
+    """Truncations at every header field, then random mutants of the whole profile (its counts
+    too): the server starts, says once why the cache is not engaged (or engages it) and answers."""
+    binary = patched_build.binary("llama-server")
+    data = tiny_profile.read_bytes()
+    trunc = list(truncations(data))
+    rng = random.Random(SEEDS[0])
+    picked = rng.sample(trunc, min(len(trunc), NATIVE_CASES // 3))
+    picked += list(mutants(data, rng, NATIVE_CASES - len(picked), data_too=True))
+    profile, log = tmp_path / "case.gguf", tmp_path / "server.log"
+    deadline = time.monotonic() + 2 * TIME_LIMIT_S
+    seen: dict[str, int] = {}
+    ran = 0
+    for case, buf in picked:
+        if time.monotonic() > deadline:
+            break
+        profile.write_bytes(buf)
+        proc, port = start(binary, tiny_model, ["--moe-cache-profile", str(profile), "--moe-cache-slots", "2"], log)
+        got = outcome(proc, port)
+        text = log.read_text(errors="replace")
+        lines = [ln for ln in text.splitlines() if "moe-cache: " in ln]
+        assert got == "serving", (case, got, text[-3000:])
+        assert len(lines) == 1 and ("moe-cache: not engaged, running without it: " in lines[0]
+                                    or " slots, " in lines[0]), (case, lines)
+        kind = "engaged" if "not engaged" not in lines[0] else "not engaged"
+        seen[kind] = seen.get(kind, 0) + 1
+        ran += 1
+    print(f"\nfuzz llama-server --moe-cache-profile: {ran} of {len(picked)} cases in the time limit, "
+          f"0 crashes; {seen}")
+    assert ran >= min(len(picked), 50)
+
+
+@pytest.mark.native
+def test_llama_server_refuses_broken_models_as_stock_does(patched_build, stock_build, tiny_model: Path,
+                                                         tiny_profile: Path, tmp_path: Path) -> None:
+    """Mutated model headers: the patched server (with the cache asked for) refuses, serves or
+    fails exactly as stock does, and never dies of a signal where stock does not."""
+    data = tiny_model.read_bytes()
+    rng = random.Random(SEEDS[1])
+    trunc = list(truncations(data))
+    picked = rng.sample(trunc, 10) + list(mutants(data, rng, max(NATIVE_CASES // 5, 10), data_too=False))
+    model, log = tmp_path / "case.gguf", tmp_path / "server.log"
+    deadline = time.monotonic() + TIME_LIMIT_S
+    outcomes: dict[str, int] = {}
+    ran = 0
+    for case, buf in picked:
+        if time.monotonic() > deadline:
+            break
+        model.write_bytes(buf)
+        stock = outcome(*start(stock_build.binary("llama-server"), model, [], log))
+        mine = outcome(*start(patched_build.binary("llama-server"), model,
+                              ["--moe-cache-profile", str(tiny_profile), "--moe-cache-slots", "2"], log))
+        assert mine == stock or (stock.startswith("signal") and mine == "refused"), (case, mine, stock,
+                                                                                    log.read_text()[-2000:])
+        outcomes[stock] = outcomes.get(stock, 0) + 1
+        ran += 1
+    print(f"\nfuzz model headers, patched vs stock llama-server: {ran} of {len(picked)} cases in the time "
+          f"limit, outcomes as stock's: {outcomes}")
+    assert ran >= min(len(picked), 20)
