@@ -286,3 +286,35 @@ def test_cli_plan_without_gpu_is_a_cpu_plan(fixture_models) -> None:
 def test_cli_plan_bad_budget(fixture_models) -> None:
     r = run_cli("plan", str(fixture_models["qwen3moe"]), "--vram-budget", "lots")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "is not a size" in r.stderr
+
+
+@pytest.mark.native
+def test_llama_fit_estimate_is_what_the_server_allocates(patched_build, fixture_models, tmp_path: Path) -> None:
+    """The whole budget rests on llama.cpp's own estimate (llama-fit-params --fit-print, moeplug.fit_estimate):
+    on this CPU build its Host line (weights, context, compute, whole MiB) is what llama-server then
+    allocates, to the MiB; without a GPU gpu_need is None and the planner keeps its own estimate; with
+    one, the experts get the budget less the estimate and the CUDA context reserve."""
+    from moeplug.fit_estimate import CUDA_CONTEXT_RESERVE, DeviceNeed, gpu_need, parse_fit_print
+
+    model, ctx = fixture_models["qwen3moe"], 1024
+    tool = patched_build.binary("llama-fit-params")
+    r = subprocess.run([str(tool), "-m", str(model), "-c", str(ctx), "-ngl", "99", "--cpu-moe", "--fit-print", "on"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    host = next(line.split() for line in r.stdout.splitlines() if line.startswith("Host "))
+    est = dict(zip(("model", "KV", "compute"), (int(x) for x in host[1:4])))
+    assert parse_fit_print(r.stdout) == []  # no device line: a CPU build
+    with start_server(patched_build.binary("llama-server"), model, tmp_path / "srv.log", ctx=ctx, threads=2,
+                      extra_args=["-np", "1", "-lm", "none", "-lv", "4"]) as srv:
+        srv.wait_healthy()
+    buffers = parse_buffers((tmp_path / "srv.log").read_text())
+    for kind, mib in est.items():
+        assert mib <= sum(buffers[kind].values()) < mib + 1, (kind, mib, buffers[kind])
+
+    info = inspect_model(model)
+    assert gpu_need(tool, model, ctx) is None
+    assert make_plan(info, ctx, 2 << 30).vram_source == "estimate"
+    need = DeviceNeed("CUDA0", model=64 * MIB, context=8 * MIB, compute=32 * MIB)
+    plan = make_plan(info, ctx, 2 << 30, need=need)
+    assert plan.vram_source == "llama-fit-params" and plan.margin_bytes == CUDA_CONTEXT_RESERVE
+    assert (plan.non_expert_vram_bytes, plan.kv_cache_bytes, plan.compute_bytes) == (64 * MIB, 8 * MIB, 32 * MIB)
