@@ -28,6 +28,18 @@ ggml_tensor * llama_moeplug_cache_layer::slot(const ggml_tensor * src) const {
     return it == slots.end() ? nullptr : it->second;
 }
 
+void llama_moeplug_cache_layer::write_maps() const {
+    std::vector<int32_t> src(n_expert);     // the expert, or -1 when resident
+    std::vector<int32_t> clamped(n_expert); // its slot, or 0
+    for (int32_t e = 0; e < n_expert; ++e) {
+        src[e]     = slot_of[e] >= 0 ? -1 : e;
+        clamped[e] = std::max(slot_of[e], 0);
+    }
+    ggml_backend_tensor_set(map_src,          src.data(),     0, ggml_nbytes(map_src));
+    ggml_backend_tensor_set(map_slot,         slot_of.data(), 0, ggml_nbytes(map_slot));
+    ggml_backend_tensor_set(map_slot_clamped, clamped.data(), 0, ggml_nbytes(map_slot_clamped));
+}
+
 bool llama_moeplug_whole_tensors_only(const ggml_tensor * t) {
     ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(t->buffer);
     ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
@@ -557,26 +569,13 @@ bool llama_moeplug_cache_build(llama_model & model, const llama_moeplug_cache_pa
             n_bytes += ggml_nbytes(dst);
         }
 
-        std::vector<int32_t> map_src(layer->n_expert);
-        std::vector<int32_t> map_slot(layer->n_expert, -1);
-        std::vector<int32_t> map_slot_clamped(layer->n_expert, 0);
-        for (int32_t e = 0; e < layer->n_expert; ++e) {
-            map_src[e] = e;
-        }
+        layer->slot_of.assign(layer->n_expert, -1);
         if (!no_resident) {
             for (size_t s = 0; s < layer->experts.size(); ++s) {
-                const int32_t e = layer->experts[s];
-                map_src[e]          = -1;
-                map_slot[e]         = (int32_t) s;
-                map_slot_clamped[e] = (int32_t) s;
+                layer->slot_of[layer->experts[s]] = (int32_t) s;
             }
         }
-        ggml_backend_tensor_set(layer->map_src,          map_src.data(),          0, ggml_nbytes(layer->map_src));
-        ggml_backend_tensor_set(layer->map_slot,         map_slot.data(),         0, ggml_nbytes(layer->map_slot));
-        ggml_backend_tensor_set(layer->map_slot_clamped, map_slot_clamped.data(), 0, ggml_nbytes(layer->map_slot_clamped));
-        layer->h_map_src          = std::move(map_src);
-        layer->h_map_slot         = std::move(map_slot);
-        layer->h_map_slot_clamped = std::move(map_slot_clamped);
+        layer->write_maps();
     }
 
     // dynamic policy: uploads go through a backend of their own on each slot device (its own queue

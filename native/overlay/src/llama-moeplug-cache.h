@@ -77,8 +77,8 @@ struct llama_moeplug_cache_layer {
     mutable std::atomic<uint64_t> n_swaps    { 0 }; // experts uploaded into a slot after start-up
     size_t bytes_per_expert = 0; // of the source tensors: what the CPU reads per non-resident selection
 
-    // host copies of the maps (what the graphs read), and the slot of each expert (-1: not resident)
-    std::vector<int32_t> h_map_src, h_map_slot, h_map_slot_clamped;
+    // the slot of each expert (-1: not resident), from which write_maps() makes the maps the graphs read
+    std::vector<int32_t> slot_of;
 
     // dynamic policy: selections per expert, decayed over tokens (seeded from the profile), and
     // the upload in flight: pending_expert goes into pending_slot once `uploaded` has fired
@@ -93,6 +93,9 @@ struct llama_moeplug_cache_layer {
 
     // the slot copy of a source tensor; nullptr for nullptr and for a tensor without a copy
     ggml_tensor * slot(const ggml_tensor * src) const;
+
+    // map_src, map_slot and map_slot_clamped from slot_of (while no graph runs)
+    void write_maps() const;
 };
 
 // the router's selections of one MoE layer, prompt and generated tokens apart (--moe-cache-record)

@@ -76,12 +76,6 @@ std::vector<moe_observed> moe_read_observed(ggml_backend_sched_t sched, ggml_cgr
     return res;
 }
 
-void moe_write_maps(llama_moeplug_cache_layer & layer) {
-    ggml_backend_tensor_set(layer.map_src,          layer.h_map_src.data(),          0, ggml_nbytes(layer.map_src));
-    ggml_backend_tensor_set(layer.map_slot,         layer.h_map_slot.data(),         0, ggml_nbytes(layer.map_slot));
-    ggml_backend_tensor_set(layer.map_slot_clamped, layer.h_map_slot_clamped.data(), 0, ggml_nbytes(layer.map_slot_clamped));
-}
-
 // the upload in flight has landed (waits for it if not): its expert is resident from the next graph on
 void moe_commit_upload(llama_moeplug_cache_layer & layer) {
     if (layer.pending_slot < 0) {
@@ -92,10 +86,8 @@ void moe_commit_upload(llama_moeplug_cache_layer & layer) {
     }
     const int32_t s = layer.pending_slot;
     const int32_t e = layer.pending_expert;
-    layer.experts[s]              = e;
-    layer.h_map_src[e]            = -1;
-    layer.h_map_slot[e]           = s;
-    layer.h_map_slot_clamped[e]   = s;
+    layer.experts[s] = e;
+    layer.slot_of[e] = s;
     layer.pending_slot   = -1;
     layer.pending_expert = -1;
     layer.n_swaps++;
@@ -104,11 +96,9 @@ void moe_commit_upload(llama_moeplug_cache_layer & layer) {
 // the resident expert `out` leaves its slot (from the next graph on it is a miss) and `in` is
 // copied into that slot; the copy is asynchronous where the layer has an upload queue
 void moe_start_upload(llama_moeplug_cache & cache, llama_moeplug_cache_layer & layer, int32_t in, int32_t out) {
-    const int32_t s = layer.h_map_slot[out];
-    layer.h_map_src[out]          = out;
-    layer.h_map_slot[out]         = -1;
-    layer.h_map_slot_clamped[out] = 0;
-    layer.experts[s]              = -1;
+    const int32_t s = layer.slot_of[out];
+    layer.slot_of[out] = -1;
+    layer.experts[s]   = -1;
 
     std::vector<uint8_t> bytes;
     for (auto & [src, dst] : layer.slots) {
@@ -182,7 +172,7 @@ void moe_dynamic_step(llama_moeplug_cache & cache, const std::vector<moe_observe
 
         int32_t in = -1, out = -1;
         for (int32_t e = 0; e < layer->n_expert; ++e) {
-            if (layer->h_map_slot[e] >= 0) {
+            if (layer->slot_of[e] >= 0) {
                 if (out < 0 || layer->score[e] < layer->score[out]) {
                     out = e;
                 }
@@ -209,7 +199,7 @@ void moe_dynamic_step(llama_moeplug_cache & cache, const std::vector<moe_observe
     std::sort(changed.begin(), changed.end());
     changed.erase(std::unique(changed.begin(), changed.end()), changed.end());
     for (llama_moeplug_cache_layer * layer : changed) {
-        moe_write_maps(*layer);
+        layer->write_maps();
     }
 }
 
@@ -237,7 +227,7 @@ void llama_moeplug_cache_after_compute(llama_moeplug_cache & cache, ggml_backend
                     continue;
                 }
                 selected++;
-                resident += layer->full || layer->h_map_slot[e] >= 0;
+                resident += layer->full || layer->slot_of[e] >= 0;
             }
             layer->n_selected += selected;
             layer->n_resident += resident;
