@@ -105,8 +105,9 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | None, profile_path: 
               ram_available: int | None = None, slots_in_ram: int = 0, expert_room: int | None = None,
               need: DeviceNeed | None = None, policy: str = "auto", profile: Profile | None = None) -> Plan:
     """profile: the profile at profile_path when the caller has read it already (a re-profile's
-    preview plans from the profile it is about to store there). slots_in_ram: without a GPU, hold that many slots per layer in RAM anyway (the demo's
-    stand-in for a GPU, LLAMA_MOE_CACHE_DEVICE=CPU: same results as stock, no speedup).
+    preview plans from the profile it is about to store there). slots_in_ram: without a GPU, hold
+    that many slots per layer in RAM anyway (the demo's stand-in for a GPU,
+    LLAMA_MOE_CACHE_DEVICE=CPU: same results as stock, no speedup).
     expert_room: VRAM for experts when known better than the estimate (measured by llama.cpp's
     own fit, as the benchmark does). need: what llama.cpp's own estimate (fit_estimate.gpu_need)
     says the GPU holds beside the experts; the budget less that and the CUDA context is the
@@ -178,9 +179,9 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | None, profile_path: 
         notes.append("no room for one slot: every expert on the CPU (--cpu-moe)")
     else:
         partial = any(0 < n < info.n_expert for n in slots)
-        base["cache_policy"] = ("dynamic" if partial and profile else "static") if policy == "auto" else policy
+        base["cache_policy"] = "dynamic" if partial and profile and policy in ("auto", "dynamic") else "static"
         args += placement_args(info, slots, profile, profile_path, base["cache_policy"])
-        if base["cache_policy"] == "dynamic" and partial and profile:
+        if base["cache_policy"] == "dynamic":
             notes.append("the slots follow the prompt (--moe-cache-policy dynamic): a hot missed expert replaces "
                          "the coldest resident one between batches, uploaded while the next tokens compute")
         if not profile:

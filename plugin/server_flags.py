@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from moeplug.estimates import DEFAULT_UBATCH
+from moeplug.model_inspect import ModelInfo
+from moeplug.profile.format import Profile
 
 # the dynamic policy's settings moeplug serves with: a use count halves every 32 tokens and up to 8
 # uploads start after a batch (llama.cpp's defaults are 128 and 4). On the gpt-oss-20b trace
@@ -22,8 +24,7 @@ def env_of(args: list[str]) -> dict[str, str]:
     """The LLAMA_ARG_* environment that stands for llama-server flags of the --moe-cache-NAME VALUE form."""
     return {"LLAMA_ARG_" + flag.removeprefix("--").replace("-", "_").upper(): value
             for flag, value in zip(args[::2], args[1::2])}
-from moeplug.model_inspect import ModelInfo
-from moeplug.profile.format import Profile
+
 
 # llama.cpp's own pattern for the routed-expert tensors of a block (common.h, LLM_FFN_EXPS_REGEX)
 _EXPS_PATTERN = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
