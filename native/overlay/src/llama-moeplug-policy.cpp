@@ -33,11 +33,12 @@ struct moe_observed {
     int                  il   = -1;
     char                 kind = 'n'; // 's' two passes, 'w' whole layer on its slots, 'n' stock pass
     ggml_tensor *        t    = nullptr;
-    std::vector<int32_t> ids;        // [n_expert_used, n_tokens]
+    std::vector<int32_t> ids;        // [n_expert_used, n_tokens]; empty where nothing needs the ids
 };
 
-// the observed selections of the graph, read with one wait per backend
-std::vector<moe_observed> moe_read_observed(ggml_backend_sched_t sched, ggml_cgraph * gf) {
+// the observed selections of the graph, read with one wait per backend; a whole layer's only when
+// recording (every selection is a hit: counting needs only how many there were)
+std::vector<moe_observed> moe_read_observed(ggml_backend_sched_t sched, ggml_cgraph * gf, bool record) {
     std::vector<moe_observed> res;
     const size_t n_prefix = strlen(MOEPLUG_OBS_PREFIX);
     for (int i = 0; i < ggml_graph_n_nodes(gf); ++i) {
@@ -52,7 +53,9 @@ std::vector<moe_observed> moe_read_observed(ggml_backend_sched_t sched, ggml_cgr
         }
         o.kind = kind;
         o.t    = t;
-        o.ids.resize(ggml_nelements(t));
+        if (kind != 'w' || record) {
+            o.ids.resize(ggml_nelements(t));
+        }
         res.push_back(std::move(o));
     }
     if (res.empty()) {
@@ -60,6 +63,9 @@ std::vector<moe_observed> moe_read_observed(ggml_backend_sched_t sched, ggml_cgr
     }
     std::vector<ggml_backend_t> waits;
     for (auto & o : res) {
+        if (o.ids.empty()) {
+            continue;
+        }
         ggml_backend_t backend = ggml_backend_sched_get_tensor_backend(sched, o.t);
         if (backend == nullptr) {
             ggml_backend_tensor_get(o.t, o.ids.data(), 0, ggml_nbytes(o.t));
@@ -210,7 +216,7 @@ void llama_moeplug_cache_after_compute(llama_moeplug_cache & cache, ggml_backend
     if (!cache.count && !cache.dynamic && !cache.record) {
         return;
     }
-    const std::vector<moe_observed> observed = moe_read_observed(sched, gf);
+    const std::vector<moe_observed> observed = moe_read_observed(sched, gf, cache.record);
     if (observed.empty()) {
         return;
     }
@@ -219,6 +225,11 @@ void llama_moeplug_cache_after_compute(llama_moeplug_cache & cache, ggml_backend
         for (const auto & o : observed) {
             const llama_moeplug_cache_layer * layer = o.kind == 'n' ? nullptr : moe_layer_of(cache, o.il);
             if (layer == nullptr) {
+                continue;
+            }
+            if (o.ids.empty()) { // a whole layer, not read
+                layer->n_selected += ggml_nelements(o.t);
+                layer->n_resident += ggml_nelements(o.t);
                 continue;
             }
             uint64_t selected = 0, resident = 0;
