@@ -714,6 +714,8 @@ bool common_moeplug_replay_load(llama_model * model, const std::string & path) {
     llama_moeplug_replay_result result = {};
     if (!llama_model_moeplug_replay_init(model, path.c_str(), &result)) {
         LOG_ERR("moe-replay: %s\n", result.reason);
+        // the callers exit on this; the log's worker thread would otherwise lose the line
+        common_log_flush(common_log_main());
         return false;
     }
     LOG_INF("moe-replay: %s, %d prompts, %lld tokens, %d layers x %d of %d%s\n", path.c_str(),
