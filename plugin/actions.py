@@ -11,10 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moeplug.errors import EXIT_ERROR, EXIT_OK, EXIT_USAGE, MoeplugError
+from moeplug.errors import EXIT_ERROR, EXIT_OK, MoeplugError
 from moeplug.estimates import context_size
 from moeplug.install import (
-    INSTALLED_SPEC,
     warn_exposure,
     installed_build,
     list_installed,
@@ -30,42 +29,22 @@ from moeplug.plan import Plan
 from moeplug.progress import Note, ProgressFn, silent
 from moeplug.server import HOST
 from moeplug.serving import ServerRecord
-from moeplug.speculation import Speculation, parse_spec
-
-
-def spec_choice(text: str | None, draft_max: int | None, keep: bool = False) -> Any:
-    """--spec and --spec-draft-max as a Speculation, None (no speculation) or, with keep and neither
-    given, INSTALLED_SPEC (an installed model's own); a bad --spec is a usage error here, before
-    anything runs. With keep, --spec-draft-max alone changes the installed speculation's."""
-    if keep and text is None:
-        return INSTALLED_SPEC if draft_max is None else ("draft-max", draft_max)
-    return parse_spec(text, draft_max)
-
-
-def _resolve_spec(choice: Any, plan: Plan | None) -> Any:
-    """spec_choice's ("draft-max", N) against an installed plan: its speculation with N drafted tokens."""
-    if not (isinstance(choice, tuple) and choice[0] == "draft-max"):
-        return choice
-    installed = Speculation.from_json(plan.speculation) if plan is not None else None
-    if installed is None:
-        raise MoeplugError("--spec-draft-max needs a --spec (draft:PATH, mtp or ngram)"
-                           + (": the installed plan has none" if plan is not None else ""), EXIT_USAGE)
-    return Speculation(installed.kind, installed.draft, choice[1])
+from moeplug.speculation import KeepInstalled, Speculation
 
 
 def plan_model(model: str, *, ctx: int | None = None, vram_budget: int | None = None, profile: Path | None = None,
-               ctx_override: bool = False, spec: Any = INSTALLED_SPEC, progress: ProgressFn = silent) -> Plan:
+               ctx_override: bool = False, spec: Speculation | KeepInstalled | None = KeepInstalled(),
+               progress: ProgressFn = silent) -> Plan:
     """Plan an installed model (by name) or any model reference, for a budget (None: free VRAM) and
     a context (None: 4096, or the training context when smaller); profile None: the stored one.
-    spec: speculative decoding (a Speculation, None, or INSTALLED_SPEC: an installed model's own)."""
+    spec: speculative decoding (None: none; KeepInstalled: an installed model's own)."""
     from moeplug.profile.format import model_fingerprint
     from moeplug.profile.runner import default_profile_path
 
     installed = {m.name: m for m in list_installed()}
     path = Path(installed[model].path) if model in installed else locate(model, download=False, progress=progress).path
-    spec = _resolve_spec(spec, installed[model].plan if model in installed else None)
-    if spec is INSTALLED_SPEC:
-        spec = Speculation.from_json(installed[model].plan.speculation) if model in installed else None
+    if isinstance(spec, KeepInstalled):
+        spec = spec.resolve(installed[model].plan.speculation if model in installed else None)
     info = inspect_model(path)
     require_moe(info)
     ctx = context_size(info, ctx, ctx_override)
@@ -84,21 +63,21 @@ class Served:
 
 def serve(name: str, *, port: int | None = None, vram_budget: int | None = None, ctx: int | None = None,
           ctx_override: bool = False, allow_fallback: bool = False, metrics: bool = False, record: bool = False,
-          host: str = HOST, spec: Any = INSTALLED_SPEC, progress: ProgressFn = silent) -> Served:
+          host: str = HOST, spec: Speculation | KeepInstalled | None = KeepInstalled(),
+          progress: ProgressFn = silent) -> Served:
     """Launch an installed model again (detached) with its build; re-planned when a budget or a
     context is given, else with the plan it was installed with. Waits while another moeplug holds
     the model (an install, a re-profile), then reads the model as that one left it. record: count
     the router's selections for `moeplug reprofile` (llama-server --moe-cache-record). host: where
     it listens (127.0.0.1 unless the user gave another address; then a warning). spec: another
-    speculative decoding to re-plan with and keep (None: none; INSTALLED_SPEC: the installed one's)."""
+    speculative decoding to re-plan with and keep (None: none; KeepInstalled(): the installed one's)."""
     from moeplug.serving import launch_verified, model_lock
 
     warn_exposure(host, progress)
     read_installed(name)  # an unknown name fails now, not after a wait
     with model_lock(name, progress):
         m = read_installed(name)
-        spec = _resolve_spec(spec, m.plan)
-        if vram_budget is not None or ctx is not None or spec is not INSTALLED_SPEC:
+        if vram_budget is not None or ctx is not None or spec != KeepInstalled():
             if ctx is not None:
                 ctx = context_size(inspect_model(m.path), ctx, ctx_override)
             m = replan(m, ctx, vram_budget, spec)  # the new plan becomes the model's own; the hooks follow

@@ -29,9 +29,7 @@ from moeplug.profile.runner import DEFAULT_PROMPT_SETS
 from moeplug.progress import Note, ProgressFn, silent
 from moeplug.refs import ModelRef, ResolvedModel, parse_ref, resolve_ref
 from moeplug.server import HOST, exposure_warning
-from moeplug.speculation import Speculation
-
-INSTALLED_SPEC: Any = object()  # plan_installed/replan: the speculation of the installed plan
+from moeplug.speculation import KeepInstalled, Speculation
 
 DEMO_PROFILE_TOKENS = 32
 PROFILE_CTX = 2048  # the profiler's context: each prompt is one sequence, far shorter than this
@@ -263,7 +261,7 @@ def warn_exposure(host: str, progress: ProgressFn) -> None:
 
 
 def plan_installed(m: InstalledModel, ctx: int | None = None, vram_budget: int | None = None,
-                   profile: Profile | None = None, spec: Any = INSTALLED_SPEC) -> Plan:
+                   profile: Profile | None = None, spec: Speculation | KeepInstalled | None = KeepInstalled()) -> Plan:
     """An installed model's plan made again, for another budget or context (None: the stored
     ones), from its profile (or `profile`, the one about to replace it), with its speculation
     (or `spec`: a Speculation, None for none); nothing is stored (replan keeps it)."""
@@ -273,14 +271,14 @@ def plan_installed(m: InstalledModel, ctx: int | None = None, vram_budget: int |
         fit_tool = installed_build(m).binary("llama-fit-params")
     except MoeplugError:
         fit_tool = None  # the build is gone: moeplug's own estimate
-    if spec is INSTALLED_SPEC:
-        spec = Speculation.from_json(m.plan.speculation)
+    if isinstance(spec, KeepInstalled):
+        spec = spec.resolve(m.plan.speculation)
     return plan_for(inspect_model(m.path), ctx or m.ctx, budget, path, m.slots_on_cpu, profile, fit_tool=fit_tool,
                     spec=spec)
 
 
 def replan(m: InstalledModel, ctx: int | None = None, vram_budget: int | None = None,
-           spec: Any = INSTALLED_SPEC) -> InstalledModel:
+           spec: Speculation | KeepInstalled | None = KeepInstalled()) -> InstalledModel:
     """Plan an installed model again (a new budget, context or speculation, or its profile
     changed: the stored ones otherwise) and keep that plan as the model's own; the hooks follow."""
     plan = plan_installed(m, ctx, vram_budget, spec=spec)

@@ -81,10 +81,9 @@ def install_text(done: Any) -> str:
 
 def cmd_install(args: argparse.Namespace) -> int:
     from moeplug.install import install
+    from moeplug.speculation import parse_spec
 
-    from moeplug.actions import spec_choice
-
-    spec = spec_choice(args.spec, args.spec_draft_max)
+    spec = parse_spec(args.spec, args.spec_draft_max)
     out = Output.for_args(args)
     done = install(args.model, ctx=args.ctx, vram_budget=args.vram_budget, backend=args.backend, jobs=args.jobs,
                    profile_tokens=args.profile_tokens, prompt_sets=[s for s in args.prompts.split(",") if s],
@@ -94,10 +93,11 @@ def cmd_install(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from moeplug.actions import plan_model, spec_choice
+    from moeplug.actions import plan_model
+    from moeplug.speculation import parse_spec
 
     text = f"draft:{args.draft}" if args.draft is not None else "mtp" if args.mtp else args.spec
-    spec = spec_choice(text, args.spec_draft_max, keep=True)
+    spec = parse_spec(text, args.spec_draft_max, keep=True)
     out = Output.for_args(args)
     plan = plan_model(args.model, ctx=args.ctx, vram_budget=args.vram_budget,
                       profile=Path(args.profile) if args.profile else None, ctx_override=args.ctx_override,
@@ -106,9 +106,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from moeplug.actions import serve, spec_choice
+    from moeplug.actions import serve
+    from moeplug.speculation import parse_spec
 
-    spec = spec_choice(args.spec, args.spec_draft_max, keep=True)
+    spec = parse_spec(args.spec, args.spec_draft_max, keep=True)
     out = Output.for_args(args)
     served = serve(args.model, port=args.port, vram_budget=args.vram_budget, ctx=args.ctx,
                    ctx_override=args.ctx_override, allow_fallback=args.allow_fallback, metrics=args.metrics,

@@ -40,10 +40,10 @@ from moeplug.estimates import (
     whole_layers_first,
 )
 from moeplug.model_inspect import ModelInfo
+from moeplug.output import human_bytes
 from moeplug.profile.format import Profile
 from moeplug.server_flags import DYNAMIC_ARGS, experts_in_ram_args, placement_args
 from moeplug.speculation import SpecNeed, Speculation, nextn_blocks, nextn_weight_bytes, spec_need
-from moeplug.output import human_bytes
 from moeplug.sizes import GIB
 
 WARN_FIT = 0.20

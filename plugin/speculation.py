@@ -88,13 +88,35 @@ class Speculation:
         return cls(doc["kind"], doc.get("draft"), doc.get("draft_max")) if doc else None
 
 
-def parse_spec(text: str | None, draft_max: int | None = None) -> Speculation | None:
-    """`--spec` as the user wrote it: draft:PATH, mtp, ngram, or none (None: no speculation).
-    The draft's file is checked where the plan is made (spec_need)."""
-    if text is None or text == "none":
-        if draft_max is not None and text is None:
+@dataclass(frozen=True)
+class KeepInstalled:
+    """An installed model's own speculation (kept in its plan), with draft_max tokens where given:
+    `plan NAME` and `serve NAME` without --spec."""
+
+    draft_max: int | None = None
+
+    def resolve(self, installed: dict[str, Any] | None) -> Speculation | None:
+        """installed: the plan's `speculation` (None: none, or not an installed model)."""
+        spec = Speculation.from_json(installed)
+        if self.draft_max is None:
+            return spec
+        if spec is None:
             raise MoeplugError("--spec-draft-max needs a --spec (draft:PATH, mtp or ngram)", EXIT_USAGE)
-        return None
+        return Speculation(spec.kind, spec.draft, self.draft_max)
+
+
+def parse_spec(text: str | None, draft_max: int | None = None, keep: bool = False) -> Speculation | KeepInstalled | None:
+    """`--spec` and `--spec-draft-max` as the user wrote them: draft:PATH, mtp, ngram, or none (None:
+    no speculation); keep and no --spec: the installed model's (KeepInstalled). The draft's file is
+    checked where the plan is made (spec_need)."""
+    if keep and text is None:
+        return KeepInstalled(draft_max)
+    return _parse(text, draft_max)
+
+
+def _parse(text: str | None, draft_max: int | None) -> Speculation | None:
+    if text is None or text == "none":
+        return KeepInstalled(draft_max).resolve(None) if text is None else None
     kind, sep, path = text.partition(":")
     if kind == "draft" and sep:
         if not path:

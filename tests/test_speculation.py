@@ -242,6 +242,8 @@ def test_install_keeps_the_speculation_for_serve(patched_build, fixture_models, 
     assert listed[0]["plan"]["speculation"]["kind"] == "mtp"
     again = json.loads(run_cli_process("plan", name, "--json", env=env).stdout)
     assert again["speculation"]["kind"] == "mtp" and "draft-mtp" in again["server_args"]
+    longer = json.loads(run_cli_process("plan", name, "--spec-draft-max", "5", "--json", env=env).stdout)
+    assert longer["speculation"]["n_draft"] == 5 and longer["tokens_per_step"] == 6
     r = run_cli_process("serve", name, "--json", env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     try:
