@@ -35,16 +35,24 @@ def context_size(info: ModelInfo, ctx: int | None, override: bool = False) -> in
     return ctx
 
 
-def kv_cache_bytes(info: ModelInfo, ctx: int, bytes_per_value: int = 2) -> int:
-    """f16 K and V for every attention layer at ctx tokens (an upper bound for SWA/hybrid models)."""
+def nextn_layers(info: ModelInfo) -> int:
+    """The model's MTP (NextN) blocks, the last ones: llama.cpp loads them only for an MTP draft."""
+    return scalar_or_max(info.metadata.get(f"{info.arch}.nextn_predict_layers")) or 0
+
+
+def kv_cache_bytes(info: ModelInfo, ctx: int, bytes_per_value: int = 2, mtp: bool = False) -> int:
+    """f16 K and V for every attention layer of the trunk at ctx tokens (an upper bound for
+    SWA/hybrid models); mtp: those of the MTP (NextN) blocks instead, which an MTP draft context
+    holds at the same ctx."""
     md, arch = info.metadata, info.arch
     n_head = scalar_or_max(md.get(f"{arch}.attention.head_count")) or 1
     n_head_kv = scalar_or_max(md.get(f"{arch}.attention.head_count_kv")) or n_head
     n_embd = scalar_or_max(md.get(f"{arch}.embedding_length")) or 0
     k_len = scalar_or_max(md.get(f"{arch}.attention.key_length")) or n_embd // n_head
     v_len = scalar_or_max(md.get(f"{arch}.attention.value_length")) or k_len
-    n_nextn = scalar_or_max(md.get(f"{arch}.nextn_predict_layers")) or 0
-    return ctx * (info.n_layer - n_nextn) * n_head_kv * (k_len + v_len) * bytes_per_value
+    n_nextn = nextn_layers(info)
+    n_layers = n_nextn if mtp else info.n_layer - n_nextn
+    return ctx * n_layers * n_head_kv * (k_len + v_len) * bytes_per_value
 
 
 def compute_buffer_bytes(info: ModelInfo, ubatch: int = DEFAULT_UBATCH) -> int:

@@ -19,7 +19,7 @@ RANKS: list[tuple[int, tuple[str, ...]]] = [
     (5, ("moeplug.actions", "moeplug.monitor", "moeplug.hooks.watch", "moeplug.reprofile")),
     (4, ("moeplug.install",)),
     (3, ("moeplug.plan", "moeplug.hooks")),
-    (2, ("moeplug.allocate", "moeplug.estimates", "moeplug.server_flags")),
+    (2, ("moeplug.allocate", "moeplug.estimates", "moeplug.server_flags", "moeplug.speculation")),
     (1, ("moeplug.profile", "moeplug.native", "moeplug.model_inspect", "moeplug.synth", "moeplug.refs",
          "moeplug.demo", "moeplug.download", "moeplug.serving", "moeplug.server", "moeplug.metrics", "moeplug.trace",
          "moeplug.schedule")),
