@@ -1,0 +1,75 @@
+"""The expert slot cache with the model's layers split over two devices, without a GPU: two RPC
+devices backed by the CPU (the `rpc_devices` fixture), `-sm layer -ts 1,1`, every routed expert in
+host memory. Each layer's slots live on that layer's device and every expert is computed by the
+CPU's kernels wherever it sits, so the results must be stock's on the same split, bit for bit;
+the log names both devices, and /metrics counts per device."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import requests
+
+from helpers import fixture_spec, make_profile
+from moeplug.metrics import parse_cache_counters
+from moeplug.server import start_server
+from moeplug.serving import parse_cache_line
+from moeplug.synth import make_model
+
+pytestmark = pytest.mark.native
+
+EXPERTS_IN_RAM = ["-ot", r"blk\.[0-9]+\.ffn_(up|down|gate|gate_up)_exps=CPU"]
+SPLIT = ["-ngl", "99", "-sm", "layer", "-ts", "1,1"]
+
+
+@pytest.fixture(scope="module")
+def split_models(tmp_path_factory: pytest.TempPathFactory, patched_build) -> dict[str, tuple[Path, Path]]:
+    """qwen3moe and gpt-oss (expert biases) with 4 MoE layers, and a real profile of each."""
+    root = tmp_path_factory.mktemp("split-models")
+    out = {}
+    for arch in ("qwen3moe", "gpt-oss"):
+        model = make_model(replace(fixture_spec(arch), layers=4), root / f"{arch}-4.gguf")[0]
+        out[arch] = (model, make_profile(patched_build, model, root / f"{arch}-4.profile.gguf", 16))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
+@pytest.mark.parametrize("slots,policy", [("3", "static"), ("8,8,3,3", "static"), ("3", "dynamic")])
+def test_slots_on_two_devices_are_bitwise_stock(patched_build, rpc_devices, split_models, arch: str, slots: str,
+                                                policy: str) -> None:
+    """test-moe-cache on the split: 100 prompt tokens in ubatches of 7 and 64 greedy tokens, every
+    logit equal to the same split without the cache; slots on RPC0 and RPC1."""
+    model, profile = split_models[arch]
+    cmd = [str(patched_build.binary("test-moe-cache")), *rpc_devices["args"], "-m", str(model),
+           "--moe-cache-profile", str(profile), "--moe-cache-slots", slots, "--moe-cache-policy", policy,
+           "-ub", "7", "-n", "64", "-t", "2", *SPLIT, *EXPERTS_IN_RAM]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ | rpc_devices["env"])
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert r.stdout.strip().endswith("logits bitwise equal"), r.stdout
+    cache = parse_cache_line(r.stderr)
+    assert cache and cache.engaged, r.stderr[-2000:]
+    assert cache.device == "RPC0, RPC1" and cache.layers == 4
+    assert f"policy {policy}" in r.stderr
+
+
+def test_metrics_count_per_device(patched_build, rpc_devices, split_models, tmp_path: Path) -> None:
+    """llama-server on the split with --metrics: selections and hits per device add up to the
+    totals, and both devices served requests."""
+    model, profile = split_models["qwen3moe"]
+    args = [*rpc_devices["args"], "--metrics", "--moe-cache-profile", str(profile), "--moe-cache-slots", "3",
+            *SPLIT, *EXPERTS_IN_RAM]
+    with start_server(patched_build.binary("llama-server"), model, tmp_path / "server.log", extra_args=args,
+                      ctx=512, threads=2, env=rpc_devices["env"]) as srv:
+        srv.wait_healthy(timeout=180)
+        srv.complete(list(range(40, 60)), n_predict=24, ignore_eos=True)
+        c = parse_cache_counters(requests.get(f"{srv.url}/metrics", timeout=10).text)
+    log = (tmp_path / "server.log").read_text(errors="replace")
+    assert parse_cache_line(log).device == "RPC0, RPC1", log[-2000:]
+    assert c is not None and set(c.devices) == {"RPC0", "RPC1"}
+    assert sum(d["selections"] for d in c.devices.values()) == c.selections > 0
+    assert sum(d["hits"] for d in c.devices.values()) == c.hits
+    assert all(d["selections"] > 0 for d in c.devices.values())
