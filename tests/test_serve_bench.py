@@ -114,3 +114,31 @@ def test_serve_bench_prices_recording(patched_build, stock_build, bench_model: P
     bad = subprocess.run([sys.executable, str(SERVE_BENCH), "--policies", "dynamic+count"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "--policies: 'dynamic+count'" in bad.stderr
+
+
+def test_serve_bench_with_speculation(patched_build, stock_build, bench_model: Path, tmp_path: Path) -> None:
+    """--spec draft:PATH --spec-accept 0.7 --spec-baseline: both sides speculate with the same draft
+    model and synthetic acceptance (rates 0.7, 0.49, 0.343 for 3 draft tokens), and moeplug's row is
+    also set against stock without speculation; drafted tokens are counted on both sides."""
+    spec = ModelSpec(arch="gpt-oss", layers=2, experts=32, used=4, embd=64, expert_ff=64, heads=4, heads_kv=2,
+                     head_dim=16, dtype="f16", expert_dtype="mxfp4", seed=12)
+    draft = make_model(spec, tmp_path / "draft.gguf")[0]
+    stdout, doc = run_bench(patched_build, stock_build, bench_model, tmp_path, "--workloads", "random",
+                            "--spec", f"draft:{draft}", "--spec-accept", "0.7", "--spec-baseline")
+    rows = doc["tables"]["random"]
+    assert [r["stock"] for r in rows] == ["--fit, draft", "--fit, no speculation"]
+    assert rows[0]["moeplug"] == rows[1]["moeplug"] and rows[0]["moeplug"].endswith(", draft")
+    stock, baseline = (c for c in doc["configs"] if c["side"] == "stock")
+    mine = next(c for c in doc["configs"] if c["side"] == "moeplug")
+    synth = ["--spec-synth-rates", "0.700000,0.490000,0.343000"]
+    for c in (stock, mine):
+        args = c["server_args"]
+        assert args[args.index("-md") + 1] == str(draft) and args[args.index("--spec-type") + 1] == "draft-simple"
+        assert args[args.index("--spec-synth-rates"):][:2] == synth
+        drafted, accepted = c["drafts"]["random"]
+        assert drafted > 0 and 0 < accepted <= drafted
+    assert "-md" not in baseline["server_args"] and not baseline["drafts"]
+    assert f"vs stock --fit, no speculation |" in stdout
+    bad = subprocess.run([sys.executable, str(SERVE_BENCH), "--spec", "bogus"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "--spec 'bogus'" in bad.stderr

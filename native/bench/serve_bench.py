@@ -46,7 +46,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +83,7 @@ class Config:
     vram: list[int | None] = field(default_factory=list)  # NVML, per round
     log_vram_mib: list[float] = field(default_factory=list)  # CUDA buffers the log names, and the cache's slots
     hits: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # workload -> (hits, selections) per round
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # workload -> [drafted, accepted] over every round
     errors: list[str] = field(default_factory=list)
 
 
@@ -97,17 +98,19 @@ def parse_budgets(text: str) -> list[tuple[str, float, bool]]:
     return out
 
 
-def budget_bytes(info, ctx: int, value: float, fraction: bool, need=None) -> int:
+def budget_bytes(info, ctx: int, value: float, fraction: bool, need=None, spec=None) -> int:
     """Bytes of VRAM; a fraction buys that share of the expert bytes beside what the planner puts
     on the GPU anyway (weights, KV cache, buffers and margin: llama.cpp's own estimate where
-    llama-fit-params saw a GPU, need, else moeplug's)."""
+    llama-fit-params saw a GPU, need, else moeplug's; and a speculative draft's weights, KV cache
+    and buffers)."""
     from moeplug.plan import make_plan
 
     if not fraction:
         return int(value * GIB)
-    p = make_plan(info, ctx, 1 << 50, need=need)
+    p = make_plan(info, ctx, 1 << 50, need=need, spec=spec)
     other = p.non_expert_vram_bytes + p.kv_cache_bytes + p.compute_bytes + p.margin_bytes
-    return int(other + value * info.expert_bytes)
+    draft = p.draft_weights_bytes + p.draft_kv_cache_bytes + p.draft_compute_bytes
+    return int(other + draft + value * info.expert_bytes)
 
 
 def lists_flag(binary: Path, flag: str) -> bool:
@@ -173,6 +176,10 @@ def run_config(cfg: Config, model: Path, ctx: int, prompts: dict[str, list], n_p
                     t = complete(srv.url, prompt, n_predict, ignore_eos=True)["timings"]
                     cfg.samples.setdefault((w, i), []).append((float(t["prompt_per_second"]),
                                                                float(t["predicted_per_second"])))
+                    if "draft_n" in t:
+                        d = cfg.drafts.setdefault(w, [0, 0])
+                        d[0] += int(t["draft_n"])
+                        d[1] += int(t.get("draft_n_accepted", 0))
                 except (MoeplugError, requests.RequestException, KeyError, ValueError) as exc:
                     cfg.errors.append(f"{w} prompt {i}: {type(exc).__name__}: {exc}")
                     print(f"# {cfg.budget} {cfg.side}: {w} prompt {i} failed: {exc}", file=sys.stderr)
@@ -222,7 +229,8 @@ def table_rows(pairs: list[tuple[Config, Config]], workload: str) -> list[dict[s
     for mine, stock in pairs:
         if workload not in mine.workloads:
             continue
-        row: dict[str, Any] = {"budget": mine.budget, "moeplug": mine.desc, "prompts": len(per_prompt(mine, workload, 0))}
+        row: dict[str, Any] = {"budget": mine.budget, "moeplug": mine.desc, "stock": stock.desc,
+                               "prompts": len(per_prompt(mine, workload, 0))}
         for test, key in ((0, "prefill"), (1, "decode")):
             r = ratios(mine, stock, workload, test)
             row[key] = {"moeplug_tps": median(list(per_prompt(mine, workload, test).values())),
@@ -230,6 +238,7 @@ def table_rows(pairs: list[tuple[Config, Config]], workload: str) -> list[dict[s
                         "ratio_median": statistics.median(r) if r else None, "ratio_lowest": min(r) if r else None}
         row["vram_mib"] = {"moeplug": _mib(mine), "stock": _mib(stock)}
         row["hit_rate"] = hit_rate(mine, workload)
+        row["drafts"] = {"moeplug": mine.drafts.get(workload), "stock": stock.drafts.get(workload)}
         row["errors"] = mine.errors + stock.errors
         rows.append(row)
     return rows
@@ -248,11 +257,17 @@ def print_table(workload: str, rows: list[dict[str, Any]]) -> None:
     for r in rows:
         p, d = r["prefill"], r["decode"]
         hit = "-" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.1f}%"
-        print(f"| {r['budget']} | {r['moeplug']} | {r['prompts']} | {p['moeplug_tps']:.1f} / {p['stock_tps']:.1f} "
+        versus = f" vs stock {r['stock']}" if r["stock"] != "--fit" else ""
+        print(f"| {r['budget']} | {r['moeplug']}{versus} | {r['prompts']} | {p['moeplug_tps']:.1f} / {p['stock_tps']:.1f} "
               f"| {ratio(p)} | {d['moeplug_tps']:.1f} / {d['stock_tps']:.1f} | {ratio(d)} "
               f"| {r['vram_mib']['moeplug']} / {r['vram_mib']['stock']} | {hit} |")
         for e in r["errors"]:
             print(f"\n(failed: {e})")
+    for r in rows:
+        d = r["drafts"]
+        if d["moeplug"] or d["stock"]:
+            said = [f"{side} {n[1]} of {n[0]}" for side, n in d.items() if n]
+            print(f"\n{r['budget']}, {r['moeplug']} vs stock {r['stock']}: drafted tokens accepted: {', '.join(said)}")
 
 
 def record_rows(pairs: list[tuple[Config, Config]], workload: str) -> list[dict[str, Any]]:
@@ -278,6 +293,27 @@ def record_rows(pairs: list[tuple[Config, Config]], workload: str) -> list[dict[
                      if r[k]["ratio_median"] is not None else "-" for k in ("prefill", "decode")]
             print(f"| {r['budget']} | {r['moeplug']} | {cells[0]} | {cells[1]} |")
     return rows
+
+
+def speculation(a: argparse.Namespace, model: Path):
+    """(moeplug's Speculation for --spec, or None; the synthetic-acceptance flags both sides add).
+    draft:shape writes a draft of the model's shape cut to 2 blocks (same vocabulary) beside it."""
+    from moeplug.speculation import parse_spec
+    from moeplug.synth import make_model, shape_spec
+
+    if a.spec is None:
+        return None, []
+    text = a.spec
+    if text == "draft:shape":
+        draft = model.with_name(f"{a.shape}-draft-2.gguf")
+        if not draft.exists():
+            print(f"# writing the draft model {draft}", file=sys.stderr)
+            make_model(replace(shape_spec(a.shape, seed=99), layers=2), draft)
+        text = f"draft:{draft}"
+    spec = parse_spec(text, a.spec_draft_max)
+    rates = [] if a.spec_accept is None else ["--spec-synth-rates",
+                                             ",".join(f"{a.spec_accept ** i:.6f}" for i in range(1, spec.n_draft + 1))]
+    return spec, rates
 
 
 def prepare_model(a: argparse.Namespace) -> Path:
@@ -356,6 +392,14 @@ def main(argv: list[str] | None = None) -> int:
                     "(--moe-cache-record), to measure what recording costs beside the same policy without it")
     ap.add_argument("--time-limit", type=float, default=0, help="seconds from the start after which no round starts "
                     "that would not end in time at the pace of the last one (0: none)")
+    ap.add_argument("--spec", help="speculative decoding on both sides, as moeplug's --spec takes it: mtp, ngram, "
+                    "draft:PATH, or draft:shape (a 2-block model of --shape, same vocabulary, written beside the model)")
+    ap.add_argument("--spec-draft-max", type=int, help="tokens drafted per step (default: llama.cpp's)")
+    ap.add_argument("--spec-accept", type=float, help="synthetic acceptance on both sides (llama-server "
+                    "--spec-synth-rates a,a^2,...: each drafted token accepted with probability a once the ones "
+                    "before it were; benchmarking only, the text is not the model's)")
+    ap.add_argument("--spec-baseline", action="store_true", help="with --spec: also stock --fit without "
+                    "speculation, each moeplug row against it too")
     ap.add_argument("--prebuilt-moeplug", type=Path, help="bin/ folder of a patched build (skip building)")
     ap.add_argument("--prebuilt-stock", type=Path, help="bin/ folder of a stock build (skip building)")
     ap.add_argument("--backend", choices=("cpu", "cuda"), help="builds to make (default: CUDA where there is a GPU)")
@@ -377,6 +421,20 @@ def main(argv: list[str] | None = None) -> int:
     policies = [p.strip() for p in a.policies.split(",") if p.strip()] or ["auto"]
     if any(p.removesuffix("+record") not in ("auto", "static", "dynamic") for p in policies):
         ap.error(f"--policies: {a.policies!r}: each of auto, static, dynamic, optionally with +record")
+    if a.spec is None and (a.spec_accept is not None or a.spec_baseline or a.spec_draft_max is not None):
+        ap.error("--spec-accept, --spec-baseline and --spec-draft-max need --spec")
+    if a.spec_accept is not None and not 0.0 <= a.spec_accept <= 1.0:
+        ap.error("--spec-accept: a probability from 0 to 1")
+    if a.spec_draft_max is not None and a.spec_draft_max < 1:
+        ap.error("--spec-draft-max: at least 1")
+    if a.spec is not None and a.spec != "draft:shape":
+        from moeplug.errors import MoeplugError
+        from moeplug.speculation import parse_spec
+
+        try:
+            parse_spec(a.spec, a.spec_draft_max)
+        except MoeplugError as exc:
+            ap.error(str(exc))
 
     t0 = time.time()
     patched = build_of(a.prebuilt_moeplug, False, a.backend, a.jobs)
@@ -413,13 +471,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.build_only:
         print(f"# ready in {time.time() - t0:.0f} s: builds, {model}, {text_prof}, {replay}", file=sys.stderr)
         return 0
+    spec, spec_args = speculation(a, model)
     configs: list[Config] = []
     pairs: list[tuple[Config, Config]] = []
     fit_tool = patched.binary("llama-fit-params")
     need = gpu_need(fit_tool, model, a.ctx) if free is not None else None
     print(f"# llama-fit-params, every routed expert in RAM: {need}", file=sys.stderr)
     for label, value, fraction in budgets:
-        budget = budget_bytes(info, a.ctx, value, fraction, need)
+        budget = budget_bytes(info, a.ctx, value, fraction, need, spec)
         label = label if not fraction else f"{label} ({budget / GIB:.2f} GiB)"
         margin = max(0, (free - budget) // MIB) if free is not None else 0
         groups = [(plain, text_prof, [], patched.binary("llama-server"), stock.binary("llama-server"), stock.build_id)]
@@ -430,22 +489,30 @@ def main(argv: list[str] | None = None) -> int:
             if not group:
                 continue
             plans = [plan_for(info, a.ctx, budget, profile, slots_on_cpu=False, fit_tool=fit_tool,
-                              policy=p.removesuffix("+record")) for p in policies]
+                              policy=p.removesuffix("+record"), spec=spec) for p in policies]
             load = ["-lm", "none"] if plans[0].load_mode == "pinned" else []
+            stock_args = ["-c", str(a.ctx), "--fit", "on", "-fitt", str(margin), *load, *common, *extra]
             theirs = Config(label, "stock", stock_bin, stock_id,
-                            ["-c", str(a.ctx), "--fit", "on", "-fitt", str(margin), *load, *common, *extra], group,
-                            desc="--fit")
+                            stock_args + (spec.server_args(gpu=True) + spec_args if spec else []), group,
+                            desc="--fit" + (f", {spec.kind}" if spec else ""))
             configs.append(theirs)
+            baseline = None
+            if spec and a.spec_baseline:
+                baseline = Config(label, "stock", stock_bin, stock_id, stock_args, group, desc="--fit, no speculation")
+                configs.append(baseline)
             for plan, policy in zip(plans, policies):
                 record = ["--moe-cache-record"] if policy.endswith("+record") else []
                 desc = describe_slots(plan.slots_per_layer, info.n_expert)
                 desc += f", {plan.cache_policy}{'+record' if record else ''}" if len(plans) > 1 else ""
+                desc += f", {spec.kind}" if spec else ""
                 mine = Config(label, "moeplug", mine_bin, patched.build_id,
-                              [*plan.server_args, *record, *common, *extra], group, slots_env, desc)
+                              [*plan.server_args, *record, *spec_args, *common, *extra], group, slots_env, desc)
                 print(f"# {label} {'+'.join(group)}: moeplug {' '.join(mine.server_args)} | stock "
                       f"{' '.join(theirs.server_args)}", file=sys.stderr)
                 configs.append(mine)
                 pairs.append((mine, theirs))
+                if baseline is not None:
+                    pairs.append((mine, baseline))
 
     interleaved_rounds(configs, a.rounds, lambda cfg: run_config(cfg, model, a.ctx, prompts, a.n_predict),
                        t0 + a.time_limit if a.time_limit else None, "servers")
