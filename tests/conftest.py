@@ -38,3 +38,12 @@ def stock_build():
     from moeplug.native import build, resolve_options
 
     return build(resolve_options("cpu", stock=True, jobs=0, cuda_arch=None))
+
+
+@pytest.fixture(scope="session")
+def sanitized_build():
+    """The patched CPU build under ASan and UBSan (`moeplug native build --sanitize`): llama-server
+    and llama-moe-profile only, for the hostile-file tests."""
+    from moeplug.native import build, resolve_options
+
+    return build(resolve_options("cpu", stock=False, jobs=0, cuda_arch=None, sanitize=True))
