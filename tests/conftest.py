@@ -41,6 +41,15 @@ def stock_build():
 
 
 @pytest.fixture(scope="session")
+def sanitized_build():
+    """The patched CPU build under ASan and UBSan (`moeplug native build --sanitize`): llama-server
+    and llama-moe-profile only, for the hostile-file tests."""
+    from moeplug.native import build, resolve_options
+
+    return build(resolve_options("cpu", stock=False, jobs=0, cuda_arch=None, sanitize=True))
+
+
+@pytest.fixture(scope="session")
 def rpc_devices(patched_build, tmp_path_factory: pytest.TempPathFactory):
     """Two devices without a GPU: two local rpc-server processes backed by the CPU, and llama.cpp's
     RPC backend library, both compiled from the patched build's own source tree against its libggml

@@ -70,13 +70,36 @@ def run_cli_process(*args: str, env: dict[str, str] | None = None, timeout: floa
     return CliResult(r.returncode, r.stdout, r.stderr)
 
 
+# How the programs of a sanitized build (`moeplug native build --sanitize`) run in the tests: the
+# first report stops the process with SIGABRT, so it can never pass for a refusal (exit 1).
+# ubsan.supp names the upstream findings that are let through, each with its reason.
+SANITIZER_ENV = {
+    "ASAN_OPTIONS": "halt_on_error=1:abort_on_error=1:detect_leaks=1",
+    "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1:abort_on_error=1:"
+                     f"suppressions={Path(__file__).with_name('ubsan.supp')}",
+}
+SANITIZER_REPORTS = ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:")
+
+
+def program_env(build) -> dict[str, str]:
+    """The environment to run a program of `build` in: SANITIZER_ENV added for a sanitized build."""
+    return {**os.environ, **(SANITIZER_ENV if build.manifest.get("sanitize") else {})}
+
+
+def sanitizer_reports(text: str) -> list[str]:
+    """The lines of a program's output that are sanitizer reports."""
+    return [line for line in text.splitlines() if any(r in line for r in SANITIZER_REPORTS)]
+
+
 def make_profile(build, model: Path, out: Path, n_predict: int, timeout: float = 600) -> Path:
-    """A real profile of the model: llama-moe-profile of `build` on the bundled code prompts."""
+    """A real profile of the model: llama-moe-profile of `build` on the bundled code prompts (under
+    the sanitizers, and with no report, for a sanitized build)."""
     prompts = Path(__file__).parents[1] / "profiles" / "codeish.txt"
     r = subprocess.run([str(build.binary("llama-moe-profile")), "-m", str(model), "--prompts", str(prompts),
                         "--out", str(out), "-n", str(n_predict), "-t", "2"], capture_output=True, text=True,
-                       timeout=timeout)
+                       timeout=timeout, env=program_env(build))
     assert r.returncode == 0, r.stderr[-2000:]
+    assert not sanitizer_reports(r.stderr), r.stderr[-4000:]
     return out
 
 

@@ -7,10 +7,14 @@ moeplug must answer every case with its result or one line naming the problem ('
 ...', exit 1 or 3), never an unexpected exception; llama-server must never die of a signal, must
 say `moe-cache: not engaged, ...` once for a profile it cannot use (or engage on a mutant that is
 still a valid profile of the model) and keep serving, and must refuse a broken model exactly when
-stock refuses it. Each test stops at its time limit and prints how many cases it ran.
+stock refuses it. The native tests run twice: on the patched build, and on the same patches built
+under AddressSanitizer and UndefinedBehaviorSanitizer (`moeplug native build --sanitize`, the
+`sanitized_build` fixture), where the first report stops the server and fails the case
+(helpers.SANITIZER_ENV). Each test stops at its time limit and prints how many cases it ran.
 
-MOEPLUG_FUZZ_CASES (random mutants per in-process test, 2000) and MOEPLUG_FUZZ_NATIVE_CASES
-(server starts per native test, 150) scale them.
+MOEPLUG_FUZZ_CASES (random mutants per in-process test, 2000), MOEPLUG_FUZZ_NATIVE_CASES (server
+starts per native test, 150) and MOEPLUG_FUZZ_SANITIZED_CASES (the same under the sanitizers, 200)
+scale them.
 """
 
 from __future__ import annotations
@@ -20,18 +24,20 @@ import random
 import signal
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import requests
 
 from gguf_mutate import mutants, truncations
-from helpers import make_profile, run_cli
+from helpers import make_profile, program_env, run_cli, sanitizer_reports
 from moeplug.server import free_port, server_argv
 from moeplug.synth import ModelSpec, make_model
 
 CASES = int(os.environ.get("MOEPLUG_FUZZ_CASES", "2000"))
 NATIVE_CASES = int(os.environ.get("MOEPLUG_FUZZ_NATIVE_CASES", "150"))
+SANITIZED_CASES = int(os.environ.get("MOEPLUG_FUZZ_SANITIZED_CASES", "200"))
 TIME_LIMIT_S = 60  # per test
 SEEDS = (1, 2)
 TINY = ModelSpec(arch="qwen3moe", layers=2, experts=4, used=2, embd=64, expert_ff=64, heads=2, heads_kv=1,
@@ -46,6 +52,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def tiny_profile(tiny_model: Path, patched_build) -> Path:
     return make_profile(patched_build, tiny_model, tiny_model.with_name("tiny.profile.gguf"), 4)
+
+
+@pytest.mark.native
+def test_profiler_runs_clean_under_the_sanitizers(sanitized_build, tiny_model: Path, tmp_path: Path) -> None:
+    """The sanitized llama-moe-profile writes a profile of the tiny model that moeplug reads, with no
+    ASan or UBSan report (make_profile checks its output)."""
+    out = make_profile(sanitized_build, tiny_model, tmp_path / "asan.profile.gguf", 4)
+    r = run_cli("profile", "analyze", "--slots", "1,2", "--json", str(out))
+    assert r.returncode == 0, r.stderr
 
 
 def cases(data: bytes, n: int, data_too: bool) -> list[tuple[str, bytes]]:
@@ -113,17 +128,46 @@ def test_header_walk_is_fast_on_huge_counts(tiny_model: Path, tmp_path: Path) ->
 
 
 # ---------------------------------------------------------------------------------------------
-# the native server
+# the native server: the patched build, and the same patches under ASan and UBSan
+
+
+@dataclass
+class Server:
+    """The llama-server the native tests run: its binary, the environment (the sanitizers'
+    options for the sanitized build), and how many cases each test may run in how long."""
+    what: str
+    binary: Path
+    env: dict[str, str]
+    profile_cases: int
+    profile_s: float
+    model_cases: int  # random mutants, after 10 truncations
+    model_s: float
+
+
+@pytest.fixture(params=["patched", "sanitized"])
+def server(request) -> Server:
+    """The patched build, and the same patches under ASan and UBSan (fewer cases: each start is
+    slower; together the two sanitized tests stay under 5 minutes on 2 cores)."""
+    build = request.getfixturevalue(f"{request.param}_build")
+    env = {**program_env(build), "LLAMA_MOE_CACHE_DEVICE": "CPU"}
+    binary = build.binary("llama-server")
+    if request.param == "patched":
+        return Server("llama-server", binary, env, NATIVE_CASES, 2 * TIME_LIMIT_S, max(NATIVE_CASES // 5, 10),
+                      TIME_LIMIT_S)
+    return Server("llama-server (ASan+UBSan)", binary, env, SANITIZED_CASES, 3 * TIME_LIMIT_S,
+                  max(SANITIZED_CASES // 4, 10), 1.5 * TIME_LIMIT_S)
+
 
 LOAD_S = 20
 
 
-def start(binary: Path, model: Path, extra: list[str], log: Path) -> tuple[subprocess.Popen[bytes], int]:
+def start(binary: Path, model: Path, extra: list[str], log: Path,
+          env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     with open(log, "wb") as f:
         proc = subprocess.Popen(server_argv(binary, model, port, ["-t", "1", "-c", "256", *extra]), stdout=f,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, "LLAMA_MOE_CACHE_DEVICE": "CPU"})
+                                env=env or {**os.environ, "LLAMA_MOE_CACHE_DEVICE": "CPU"})
     return proc, port
 
 
@@ -159,28 +203,34 @@ def outcome(proc: subprocess.Popen[bytes], port: int) -> str:
                 proc.wait()
 
 
+def no_sanitizer_report(log: Path, case: str) -> str:
+    text = log.read_text(errors="replace")
+    assert not sanitizer_reports(text), (case, text[-6000:])
+    return text
+
+
 @pytest.mark.native
-def test_llama_server_serves_on_hostile_profiles(patched_build, tiny_model: Path, tiny_profile: Path,
+def test_llama_server_serves_on_hostile_profiles(server: Server, tiny_model: Path, tiny_profile: Path,
                                                  tmp_path: Path) -> None:
-    """Truncations at every header field, then random mutants of the whole profile (its counts
-    too): the server starts, says once why the cache is not engaged (or engages it) and answers."""
-    binary = patched_build.binary("llama-server")
+    """The profile itself, truncations at every header field, then random mutants of the whole
+    profile (its counts too): the server starts, says once why the cache is not engaged (or
+    engages it) and answers; under the sanitizers, without a report."""
     data = tiny_profile.read_bytes()
     trunc = list(truncations(data))
     rng = random.Random(SEEDS[0])
-    picked = rng.sample(trunc, min(len(trunc), NATIVE_CASES // 3))
-    picked += list(mutants(data, rng, NATIVE_CASES - len(picked), data_too=True))
+    picked = [("the profile", data)] + rng.sample(trunc, min(len(trunc), server.profile_cases // 3))
+    picked += list(mutants(data, rng, server.profile_cases - len(picked), data_too=True))
     profile, log = tmp_path / "case.gguf", tmp_path / "server.log"
-    deadline = time.monotonic() + 2 * TIME_LIMIT_S
+    deadline = time.monotonic() + server.profile_s
     seen: dict[str, int] = {}
     ran = 0
     for case, buf in picked:
         if time.monotonic() > deadline:
             break
         profile.write_bytes(buf)
-        proc, port = start(binary, tiny_model, ["--moe-cache-profile", str(profile), "--moe-cache-slots", "2"], log)
-        got = outcome(proc, port)
-        text = log.read_text(errors="replace")
+        got = outcome(*start(server.binary, tiny_model, ["--moe-cache-profile", str(profile),
+                                                         "--moe-cache-slots", "2"], log, server.env))
+        text = no_sanitizer_report(log, case)
         lines = [ln for ln in text.splitlines() if "moe-cache: " in ln]
         assert got == "serving", (case, got, text[-3000:])
         assert len(lines) == 1 and ("moe-cache: not engaged, running without it: " in lines[0]
@@ -188,22 +238,24 @@ def test_llama_server_serves_on_hostile_profiles(patched_build, tiny_model: Path
         kind = "engaged" if "not engaged" not in lines[0] else "not engaged"
         seen[kind] = seen.get(kind, 0) + 1
         ran += 1
-    print(f"\nfuzz llama-server --moe-cache-profile: {ran} of {len(picked)} cases in the time limit, "
-          f"0 crashes; {seen}")
+    print(f"\nfuzz {server.what} --moe-cache-profile: {ran} of {len(picked)} cases in the time limit, "
+          f"0 crashes, 0 sanitizer reports; {seen}")
     assert ran >= min(len(picked), 50)
+    assert seen.get("engaged", 0) >= 1  # the profile itself at least: the cache's code ran
 
 
 @pytest.mark.native
-def test_llama_server_refuses_broken_models_as_stock_does(patched_build, stock_build, tiny_model: Path,
+def test_llama_server_refuses_broken_models_as_stock_does(server: Server, stock_build, tiny_model: Path,
                                                          tiny_profile: Path, tmp_path: Path) -> None:
     """Mutated model headers: the patched server (with the cache asked for) refuses, serves or
-    fails exactly as stock does, and never dies of a signal where stock does not."""
+    fails exactly as stock does, never dies of a signal where stock does not, and under the
+    sanitizers makes no report."""
     data = tiny_model.read_bytes()
     rng = random.Random(SEEDS[1])
     trunc = list(truncations(data))
-    picked = rng.sample(trunc, 10) + list(mutants(data, rng, max(NATIVE_CASES // 5, 10), data_too=False))
+    picked = rng.sample(trunc, 10) + list(mutants(data, rng, server.model_cases, data_too=False))
     model, log = tmp_path / "case.gguf", tmp_path / "server.log"
-    deadline = time.monotonic() + TIME_LIMIT_S
+    deadline = time.monotonic() + server.model_s
     outcomes: dict[str, int] = {}
     ran = 0
     for case, buf in picked:
@@ -211,12 +263,12 @@ def test_llama_server_refuses_broken_models_as_stock_does(patched_build, stock_b
             break
         model.write_bytes(buf)
         stock = outcome(*start(stock_build.binary("llama-server"), model, [], log))
-        mine = outcome(*start(patched_build.binary("llama-server"), model,
-                              ["--moe-cache-profile", str(tiny_profile), "--moe-cache-slots", "2"], log))
-        assert mine == stock or (stock.startswith("signal") and mine == "refused"), (case, mine, stock,
-                                                                                    log.read_text()[-2000:])
+        mine = outcome(*start(server.binary, model, ["--moe-cache-profile", str(tiny_profile),
+                                                     "--moe-cache-slots", "2"], log, server.env))
+        text = no_sanitizer_report(log, case)
+        assert mine == stock or (stock.startswith("signal") and mine == "refused"), (case, mine, stock, text[-2000:])
         outcomes[stock] = outcomes.get(stock, 0) + 1
         ran += 1
-    print(f"\nfuzz model headers, patched vs stock llama-server: {ran} of {len(picked)} cases in the time "
-          f"limit, outcomes as stock's: {outcomes}")
+    print(f"\nfuzz model headers, {server.what} vs stock llama-server: {ran} of {len(picked)} cases in the "
+          f"time limit, outcomes as stock's, 0 sanitizer reports: {outcomes}")
     assert ran >= min(len(picked), 20)

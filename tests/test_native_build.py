@@ -72,6 +72,32 @@ def test_build_ids_separate_stock_and_patched(patched_build, stock_build) -> Non
     assert patched_build.manifest["llama_cpp_tag"] == "b11434"
 
 
+def test_sanitized_build_is_its_own_and_instrumented(patched_build, sanitized_build) -> None:
+    """--sanitize: its own id (suffix -asan), the normal build's id untouched, only the fuzz's
+    programs, and every program and library of ours linked to the ASan and UBSan runtimes."""
+    import subprocess
+
+    from moeplug.native.build import SANITIZE_CMAKE_FLAGS, BuildOptions, cmake_args
+
+    assert sanitized_build.build_id.endswith("-asan") and not patched_build.build_id.endswith("-asan")
+    assert sanitized_build.build_id.rsplit("-", 2)[0] == patched_build.build_id.rsplit("-", 1)[0]
+    assert "sanitize" not in BuildOptions(backend="cpu").identity()  # the normal id hashes what it always did
+    normal = cmake_args(BuildOptions(backend="cpu"), Path("/t"), Path("/b"))
+    assert not set(SANITIZE_CMAKE_FLAGS) & set(normal)
+    assert sanitized_build.manifest["sanitize"] is True and not patched_build.manifest.get("sanitize")
+    assert sanitized_build.manifest["targets"] == ["llama-server", "llama-moe-profile"]
+    libs = [p for p in sanitized_build.bin_dir.iterdir() if p.name in ("llama-server", "llama-moe-profile")
+            or p.name.startswith(("libllama.so", "libggml"))]
+    for path in (p for p in libs if not p.is_symlink()):
+        needed = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True, check=True).stdout
+        assert "libasan.so" in needed and "libubsan.so" in needed, path
+    r = run_cli("native", "build", "--cuda", "--sanitize")
+    assert r.returncode == 1 and r.stderr.strip() == "moeplug: error: --sanitize: sanitized builds are CPU builds " \
+                                                     "(drop --cuda)", r.stderr
+    assert {b["build_id"]: b["current"] for b in json.loads(run_cli("native", "status", "--json").stdout)["builds"]
+            }[sanitized_build.build_id] is True  # prune keeps it
+
+
 def test_status_lists_builds_with_features(patched_build, stock_build) -> None:
     r = run_cli("native", "status", "--json")
     assert r.returncode == 0, r.stderr

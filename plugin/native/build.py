@@ -41,6 +41,10 @@ PATCHED_TARGETS = (
     "llama-fit-params",
 )
 STOCK_TARGETS = (*TARGETS, "llama-eval-callback")
+# A sanitized build (--sanitize) has only what the hostile-file tests run: the server, which reads
+# profiles and models, and in a patched build the profiler that writes the profiles.
+SANITIZE_TARGETS = ("llama-server",)
+PATCHED_SANITIZE_TARGETS = (*SANITIZE_TARGETS, "llama-moe-profile")
 
 OFFLINE_CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
@@ -54,6 +58,21 @@ OFFLINE_CMAKE_FLAGS = (
     "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON",
 )
 
+# AddressSanitizer and UndefinedBehaviorSanitizer through llama.cpp's own options (ggml's and
+# llama's: each covers its own libraries), at -O1 with line tables so that 2 cores build it in
+# reasonable time and reports name file and line; NDEBUG as in Release, so that every check that
+# runs is the one the normal build runs.
+SANITIZE_CMAKE_FLAGS = (
+    "-DLLAMA_SANITIZE_ADDRESS=ON",
+    "-DLLAMA_SANITIZE_UNDEFINED=ON",
+    "-DGGML_SANITIZE_ADDRESS=ON",
+    "-DGGML_SANITIZE_UNDEFINED=ON",
+    "-DCMAKE_BUILD_TYPE=RelWithDebInfo",
+    "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG",
+    "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG",
+)
+SANITIZE_SUFFIX = "-asan"
+
 MANIFEST = "build.json"
 
 
@@ -65,15 +84,24 @@ class BuildOptions:
     jobs: int = 0  # 0: one per core
     targets: tuple[str, ...] = ()  # default: PATCHED_TARGETS or STOCK_TARGETS
     cpu_flags: tuple[str, ...] = field(default_factory=tuple)
+    sanitize: bool = False  # ASan + UBSan (SANITIZE_CMAKE_FLAGS), CPU only
 
     def __post_init__(self) -> None:
         if not self.targets:
-            object.__setattr__(self, "targets", STOCK_TARGETS if self.stock else PATCHED_TARGETS)
+            if self.sanitize:
+                targets = SANITIZE_TARGETS if self.stock else PATCHED_SANITIZE_TARGETS
+            else:
+                targets = STOCK_TARGETS if self.stock else PATCHED_TARGETS
+            object.__setattr__(self, "targets", targets)
 
     def identity(self) -> dict[str, Any]:
-        """What changes the produced binaries (jobs does not)."""
-        return {"backend": self.backend, "stock": self.stock, "cuda_arch": self.cuda_arch,
-                "targets": list(self.targets), "cpu_flags": list(self.cpu_flags)}
+        """What changes the produced binaries (jobs does not). A build without sanitizers has no
+        "sanitize" key, so its id is the one it had before sanitized builds existed."""
+        ident: dict[str, Any] = {"backend": self.backend, "stock": self.stock, "cuda_arch": self.cuda_arch,
+                                 "targets": list(self.targets), "cpu_flags": list(self.cpu_flags)}
+        if self.sanitize:
+            ident["sanitize"] = list(SANITIZE_CMAKE_FLAGS)
+        return ident
 
 
 @dataclass
@@ -97,7 +125,7 @@ def build_id(spec: NativeSpec, opts: BuildOptions, origin: str | None = None) ->
     h.update(json.dumps(opts.identity(), sort_keys=True).encode())
     h.update((origin or source_origin()).encode())
     kind = "stock" if opts.stock else "moeplug"
-    return f"{spec.lock.tag}-{opts.backend}-{kind}-{h.hexdigest()[:12]}"
+    return f"{spec.lock.tag}-{opts.backend}-{kind}-{h.hexdigest()[:12]}{SANITIZE_SUFFIX if opts.sanitize else ''}"
 
 
 def tree_id(spec: NativeSpec, stock: bool, origin: str | None = None) -> str:
@@ -121,8 +149,14 @@ def find_nvcc() -> str | None:
     )
 
 
-def resolve_options(backend: str | None, stock: bool, jobs: int, cuda_arch: str | None) -> BuildOptions:
-    """Pick the backend: CUDA when nvcc and a GPU are present (or forced), else CPU."""
+def resolve_options(backend: str | None, stock: bool, jobs: int, cuda_arch: str | None,
+                    sanitize: bool = False) -> BuildOptions:
+    """Pick the backend: CUDA when nvcc and a GPU are present (or forced), else CPU; a sanitized
+    build is a CPU build."""
+    if sanitize:
+        if backend == "cuda":
+            raise MoeplugError("--sanitize: sanitized builds are CPU builds (drop --cuda)")
+        backend = "cpu"
     gpu_arch = detect_gpu_arch() if backend != "cpu" else None  # no NVML probe for a CPU build
     if backend is None:
         backend = "cuda" if find_nvcc() and gpu_arch else "cpu"
@@ -134,7 +168,8 @@ def resolve_options(backend: str | None, stock: bool, jobs: int, cuda_arch: str 
             raise MoeplugError("--cuda: no GPU to read the compute capability from; pass --cuda-arch (e.g. 90)")
     else:
         cuda_arch = None
-    return BuildOptions(backend=backend, stock=stock, cuda_arch=cuda_arch, jobs=jobs, cpu_flags=native_cpu_flags())
+    return BuildOptions(backend=backend, stock=stock, cuda_arch=cuda_arch, jobs=jobs, cpu_flags=native_cpu_flags(),
+                        sanitize=sanitize)
 
 
 def cmake_args(opts: BuildOptions, tree: Path, build_dir: Path) -> list[str]:
@@ -144,6 +179,8 @@ def cmake_args(opts: BuildOptions, tree: Path, build_dir: Path) -> list[str]:
     if opts.cpu_flags:
         flags = " ".join(opts.cpu_flags)
         args += [f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}"]
+    if opts.sanitize:
+        args += SANITIZE_CMAKE_FLAGS  # after OFFLINE_CMAKE_FLAGS: its build type wins
     if opts.backend == "cuda":
         args += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={opts.cuda_arch}"]
         nvcc = find_nvcc()
@@ -211,6 +248,7 @@ def build(opts: BuildOptions, spec: NativeSpec | None = None, progress: Progress
         log.write_text(f"moeplug native build {bid}\n{json.dumps(opts.identity())}\n")
         started = time.time()
         kind = "stock" if opts.stock else f"patched ({len(spec.patches)} patches)"
+        kind += ", ASan+UBSan" if opts.sanitize else ""
         progress(Note(f"native build {bid}: llama.cpp {spec.lock.tag}, {opts.backend}, {kind}; log: {log}"))
         tree = prepare_tree(spec, opts.stock, tree_id(spec, opts.stock), log)
         build_dir = cache_dir() / "build" / bid
@@ -227,6 +265,7 @@ def build(opts: BuildOptions, spec: NativeSpec | None = None, progress: Progress
                 "stock": opts.stock,
                 "cuda_arch": opts.cuda_arch,
                 "cpu_flags": list(opts.cpu_flags),
+                "sanitize": opts.sanitize,
                 "targets": list(opts.targets),
                 "patches": [] if opts.stock else [p.name for p in spec.patches],
                 "source": source_origin(),
@@ -258,7 +297,8 @@ def is_current(result: BuildResult, spec: NativeSpec | None = None) -> bool:
     m = result.manifest
     try:
         opts = BuildOptions(backend=m["backend"], stock=m["stock"], cuda_arch=m.get("cuda_arch"),
-                            targets=tuple(m["targets"]), cpu_flags=tuple(m.get("cpu_flags", [])))
+                            targets=tuple(m["targets"]), cpu_flags=tuple(m.get("cpu_flags", [])),
+                            sanitize=bool(m.get("sanitize", False)))
     except (KeyError, TypeError):
         return False
     return build_id(spec or load_spec(), opts, m.get("source", "sdist")) == result.build_id

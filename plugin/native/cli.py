@@ -15,7 +15,8 @@ def cmd_build(args: argparse.Namespace) -> int:
     from moeplug.native.build import build, resolve_options
 
     out = Output.for_args(args)
-    result = build(resolve_options(args.backend, args.stock, args.jobs, args.cuda_arch), progress=out.progress)
+    result = build(resolve_options(args.backend, args.stock, args.jobs, args.cuda_arch, sanitize=args.sanitize),
+                   progress=out.progress)
     doc = {"build_id": result.build_id, "path": str(result.path), "built": result.built, **result.manifest}
     return out.result(doc, lambda _: f"{'built' if result.built else 'already built'}: {result.build_id}\n"
                                      f"  {result.bin_dir}")
@@ -37,7 +38,8 @@ def builds_text(listing: Builds) -> str:
     docs = listing.builds
     if not docs:
         return "no native builds yet: run 'moeplug native build'"
-    rows = [[d["build_id"], d["backend"], "stock" if d["stock"] else "patched", d["llama_cpp_tag"],
+    rows = [[d["build_id"], d["backend"], ("stock" if d["stock"] else "patched") + (", ASan+UBSan" if d.get("sanitize") else ""),
+             d["llama_cpp_tag"],
              "current" if d["current"] else "stale", d.get("created", "?"), _features_text(d.get("features", {}))]
             for d in docs]
     text = table(["build", "backend", "kind", "llama.cpp", "state", "created", "features"], rows, "lllllll")
@@ -111,6 +113,10 @@ def register(sub: Any) -> None:
     p = native.add_parser("build", help="build llama.cpp (pinned, patched or --stock) offline, once per build id")
     add_backend(p)
     p.add_argument("--stock", action="store_true", help="unpatched llama.cpp: the reference for exactness and speed")
+    p.add_argument("--sanitize", action="store_true",
+                   help="a CPU build under AddressSanitizer and UndefinedBehaviorSanitizer (-O1), of llama-server "
+                        "(and llama-moe-profile when patched) only, under its own build id (suffix -asan): what the "
+                        "hostile-file tests run")
     p.add_argument("--jobs", "-j", type=JOBS, default=0, help="parallel compile jobs (default 0: one per core)")
     p.add_argument("--cuda-arch", type=CUDA_ARCH,
                    help="CUDA architecture, e.g. 90 (default: the GPU's compute capability)")
