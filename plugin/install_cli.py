@@ -33,9 +33,26 @@ def plan_text(p: Plan) -> str:
         ["modelled CPU time per token", _host_ms(p)],
         ["load mode", p.load_mode],
     ]
-    lines = [table(["plan", ""], rows, "lr"), "server args: " + shlex.join(p.server_args)]  # quoted: -ot has | ( )
+    lines = [table(["plan", ""], rows, "lr")] + ([devices_text(p)] if p.devices else [])
+    lines += ["server args: " + shlex.join(p.server_args)]  # quoted: -ot has | ( )
     lines += [f"note: {n}" for n in p.notes] + [f"WARNING: {w}" for w in p.warnings]
     return "\n".join(lines)
+
+
+def devices_text(p: Plan) -> str:
+    """Per GPU of a two-GPU plan: its layers, whole layers and slots, and its bytes against its budget."""
+    rows = []
+    for d in p.devices or []:
+        blocks = d["blocks"]
+        held = f"{blocks[0]}-{blocks[-1]}" if blocks else "none"
+        rows.append([d["device"], held + (" + output" if d["output"] else ""), d["moe_layers"], d["whole_layers"],
+                     d["slots"], human_bytes(d["non_expert_bytes"] + d["kv_cache_bytes"] + d["compute_bytes"]
+                                             + d["margin_bytes"]),
+                     human_bytes(d["expert_vram_bytes"]), human_bytes(d["budget_bytes"]),
+                     human_bytes(d["headroom_bytes"])])
+    split = ",".join(map(str, p.tensor_split or []))
+    return table(["GPU", "blocks", "MoE layers", "whole", "slots", "other VRAM", "experts", "budget", "headroom"],
+                 rows, "llrrrrrrr") + f"\nlayer split: -sm layer --tensor-split {split} (as llama.cpp places layers)"
 
 
 def _host_ms(p: Plan) -> str:
@@ -183,7 +200,7 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("serve", help="launch an installed model's llama-server and verify it")
     p.add_argument("model", help="an installed name (see 'moeplug list')")
-    add_plan_options(p, "re-plan for this budget, e.g. 12GiB (kept as the model's plan)",
+    add_plan_options(p, "re-plan for this budget, e.g. 12GiB, or 12GiB,12GiB for two GPUs (kept as the model's plan)",
                      "re-plan for this context size (kept as the model's plan)")
     add_serve_options(p)
     p.add_argument("--record", action="store_true",
@@ -206,5 +223,6 @@ def register(sub: Any) -> None:
     p.set_defaults(func=cmd_list)
 
 
-BUDGET_HELP = "GPU memory to plan for, e.g. 12GiB (default: free VRAM from NVML)"
+BUDGET_HELP = ("GPU memory to plan for, e.g. 12GiB, or one per GPU in CUDA order, e.g. 12GiB,12GiB (default: "
+               "each GPU's free VRAM from NVML)")
 CTX_HELP = "context size to plan and serve (default 4096, or the model's training context when smaller)"

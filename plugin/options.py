@@ -63,6 +63,31 @@ class Size:
         return value
 
 
+class Budgets:
+    """--vram-budget: one size (one GPU, an int) or one per GPU in CUDA device order (12GiB,12GiB: a
+    list); at most MAX_GPUS of them."""
+
+    MAX_GPUS = 2
+
+    def __init__(self) -> None:
+        self.item = Size(what="a VRAM budget")
+        self.__name__ = "a VRAM budget"
+
+    def describe(self) -> str:
+        return f"{self.item.describe()}, or one per GPU like 12GiB,12GiB (at most {self.MAX_GPUS})"
+
+    def __call__(self, text: str) -> int | list[int]:
+        parts = text.split(",")
+        if len(parts) == 1:
+            return self.item(text)
+        if any(not p.strip() for p in parts):
+            raise argparse.ArgumentTypeError(f"{text!r} has an empty budget: expected {self.describe()}")
+        if len(parts) > self.MAX_GPUS:
+            raise argparse.ArgumentTypeError(f"{text!r} gives {len(parts)} budgets: moeplug plans at most "
+                                             f"{self.MAX_GPUS} GPUs (one budget each)")
+        return [self.item(p.strip()) for p in parts]
+
+
 class IntList:
     """Comma-separated integers in [lo, hi], returned sorted and without repeats (e.g. 8,16,32)."""
 
@@ -112,10 +137,10 @@ SECONDS = Number(float, 0.01, 86400.0, "a number of seconds")
 HALF_LIFE = Number(int, 1, 2**53, "a half-life in tokens")
 GAIN = Number(float, 0.0, 1.0, "a share of expert selections")
 IDLE_SECONDS = Number(float, 0.0, 86400.0, "a number of seconds")
-BUDGET = Size(what="a VRAM budget")
+BUDGET = Budgets()
 CUDA_ARCH = CudaArch()
 
-NUMERIC_TYPES = (Number, Size, IntList, CudaArch)
+NUMERIC_TYPES = (Number, Size, Budgets, IntList, CudaArch)
 
 
 # ---------------------------------------------------------------------------------------------

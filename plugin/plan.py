@@ -6,6 +6,10 @@ headroom, a safety margin) leaves room for slots, which allocate.py spreads over
 from the profile's hit curves. The same budget also gives stock llama.cpp's best placement
 (`-ncmoe K`), shown beside it.
 
+Two budgets (two GPUs, `--vram-budget 12GiB,12GiB`) plan each GPU's layers, whole layers and
+slots within that GPU's budget, and pass the layer split as `-sm layer --tensor-split A,B`
+(multi_gpu.py; llama.cpp's split arithmetic in split.py). One budget plans one GPU as before.
+
 The parts live by concern: the estimates in estimates.py, the llama-server flags in
 server_flags.py, size parsing in sizes.py, free RAM in probes.py and free VRAM in gpu.py.
 """
@@ -32,6 +36,7 @@ from moeplug.estimates import (
     whole_layers_first,
 )
 from moeplug.model_inspect import ModelInfo
+from moeplug.multi_gpu import plan_split
 from moeplug.profile.format import Profile
 from moeplug.server_flags import DYNAMIC_ARGS, placement_args
 from moeplug.sizes import GIB
@@ -75,9 +80,22 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     cache_policy: str = "static"  # "dynamic": the slots follow the prompt (--moe-cache-policy dynamic)
     vram_source: str = "estimate"  # what sized the GPU's other buffers: "estimate" (estimates.py) or "llama-fit-params"
+    # two GPUs only (absent from a one-GPU plan's JSON): per GPU what it holds (multi_gpu.DevicePlan's
+    # JSON), and the --tensor-split proportions; the figures above are then the sums over the GPUs
+    devices: list[dict[str, Any]] | None = None
+    tensor_split: list[int] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        doc = asdict(self)
+        for key in ("devices", "tensor_split"):
+            if doc[key] is None:
+                del doc[key]
+        return doc
+
+    @property
+    def budget(self) -> int | list[int] | None:
+        """The budget it was planned for, as make_plan takes it: one per GPU where it has two."""
+        return [d["budget_bytes"] for d in self.devices] if self.devices else self.vram_budget_bytes
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> Plan:
@@ -101,7 +119,7 @@ def _fit_warnings(fit: float, hit: float | None) -> list[str]:
     return []
 
 
-def make_plan(info: ModelInfo, ctx: int, vram_budget: int | None, profile_path: Path | None = None,
+def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, profile_path: Path | None = None,
               ram_available: int | None = None, slots_in_ram: int = 0, expert_room: int | None = None,
               need: DeviceNeed | None = None, policy: str = "auto", profile: Profile | None = None) -> Plan:
     """profile: the profile at profile_path when the caller has read it already (a re-profile's
@@ -113,7 +131,10 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | None, profile_path: 
     says the GPU holds beside the experts; the budget less that and the CUDA context is the
     experts' room. policy: the slot policy, "static", "dynamic" or "auto" (dynamic wherever a
     layer is partly resident: the hot experts move from prompt to prompt, and the swaps cost
-    no results)."""
+    no results). vram_budget: bytes of one GPU, or a list of one per GPU (two: multi_gpu.py; need and
+    expert_room apply to one GPU only)."""
+    if isinstance(vram_budget, list) and len(vram_budget) == 1:
+        vram_budget = vram_budget[0]
     if not info.layers:
         raise MoeplugError(f"{info.path}: no routed-expert tensors: a dense model, nothing for moeplug to plan")
     per_slot = bytes_per_slot(info)
@@ -160,16 +181,27 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | None, profile_path: 
                     stock_modelled_host_ms=None, server_args=args, notes=[note],
                     **(base | summary(slots) | {"load_mode": "mmap", "expert_vram_bytes": 0}))
 
-    room = vram_budget - non_expert - kv - compute - margin if expert_room is None else expert_room
-    if room < 0:
-        raise MoeplugError(f"the budget of {vram_budget / GIB:.2f} GiB does not hold the model's other weights, "
-                           f"KV cache and buffers ({(vram_budget - room) / GIB:.2f} GiB): lower --ctx or use a "
-                           f"smaller quant")
-    ncmoe = stock_ncmoe(info, room)
+    split_args: list[str] = []
+    if isinstance(vram_budget, list):
+        split = plan_split(info, ctx, vram_budget, costs, profile is not None)
+        room, slots = split.room, split.slots_per_layer
+        devices = [d.to_json() for d in split.devices]
+        base |= {key: sum(d[key] for d in devices) for key in ("kv_cache_bytes", "compute_bytes", "margin_bytes")}
+        base |= dict(non_expert_vram_bytes=sum(d["non_expert_bytes"] for d in devices), devices=devices,
+                     tensor_split=split.tensor_split, vram_source="estimate")
+        split_args = ["-sm", "layer", "--tensor-split", ",".join(map(str, split.tensor_split))]
+        vram_budget = sum(vram_budget)
+    else:
+        room = vram_budget - non_expert - kv - compute - margin if expert_room is None else expert_room
+        if room < 0:
+            raise MoeplugError(f"the budget of {vram_budget / GIB:.2f} GiB does not hold the model's other weights, "
+                               f"KV cache and buffers ({(vram_budget - room) / GIB:.2f} GiB): lower --ctx or use a "
+                               f"smaller quant")
+        slots = allocate(costs, room) if profile else whole_layers_first(info, room)
+    ncmoe = stock_ncmoe(info, room)  # two GPUs: stock's placement for their rooms pooled
     stock_slots = [info.n_expert if layer.block >= ncmoe else 0 for layer in info.layers]
-    slots = allocate(costs, room) if profile else whole_layers_first(info, room)
     s = summary(slots, room)
-    args = ["-c", str(ctx), "-ngl", "99", "-fit", "off", *lm_args]
+    args = ["-c", str(ctx), "-ngl", "99", *split_args, "-fit", "off", *lm_args]
     notes = list(load_notes)
     whole = s["whole_layers"]
     if whole == n_layers:
@@ -184,7 +216,11 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | None, profile_path: 
         if base["cache_policy"] == "dynamic":
             notes.append("the slots follow the prompt (--moe-cache-policy dynamic): a hot missed expert replaces "
                          "the coldest resident one between batches, uploaded while the next tokens compute")
-        if not profile:
+        if not profile and split_args:
+            notes.append(f"no profile to choose slots: stock placement on each GPU, {whole} whole layer"
+                         f"{'s' if whole != 1 else ''} (each GPU's first), the experts of the other "
+                         f"{n_layers - whole} in RAM")
+        elif not profile:
             notes.append(f"no profile to choose slots: stock placement, {whole} whole layer{'s' if whole != 1 else ''} "
                          f"on the GPU, the experts of the last {n_layers - whole} in RAM")
         elif whole:
