@@ -81,6 +81,14 @@ def vram_budgets(budget: int | list[int] | None, found: list[GpuInfo]) -> int | 
     return None if not free else free[0] if len(free) == 1 else free
 
 
+def one_budget_note(budget: int | list[int] | None, found: list[GpuInfo]) -> str | None:
+    """What a plan of one budget should say on a machine with more GPUs (None: nothing)."""
+    if budget is None or isinstance(budget, list) or len(found) < 2:
+        return None
+    return (f"one budget for {len(found)} GPUs: planned as one GPU, but llama.cpp spreads the layers over every "
+            f"GPU it sees (by free memory); give one budget per GPU (--vram-budget A,B) to plan the split")
+
+
 def gpu_arch() -> str | None:
     """GPU 0's compute capability as a CMake architecture ("90"), or None."""
     found = gpus()

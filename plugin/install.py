@@ -19,7 +19,7 @@ from moeplug.fsutil import write_text_atomic
 from moeplug.hooks import refresh_hooks
 from moeplug.model_inspect import ModelInfo, inspect_model
 from moeplug.estimates import context_size
-from moeplug.gpu import gpus, vram_budgets
+from moeplug.gpu import gpus, one_budget_note, vram_budgets
 from moeplug.output import human_bytes
 from moeplug.paths import data_dir
 from moeplug.plan import Plan, make_plan
@@ -191,12 +191,16 @@ def plan_for(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pro
     sees a GPU (one GPU only)."""
     from moeplug.fit_estimate import gpu_need
 
-    budget = vram_budgets(vram_budget, gpus())
+    found = gpus()
+    budget = vram_budgets(vram_budget, found)
     slots_in_ram = max(1, info.n_expert // 4) if slots_on_cpu else 0  # the demo without a GPU
     one_gpu = budget is not None and not isinstance(budget, list)
     need = gpu_need(fit_tool, info.path, ctx) if fit_tool is not None and one_gpu else None
-    return make_plan(info, ctx, budget, profile, available_ram_bytes(), slots_in_ram, need=need, policy=policy,
+    plan = make_plan(info, ctx, budget, profile, available_ram_bytes(), slots_in_ram, need=need, policy=policy,
                      profile=loaded)
+    note = one_budget_note(budget, found)
+    plan.notes += [note] if note else []
+    return plan
 
 
 def installed_build(m: InstalledModel) -> Any:

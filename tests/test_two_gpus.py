@@ -25,7 +25,7 @@ import pytest
 from helpers import fixture_spec, make_profile, run_cli
 from moeplug.errors import MoeplugError
 from moeplug.estimates import CUDA_POOL_HEADROOM, SAFETY_MARGIN, compute_buffer_bytes, kv_cache_bytes
-from moeplug.gpu import GpuInfo, vram_budgets
+from moeplug.gpu import GpuInfo, one_budget_note, vram_budgets
 from moeplug.model_inspect import inspect_model
 from moeplug.allocate import allocate
 from moeplug.plan import Plan, _layer_costs, make_plan
@@ -110,6 +110,8 @@ def test_budgets_against_the_gpus_found() -> None:
     with pytest.raises(MoeplugError, match="gives 2 budgets but this machine has 1 NVIDIA GPU") as exc:
         vram_budgets([1 << 30, 1 << 30], two[:1])
     assert exc.value.exit_code == 2
+    assert "llama.cpp spreads the layers over every GPU" in (one_budget_note(5 << 30, two) or "")
+    assert one_budget_note(5 << 30, two[:1]) is None and one_budget_note([1, 2], two) is None
 
 
 @pytest.mark.parametrize("budget,message", [("12GiB,,3", "has an empty budget"), ("0,12GiB", "0 is out of range"),
@@ -300,14 +302,18 @@ def rpc_devices(patched_build, tmp_path_factory: pytest.TempPathFactory):
             proc.wait(timeout=10)
 
 
-def llama_assignment(patched_build, rpc_devices, model: Path, extra: list[str]) -> list[int | None]:
-    """llama.cpp's device per layer (the output layer last) for these flags, from its debug log."""
+def fit_params(patched_build, rpc_devices, model: Path, extra: list[str]) -> subprocess.CompletedProcess:
     import os
 
     r = subprocess.run([str(patched_build.binary("llama-fit-params")), *rpc_devices["args"], "-m", str(model),
-                        "-c", "512", "-fit", "off", "-v", *extra], capture_output=True, text=True, timeout=120,
-                       env=os.environ | rpc_devices["env"])
+                        *extra], capture_output=True, text=True, timeout=120, env=os.environ | rpc_devices["env"])
     assert r.returncode == 0, r.stderr[-2000:]
+    return r
+
+
+def llama_assignment(patched_build, rpc_devices, model: Path, extra: list[str]) -> list[int | None]:
+    """llama.cpp's device per layer (the output layer last) for these flags, from its debug log."""
+    r = fit_params(patched_build, rpc_devices, model, ["-c", "512", "-fit", "off", "-v", *extra])
     found = re.findall(r"layer\s+(\d+) assigned to device (\S+?),", r.stdout + r.stderr)
     assert found, (r.stdout + r.stderr)[-2000:]
     names = {"RPC0": 0, "RPC1": 1, "CPU": None}
@@ -327,9 +333,18 @@ def test_split_matches_llama_cpp_on_two_rpc_devices(patched_build, rpc_devices, 
 
 @pytest.mark.native
 def test_planned_split_is_the_one_llama_cpp_loads(patched_build, rpc_devices, eight_blocks: Path) -> None:
+    """The plan's flags put its blocks and output layer where it says; and llama.cpp's own estimate
+    of each device's buffers for them (llama-fit-params --fit-print, every routed expert in RAM:
+    weights, context, compute in whole MiB) is the KV cache the plan counts per GPU, and at most
+    the weights and compute buffer it counts (it counts the token embeddings, which stay in RAM,
+    on the output layer's GPU, and a compute buffer on the high side)."""
+    from moeplug.fit_estimate import parse_fit_print
+
     info = inspect_model(eight_blocks)
-    for budgets in ([860 * MIB, 900 * MIB], [900 * MIB, 845 * MIB]):
+    splits = set()
+    for budgets in ([845 * MIB, 846 * MIB], [846 * MIB, 844 * MIB], [900 * MIB, 845 * MIB]):
         plan = make_plan(info, 2048, budgets)
+        splits.add(tuple(plan.tensor_split or ()))
         args = plan.server_args
         flags = args[args.index("-ngl"): args.index("--tensor-split") + 2]
         got = llama_assignment(patched_build, rpc_devices, eight_blocks, flags)
@@ -337,3 +352,10 @@ def test_planned_split_is_the_one_llama_cpp_loads(patched_build, rpc_devices, ei
         assert [[b for b in range(info.n_layer) if got[b] == d] for d in (0, 1)] == \
             [dev["blocks"] for dev in plan.devices]
         assert [got[-1] == d for d in (0, 1)] == [dev["output"] for dev in plan.devices]
+        r = fit_params(patched_build, rpc_devices, eight_blocks, ["-c", "2048", *flags, "--cpu-moe", "--fit-print", "on"])
+        needs = parse_fit_print(r.stdout)
+        assert [n.device for n in needs] == ["RPC0", "RPC1"], r.stdout
+        for need, dev in zip(needs, plan.devices):
+            assert need.context == dev["kv_cache_bytes"]
+            assert need.model <= dev["non_expert_bytes"] + MIB and need.compute <= dev["compute_bytes"]
+    assert len(splits) == 3 and (9, 0) in splits  # two ways of sharing the blocks, and all on GPU 0
