@@ -15,6 +15,7 @@ import re
 from typing import Any
 
 from moeplug.errors import MoeplugError
+from moeplug.gpu import MAX_PLANNED_GPUS
 from moeplug.sizes import parse_size
 
 INT32_MAX = 2**31 - 1  # llama.cpp reads its counts into an int
@@ -65,9 +66,9 @@ class Size:
 
 class Budgets:
     """--vram-budget: one size (one GPU, an int) or one per GPU in CUDA device order (12GiB,12GiB: a
-    list); at most MAX_GPUS of them."""
+    list); at most as many as the planner splits layers over."""
 
-    MAX_GPUS = 2
+    MAX_GPUS = MAX_PLANNED_GPUS
 
     def __init__(self) -> None:
         self.item = Size(what="a VRAM budget")
