@@ -27,6 +27,20 @@ experts that ranked first were partly lucky), and so does a split of the same pr
 consecutive tokens of one prompt route alike, because the context steers the router. On the
 random-weight benchmark model a split by token made the top quarter of experts look like half of
 the traffic, a split by prompt 25.5%, and llama-server measured 26.1% on new random tokens.
+
+Speculative decoding changes the unit of work: the trunk verifies a batch of k = draft tokens + 1
+tokens at once, and a batch reads each missed expert once, however many of its tokens picked it.
+So what a slot saves per step is not k times its per-token share but the chance that the batch
+picks its expert at all: with p_e the expert's per-token selection probability (its selections
+over the tokens, n_expert_used times its share of the layer's selections), 1 - (1 - p_e)^k. That
+is near 1 for a hot expert whether k is 1 or 4, and grows about k-fold for a rare one, so batches
+make a flat layer's slots worth more next to a skewed layer's (in the gpt-oss-20b trace 4
+consecutive tokens touch 9.3 of 32 experts per layer, not 16). `LayerCost.tokens_per_step` is k;
+the round trip and slot pass stay one per step, and the modelled time is per verification step
+(per decoded token at k = 1, today's model exactly). The per-rank probabilities come from the
+cross-validated hit curve's steps, so the ranking is still judged on prompts it was not made from;
+tokens of one batch are treated as independent draws, which overstates the distinct experts a
+little (consecutive tokens route alike) and so, if anything, values the slots of flat layers high.
 """
 
 from __future__ import annotations
@@ -53,10 +67,23 @@ class LayerCost:
     n_expert: int
     n_expert_used: int
     hits: np.ndarray  # [n_expert + 1]: share of selections the top-N experts serve, N = 0..n_expert
+    tokens_per_step: int = 1  # k: tokens one batch verifies (speculative decoding: draft tokens + 1)
+
+    def missed_experts(self, n_slots: np.ndarray) -> np.ndarray:
+        """Expected distinct experts a step computes on the CPU with n_slots resident: at k = 1 the
+        per-token misses, n_expert_used * (1 - hits); in a batch of k tokens, the sum over the
+        experts ranked after the slots of 1 - (1 - p)^k (module docstring)."""
+        if self.tokens_per_step == 1:
+            return self.n_expert_used * (1.0 - self.hits[n_slots])
+        p = np.clip(self.n_expert_used * np.diff(self.hits), 0.0, 1.0)  # per-token probability by rank
+        picked = 1.0 - (1.0 - p) ** self.tokens_per_step
+        after = np.concatenate([np.cumsum(picked[::-1])[::-1], [0.0]])  # [N]: ranks N.. summed
+        return after[n_slots]
 
     def seconds(self, n_slots: np.ndarray) -> np.ndarray:
-        """Modelled host-side time per decoded token with n_slots resident experts."""
-        cpu = self.n_expert_used * (1.0 - self.hits[n_slots]) * self.bytes_per_expert / CPU_EXPERT_BYTES_PER_S
+        """Modelled host-side time per step (a decoded token, or a verification batch of
+        tokens_per_step tokens) with n_slots resident experts."""
+        cpu = self.missed_experts(n_slots) * self.bytes_per_expert / CPU_EXPERT_BYTES_PER_S
         t = ROUND_TRIP_S + np.where(n_slots > 0, SLOT_PASS_S, 0.0) + cpu
         return np.where(n_slots >= self.n_expert, 0.0, t)
 

@@ -35,23 +35,30 @@ def context_size(info: ModelInfo, ctx: int | None, override: bool = False) -> in
     return ctx
 
 
-def kv_cache_bytes(info: ModelInfo, ctx: int, bytes_per_value: int = 2) -> int:
-    """f16 K and V for every attention layer at ctx tokens (an upper bound for SWA/hybrid models)."""
-    return sum(kv_cache_bytes_per_block(info, ctx, bytes_per_value))
+def nextn_layers(info: ModelInfo) -> int:
+    """The model's MTP (NextN) blocks, the last ones: llama.cpp loads them only for an MTP draft."""
+    return scalar_or_max(info.metadata.get(f"{info.arch}.nextn_predict_layers")) or 0
 
 
-def kv_cache_bytes_per_block(info: ModelInfo, ctx: int, bytes_per_value: int = 2) -> list[int]:
-    """kv_cache_bytes by block (llama.cpp keeps a layer's KV cache on that layer's device); the
-    NextN (MTP) blocks, the last ones, keep none."""
+def kv_cache_bytes(info: ModelInfo, ctx: int, bytes_per_value: int = 2, mtp: bool = False) -> int:
+    """f16 K and V for every attention layer of the trunk at ctx tokens (an upper bound for
+    SWA/hybrid models); mtp: those of the MTP (NextN) blocks instead, which an MTP draft context
+    holds at the same ctx."""
+    return sum(kv_cache_bytes_per_block(info, ctx, bytes_per_value, mtp))
+
+
+def kv_cache_bytes_per_block(info: ModelInfo, ctx: int, bytes_per_value: int = 2, mtp: bool = False) -> list[int]:
+    """kv_cache_bytes by block (llama.cpp keeps a layer's KV cache on that layer's device): the
+    trunk's blocks, or with mtp the NextN (MTP) blocks, the last ones, the others none."""
     md, arch = info.metadata, info.arch
     n_head = scalar_or_max(md.get(f"{arch}.attention.head_count")) or 1
     n_head_kv = scalar_or_max(md.get(f"{arch}.attention.head_count_kv")) or n_head
     n_embd = scalar_or_max(md.get(f"{arch}.embedding_length")) or 0
     k_len = scalar_or_max(md.get(f"{arch}.attention.key_length")) or n_embd // n_head
     v_len = scalar_or_max(md.get(f"{arch}.attention.value_length")) or k_len
-    n_nextn = scalar_or_max(md.get(f"{arch}.nextn_predict_layers")) or 0
+    n_trunk = info.n_layer - nextn_layers(info)
     per_layer = ctx * n_head_kv * (k_len + v_len) * bytes_per_value
-    return [per_layer if block < info.n_layer - n_nextn else 0 for block in range(info.n_layer)]
+    return [per_layer if (block >= n_trunk) == mtp else 0 for block in range(info.n_layer)]
 
 
 def compute_buffer_bytes(info: ModelInfo, ubatch: int = DEFAULT_UBATCH) -> int:

@@ -29,6 +29,7 @@ from moeplug.profile.runner import DEFAULT_PROMPT_SETS
 from moeplug.progress import Note, ProgressFn, silent
 from moeplug.refs import ModelRef, ResolvedModel, parse_ref, resolve_ref
 from moeplug.server import HOST, exposure_warning
+from moeplug.speculation import KeepInstalled, Speculation
 
 DEMO_PROFILE_TOKENS = 32
 PROFILE_CTX = 2048  # the profiler's context: each prompt is one sequence, far shorter than this
@@ -184,11 +185,11 @@ def remake_profile(name: str, prompt_sets: list[str] | None = None, progress: Pr
 
 def plan_for(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, profile: Path | None,
              slots_on_cpu: bool, loaded: Profile | None = None, fit_tool: Path | None = None,
-             policy: str = "auto") -> Plan:
+             policy: str = "auto", spec: Speculation | None = None) -> Plan:
     """The plan at a budget (None: the free VRAM of each GPU; a list: one per GPU). loaded: the
     profile to plan from when it is not (yet) the file at `profile`. fit_tool: the build's
     llama-fit-params, whose estimate of the GPU's other buffers replaces moeplug's own where it
-    sees a GPU (one GPU only)."""
+    sees a GPU (one GPU only). spec: speculative decoding."""
     from moeplug.fit_estimate import gpu_need
 
     found = gpus()
@@ -197,7 +198,7 @@ def plan_for(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pro
     one_gpu = budget is not None and not isinstance(budget, list)
     need = gpu_need(fit_tool, info.path, ctx) if fit_tool is not None and one_gpu else None
     plan = make_plan(info, ctx, budget, profile, available_ram_bytes(), slots_in_ram, need=need, policy=policy,
-                     profile=loaded)
+                     profile=loaded, spec=spec)
     note = one_budget_note(budget, found)
     plan.notes += [note] if note else []
     return plan
@@ -218,9 +219,10 @@ def install(text: str, *, ctx: int | None = None, vram_budget: int | list[int] |
             backend: str | None = None,
             jobs: int = 0, profile_tokens: int | None = None, prompt_sets: list[str] | None = None, serve: bool = True,
             port: int | None = None, allow_fallback: bool = False, metrics: bool = False, ctx_override: bool = False,
-            host: str = HOST, progress: ProgressFn = silent) -> Installed:
+            host: str = HOST, spec: Speculation | None = None, progress: ProgressFn = silent) -> Installed:
     """Install (and unless serve=False, serve) a model. ctx None: 4096, or less for a model trained
-    with less; above the training context only with ctx_override. host: where the server listens."""
+    with less; above the training context only with ctx_override. host: where the server listens.
+    spec: speculative decoding, planned for and kept in the installed plan (serve reuses it)."""
     from moeplug.native.build import build, resolve_options
     from moeplug.serving import launch_verified, model_lock
 
@@ -242,7 +244,8 @@ def install(text: str, *, ctx: int | None = None, vram_budget: int | list[int] |
         profile = ensure_profile(resolved.path, result.binary("llama-moe-profile"), n_predict,
                                  list(prompt_sets or DEFAULT_PROMPT_SETS), progress=progress)
         slots_on_cpu = is_demo and result.manifest.get("backend") == "cpu"
-        plan = plan_for(info, ctx, vram_budget, profile, slots_on_cpu, fit_tool=result.binary("llama-fit-params"))
+        plan = plan_for(info, ctx, vram_budget, profile, slots_on_cpu, fit_tool=result.binary("llama-fit-params"),
+                        spec=spec)
         record = InstalledModel(name=name, ref=text, path=str(resolved.path), profile=str(profile),
                                 build_id=result.build_id, ctx=ctx, plan=plan,
                                 slots_on_cpu=slots_on_cpu and plan.backend == "cpu")
@@ -265,23 +268,27 @@ def warn_exposure(host: str, progress: ProgressFn) -> None:
 
 
 def plan_installed(m: InstalledModel, ctx: int | None = None, vram_budget: int | list[int] | None = None,
-                   profile: Profile | None = None) -> Plan:
+                   profile: Profile | None = None, spec: Speculation | KeepInstalled | None = KeepInstalled()) -> Plan:
     """An installed model's plan made again, for another budget or context (None: the stored
-    ones), from its profile (or `profile`, the one about to replace it); nothing is stored
-    (replan keeps it)."""
+    ones), from its profile (or `profile`, the one about to replace it), with its speculation
+    (or `spec`: a Speculation, None for none); nothing is stored (replan keeps it)."""
     budget = vram_budget if vram_budget is not None else m.plan.budget
     path = Path(m.profile) if m.profile and (profile is not None or Path(m.profile).exists()) else None
     try:
         fit_tool = installed_build(m).binary("llama-fit-params")
     except MoeplugError:
         fit_tool = None  # the build is gone: moeplug's own estimate
-    return plan_for(inspect_model(m.path), ctx or m.ctx, budget, path, m.slots_on_cpu, profile, fit_tool=fit_tool)
+    if isinstance(spec, KeepInstalled):
+        spec = spec.resolve(m.plan.speculation)
+    return plan_for(inspect_model(m.path), ctx or m.ctx, budget, path, m.slots_on_cpu, profile, fit_tool=fit_tool,
+                    spec=spec)
 
 
-def replan(m: InstalledModel, ctx: int | None = None, vram_budget: int | list[int] | None = None) -> InstalledModel:
-    """Plan an installed model again (a new budget or context, or its profile changed: the stored
-    budget and context otherwise) and keep that plan as the model's own; the hooks follow."""
-    plan = plan_installed(m, ctx, vram_budget)
+def replan(m: InstalledModel, ctx: int | None = None, vram_budget: int | list[int] | None = None,
+           spec: Speculation | KeepInstalled | None = KeepInstalled()) -> InstalledModel:
+    """Plan an installed model again (a new budget, context or speculation, or its profile
+    changed: the stored ones otherwise) and keep that plan as the model's own; the hooks follow."""
+    plan = plan_installed(m, ctx, vram_budget, spec=spec)
     record = replace(m, ctx=ctx or m.ctx, plan=plan)
     write_installed(record)
     refresh_hooks(list_installed())

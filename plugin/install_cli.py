@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moeplug.options import JOBS, TOKENS, add_backend, add_json, add_plan_options, add_serve_options
+from moeplug.options import JOBS, TOKENS, add_backend, add_json, add_plan_options, add_serve_options, add_spec_options
 from moeplug.output import Output, human_bytes, table
 from moeplug.plan import Plan, describe_slots
 from moeplug.server import HOST
@@ -25,12 +25,14 @@ def plan_text(p: Plan) -> str:
         [f"KV cache ({p.ctx} tokens)", human_bytes(p.kv_cache_bytes)],
         ["compute buffer + CUDA pool", human_bytes(p.compute_bytes)],
         ["safety margin", human_bytes(p.margin_bytes)],
+        *_draft_rows(p),
         ["one slot (all MoE layers)", human_bytes(p.bytes_per_slot)],
         ["slots", f"{describe_slots(p.slots_per_layer, p.n_expert)}, {p.fit_fraction:.0%} of experts"],
         ["experts in VRAM", human_bytes(p.expert_vram_bytes)],
         ["predicted hit rate", f"{p.predicted_hit_rate:.1%}" if p.predicted_hit_rate is not None else "no profile"],
         ["stock -ncmoe for this budget", str(p.stock_ncmoe) if p.stock_ncmoe is not None else "-"],
-        ["modelled CPU time per token", _host_ms(p)],
+        ["modelled CPU time per token" if p.tokens_per_step == 1 else
+         f"modelled CPU time per batch of {p.tokens_per_step}", _host_ms(p)],
         ["load mode", p.load_mode],
     ]
     lines = [table(["plan", ""], rows, "lr")] + ([devices_text(p)] if p.devices else [])
@@ -40,19 +42,32 @@ def plan_text(p: Plan) -> str:
 
 
 def devices_text(p: Plan) -> str:
-    """Per GPU of a two-GPU plan: its layers, whole layers and slots, and its bytes against its budget."""
+    """Per GPU of a two-GPU plan: its layers, whole layers and slots, and its bytes against its budget
+    (with speculation, its share of the draft too)."""
     rows = []
     for d in p.devices or []:
         blocks = d["blocks"]
         held = f"{blocks[0]}-{blocks[-1]}" if blocks else "none"
+        draft = [human_bytes(d["draft_weights_bytes"] + d["draft_kv_cache_bytes"] + d["draft_compute_bytes"])]
         rows.append([d["device"], held + (" + output" if d["output"] else ""), d["moe_layers"], d["whole_layers"],
                      d["slots"], human_bytes(d["non_expert_bytes"] + d["kv_cache_bytes"] + d["compute_bytes"]
                                              + d["margin_bytes"]),
-                     human_bytes(d["expert_vram_bytes"]), human_bytes(d["budget_bytes"]),
-                     human_bytes(d["headroom_bytes"])])
+                     human_bytes(d["expert_vram_bytes"]), *(draft if p.speculation else []),
+                     human_bytes(d["budget_bytes"]), human_bytes(d["headroom_bytes"])])
     split = ",".join(map(str, p.tensor_split or []))
-    return table(["GPU", "blocks", "MoE layers", "whole", "slots", "other VRAM", "experts", "budget", "headroom"],
-                 rows, "llrrrrrrr") + f"\nlayer split: -sm layer --tensor-split {split} (as llama.cpp places layers)"
+    draft_head = ["draft"] if p.speculation else []
+    head = ["GPU", "blocks", "MoE layers", "whole", "slots", "other VRAM", "experts", *draft_head, "budget", "headroom"]
+    return (table(head, rows, "ll" + "r" * (len(head) - 2))
+            + f"\nlayer split: -sm layer --tensor-split {split} (as llama.cpp places layers)")
+
+
+def _draft_rows(p: Plan) -> list[list[str]]:
+    if not p.speculation:
+        return []
+    return [["speculation", f"{p.speculation['spec_type']}, up to {p.speculation['n_draft']} draft tokens per step"],
+            ["draft weights", human_bytes(p.draft_weights_bytes)],
+            [f"draft KV cache ({p.ctx} tokens)", human_bytes(p.draft_kv_cache_bytes)],
+            ["draft compute buffer", human_bytes(p.draft_compute_bytes)]]
 
 
 def _host_ms(p: Plan) -> str:
@@ -87,32 +102,39 @@ def install_text(done: Any) -> str:
 
 def cmd_install(args: argparse.Namespace) -> int:
     from moeplug.install import install
+    from moeplug.speculation import parse_spec
 
+    spec = parse_spec(args.spec, args.spec_draft_max)
     out = Output.for_args(args)
     done = install(args.model, ctx=args.ctx, vram_budget=args.vram_budget, backend=args.backend, jobs=args.jobs,
                    profile_tokens=args.profile_tokens, prompt_sets=[s for s in args.prompts.split(",") if s],
                    serve=not args.no_serve, port=args.port, allow_fallback=args.allow_fallback, metrics=args.metrics,
-                   ctx_override=args.ctx_override, host=args.host or HOST, progress=out.progress)
+                   ctx_override=args.ctx_override, host=args.host or HOST, spec=spec, progress=out.progress)
     return out.result(done, install_text)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from moeplug.actions import plan_model
+    from moeplug.speculation import parse_spec
 
+    text = f"draft:{args.draft}" if args.draft is not None else "mtp" if args.mtp else args.spec
+    spec = parse_spec(text, args.spec_draft_max, keep=True)
     out = Output.for_args(args)
     plan = plan_model(args.model, ctx=args.ctx, vram_budget=args.vram_budget,
                       profile=Path(args.profile) if args.profile else None, ctx_override=args.ctx_override,
-                      progress=out.progress)
+                      spec=spec, progress=out.progress)
     return out.result(plan, plan_text)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from moeplug.actions import serve
+    from moeplug.speculation import parse_spec
 
+    spec = parse_spec(args.spec, args.spec_draft_max, keep=True)
     out = Output.for_args(args)
     served = serve(args.model, port=args.port, vram_budget=args.vram_budget, ctx=args.ctx,
                    ctx_override=args.ctx_override, allow_fallback=args.allow_fallback, metrics=args.metrics,
-                   record=args.record, host=args.host or HOST, progress=out.progress)
+                   record=args.record, host=args.host or HOST, spec=spec, progress=out.progress)
     return out.result(served, lambda s: served_text(s.name, s.server))
 
 
@@ -187,6 +209,7 @@ def register(sub: Any) -> None:
                    help="tokens generated per profiling prompt (default 256; demo 32; 0: the default)")
     p.add_argument("--prompts", default="codeish,chatty", help="bundled prompt sets (or .txt files) to profile with")
     p.add_argument("--no-serve", action="store_true", help="stop after planning")
+    add_spec_options(p)
     add_serve_options(p)
     add_json(p)
     p.set_defaults(func=cmd_install)
@@ -195,6 +218,7 @@ def register(sub: Any) -> None:
     p.add_argument("model", help="an installed name or a model reference")
     add_plan_options(p, BUDGET_HELP, CTX_HELP)
     p.add_argument("--profile", help="profile file (default: the model's stored profile, if any)")
+    add_spec_options(p, shorthands=True, keep=True)
     add_json(p)
     p.set_defaults(func=cmd_plan)
 
@@ -205,6 +229,7 @@ def register(sub: Any) -> None:
     add_serve_options(p)
     p.add_argument("--record", action="store_true",
                    help="count the router's selections (llama-server --moe-cache-record) for 'moeplug reprofile'")
+    add_spec_options(p, keep=True)
     add_json(p)
     p.set_defaults(func=cmd_serve)
 

@@ -4,7 +4,9 @@ llama-server counts, for batches that ran the cache, the experts the router pick
 (`llamacpp:moe_cache_selections_total`), how many a slot served (`..._hits_total`), how many the
 CPU computed and the bytes it read for them, and the first two per layer; with the dynamic policy
 (`--moe-cache-policy dynamic`) also the experts uploaded into slots after start-up (`..._swaps_total`,
-per layer too) and their bytes. This is the measured hit rate, beside the plan's predicted one.
+per layer too) and their bytes; and selections and hits per device that holds slots
+(`..._device_hits_total{device="CUDA1"}`: two GPUs). This is the measured hit rate, beside the
+plan's predicted one.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 from moeplug.server import HOST, url_of
 
-_SAMPLE_RE = re.compile(r'^llamacpp:moe_cache_(\w+?)(?:\{layer="(\d+)"\})? (\d+)$')
+_SAMPLE_RE = re.compile(r'^llamacpp:moe_cache_(\w+?)(?:\{layer="(\d+)"\}|\{device="([^"]*)"\})? (\d+)$')
 
 
 @dataclass
@@ -27,6 +29,7 @@ class CacheCounters:
     swaps: int = 0
     upload_bytes: int = 0
     layers: dict[int, dict[str, int]] = field(default_factory=dict)  # block -> {"selections", "hits", "swaps"}
+    devices: dict[str, dict[str, int]] = field(default_factory=dict)  # "CUDA0" -> {"selections", "hits"}
 
     @property
     def hit_rate(self) -> float | None:
@@ -36,7 +39,8 @@ class CacheCounters:
         return {"selections": self.selections, "hits": self.hits, "cpu_experts": self.cpu_experts,
                 "cpu_bytes": self.cpu_bytes, "swaps": self.swaps, "upload_bytes": self.upload_bytes,
                 "hit_rate": self.hit_rate,
-                "layers": {str(k): v for k, v in sorted(self.layers.items())}}
+                "layers": {str(k): v for k, v in sorted(self.layers.items())},
+                "devices": dict(sorted(self.devices.items()))}
 
 
 def parse_cache_counters(text: str) -> CacheCounters | None:
@@ -48,8 +52,11 @@ def parse_cache_counters(text: str) -> CacheCounters | None:
         if not m:
             continue
         found = True
-        name, layer, value = m[1], m[2], int(m[3])
-        if layer is not None:
+        name, layer, device, value = m[1], m[2], m[3], int(m[4])
+        if device is not None:
+            key = name.removeprefix("device_").removesuffix("_total")
+            c.devices.setdefault(device, {"selections": 0, "hits": 0})[key] = value
+        elif layer is not None:
             key = name.removeprefix("layer_").removesuffix("_total")
             c.layers.setdefault(int(layer), {"selections": 0, "hits": 0, "swaps": 0})[key] = value
         elif name in ("selections_total", "hits_total", "cpu_experts_total", "cpu_bytes_total", "swaps_total",

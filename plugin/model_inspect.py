@@ -315,8 +315,9 @@ def _group_expert_layers(tensors: list[TensorInfo]) -> list[MoeLayer]:
     return [layers[b] for b in sorted(layers)]
 
 
-def inspect_model(path: str | Path) -> ModelInfo:
-    """Read a (possibly split) GGUF MoE model's metadata and tensor table."""
+def inspect_model(path: str | Path, dense_ok: bool = False) -> ModelInfo:
+    """Read a (possibly split) GGUF MoE model's metadata and tensor table. dense_ok: a model without
+    routed experts is read too (no MoE layers; a draft model for speculative decoding)."""
     path = Path(path)
     shards = shard_paths(path)
     readers = [open_gguf(p) for p in shards]
@@ -341,7 +342,9 @@ def inspect_model(path: str | Path) -> ModelInfo:
         raise MoeplugError(f"{path}: unknown architecture '{arch}' (llama.cpp b11434 cannot load it)")
 
     n_expert = scalar_or_max(meta.get(f"{arch}.expert_count")) or 0
-    if not layers or n_expert == 0:
+    if (not layers or n_expert == 0) and dense_ok:
+        layers, n_expert = [], 0
+    elif not layers or n_expert == 0:
         raise NotApplicableError(f"{path}: dense model ({arch}): no routed-expert tensors, nothing for moeplug to do")
 
     n_layer = int(meta.get(f"{arch}.block_count") or 0)

@@ -138,6 +138,7 @@ SECONDS = Number(float, 0.01, 86400.0, "a number of seconds")
 HALF_LIFE = Number(int, 1, 2**53, "a half-life in tokens")
 GAIN = Number(float, 0.0, 1.0, "a share of expert selections")
 IDLE_SECONDS = Number(float, 0.0, 86400.0, "a number of seconds")
+DRAFT_TOKENS = Number(int, 1, 1024, "a number of draft tokens")
 BUDGET = Budgets()
 CUDA_ARCH = CudaArch()
 
@@ -190,3 +191,20 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics", action="store_true",
                    help="count slot hits on llama-server's /metrics ('moeplug status' shows the measured hit rate; "
                         "costs a small read per MoE layer and batch)")
+
+
+def add_spec_options(p: argparse.ArgumentParser, shorthands: bool = False, keep: bool = False) -> None:
+    """--spec draft:PATH|mtp|ngram|none and --spec-draft-max N (checked where the plan is made:
+    moeplug.speculation); shorthands: also --draft PATH and --mtp; keep: a model's installed
+    speculation stays unless --spec is given."""
+    group = p.add_mutually_exclusive_group()
+    default = "the installed model's" if keep else "none"
+    group.add_argument("--spec", metavar="draft:PATH|mtp|ngram|none",
+                       help=f"speculative decoding: a draft model (all on the GPU), the model's MTP (NextN) head, or "
+                            f"n-gram drafts; its VRAM is planned for (default: {default})")
+    if shorthands:
+        group.add_argument("--draft", metavar="DRAFT.gguf", help="the same as --spec draft:DRAFT.gguf")
+        group.add_argument("--mtp", action="store_true", help="the same as --spec mtp")
+    p.add_argument("--spec-draft-max", type=DRAFT_TOKENS,
+                   help="tokens drafted per step, 1-1024 (default: llama.cpp's, 3 for a draft model or MTP head, "
+                        "48 for n-grams)")

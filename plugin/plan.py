@@ -12,11 +12,19 @@ slots within that GPU's budget, and pass the layer split as `-sm layer --tensor-
 
 The parts live by concern: the estimates in estimates.py, the llama-server flags in
 server_flags.py, size parsing in sizes.py, free RAM in probes.py and free VRAM in gpu.py.
+
+With speculative decoding (speculation.py) the draft's weights, KV cache and compute buffer come
+off the budget first, and the slots are spread for verification batches of draft_max + 1 tokens.
+A model's MTP (NextN) blocks are not the trunk's: llama.cpp runs them only for an MTP draft (and
+skips some of their tensors otherwise; hy_v3 still loads their experts). So the slots are planned
+over the trunk's MoE layers; an MTP block's layer gets every slot with `--spec mtp` (a whole layer
+on the GPU, counted in the draft's weights) and none otherwise (its experts, if loaded, stay in
+RAM, where nothing runs them). Before, the planner gave that layer slots like any other.
 """
 
 from __future__ import annotations
 
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,18 +45,26 @@ from moeplug.estimates import (
 )
 from moeplug.model_inspect import ModelInfo
 from moeplug.multi_gpu import plan_split
+from moeplug.output import human_bytes
 from moeplug.profile.format import Profile
-from moeplug.server_flags import DYNAMIC_ARGS, placement_args
+from moeplug.server_flags import DYNAMIC_ARGS, experts_in_ram_args, placement_args
+from moeplug.speculation import SpecNeed, Speculation, nextn_blocks, nextn_weight_bytes, spec_need
 from moeplug.sizes import GIB
 
 WARN_FIT = 0.20
 WARN_FIT_STRONG = 0.15
 
 
-def _layer_costs(info: ModelInfo, profile: Profile | None) -> list[LayerCost]:
+def _layer_costs(info: ModelInfo, profile: Profile | None, tokens_per_step: int = 1) -> list[LayerCost]:
     curves = hit_curves(profile, len(info.layers), info.n_expert)
-    return [LayerCost(layer.bytes_per_expert, layer.n_expert, info.n_expert_used, curve)
+    return [LayerCost(layer.bytes_per_expert, layer.n_expert, info.n_expert_used, curve, tokens_per_step)
             for layer, curve in zip(info.layers, curves)]
+
+
+def trunk_of(info: ModelInfo) -> ModelInfo:
+    """The model without its MTP (NextN) blocks' MoE layers (the last ones): what the server runs per token."""
+    nextn = nextn_blocks(info)
+    return replace(info, layers=[layer for layer in info.layers if layer.block not in nextn]) if nextn else info
 
 
 @dataclass
@@ -84,6 +100,15 @@ class Plan:
     # JSON), and the --tensor-split proportions; the figures above are then the sums over the GPUs
     devices: list[dict[str, Any]] | None = None
     tensor_split: list[int] | None = None
+    # speculative decoding (speculation.py): Speculation.to_json(), or None; what its draft holds on
+    # the GPU (an MTP head: its NextN blocks, experts included; two GPUs: summed over them); the
+    # slots were spread for batches of tokens_per_step tokens, and modelled_host_ms is per such
+    # verification step
+    speculation: dict[str, Any] | None = None
+    draft_weights_bytes: int = 0
+    draft_kv_cache_bytes: int = 0
+    draft_compute_bytes: int = 0
+    tokens_per_step: int = 1
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -121,7 +146,8 @@ def _fit_warnings(fit: float, hit: float | None) -> list[str]:
 
 def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, profile_path: Path | None = None,
               ram_available: int | None = None, slots_in_ram: int = 0, expert_room: int | None = None,
-              need: DeviceNeed | None = None, policy: str = "auto", profile: Profile | None = None) -> Plan:
+              need: DeviceNeed | None = None, policy: str = "auto", profile: Profile | None = None,
+              spec: Speculation | None = None) -> Plan:
     """profile: the profile at profile_path when the caller has read it already (a re-profile's
     preview plans from the profile it is about to store there). slots_in_ram: without a GPU, hold
     that many slots per layer in RAM anyway (the demo's stand-in for a GPU,
@@ -132,37 +158,55 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
     experts' room. policy: the slot policy, "static", "dynamic" or "auto" (dynamic wherever a
     layer is partly resident: the hot experts move from prompt to prompt, and the swaps cost
     no results). vram_budget: bytes of one GPU, or a list of one per GPU (two: multi_gpu.py; need and
-    expert_room apply to one GPU only)."""
+    expert_room apply to one GPU only). spec: speculative decoding (the draft's VRAM comes off the
+    room, on two GPUs each GPU's share off its budget; the slots are spread for its verification
+    batches)."""
     if isinstance(vram_budget, list) and len(vram_budget) == 1:
         vram_budget = vram_budget[0]
     if not info.layers:
         raise MoeplugError(f"{info.path}: no routed-expert tensors: a dense model, nothing for moeplug to plan")
-    per_slot = bytes_per_slot(info)
+    trunk = trunk_of(info)
+    if not trunk.layers:
+        raise MoeplugError(f"{info.path}: routed experts only in its MTP (NextN) blocks: nothing for moeplug to plan")
+    draft = spec_need(info, spec, ctx)
+    mtp = spec is not None and spec.kind == "mtp"
+    k = spec.tokens_per_step if spec is not None else 1
+    per_slot = bytes_per_slot(trunk)
     kv = kv_cache_bytes(info, ctx) if need is None else need.context
     compute = compute_buffer_bytes(info) + CUDA_POOL_HEADROOM if need is None else need.compute
-    non_expert = info.non_expert_bytes if need is None else need.model
+    # with an MTP draft the NextN blocks' weights are the draft's; without one they count here as
+    # before (llama.cpp skips some of them: hy_v3 still loads their FFN)
+    nextn_other = nextn_weight_bytes(info) - (info.expert_bytes - trunk.expert_bytes) if mtp else 0
+    non_expert = info.non_expert_bytes - nextn_other if need is None else need.model
     margin = SAFETY_MARGIN if need is None else CUDA_CONTEXT_RESERVE
     if profile is None and profile_path:
         profile = _read_profile(profile_path)
-    costs = _layer_costs(info, profile)
+    costs = _layer_costs(trunk, profile, k)
     load_mode, load_notes = choose_load_mode(info, ram_available)
     n_layers = len(info.layers)
+    n_trunk = len(trunk.layers)
+    nextn_slots = [info.n_expert if mtp else 0] * (n_layers - n_trunk)  # the MTP blocks' layers, last
     base = dict(model=str(info.path), ctx=ctx, non_expert_vram_bytes=non_expert, kv_cache_bytes=kv,
                 compute_bytes=compute, margin_bytes=margin, bytes_per_slot=per_slot,
                 vram_source="estimate" if need is None else "llama-fit-params",
                 n_expert=info.n_expert, n_moe_layers=n_layers, load_mode=load_mode,
-                profile=str(profile_path) if profile_path else None)
+                profile=str(profile_path) if profile_path else None,
+                speculation=spec.to_json() if spec else None, draft_weights_bytes=draft.weights,
+                draft_kv_cache_bytes=draft.kv_cache, draft_compute_bytes=draft.compute, tokens_per_step=k)
     lm_args = ["-lm", "none"] if load_mode == "pinned" else []
+    spec_notes = [f"speculative decoding: {spec.describe()}; slots spread for verification batches of {k} "
+                  f"tokens"] if spec else []
 
     def summary(slots: list[int], room: int | None = None) -> dict[str, Any]:
-        """room: VRAM for experts; fit_fraction is the share of all expert bytes it holds"""
-        total = sum(slots)
-        all_experts = sum(layer.expert_bytes for layer in info.layers)
-        fit = min(room, all_experts) / all_experts if room is not None else total / (info.n_expert * n_layers)
+        """slots: per trunk MoE layer; room: VRAM for the trunk's experts, fit_fraction is the share
+        of all their bytes it holds"""
+        all_slots = slots + nextn_slots
+        all_experts = trunk.expert_bytes
+        fit = min(room, all_experts) / all_experts if room is not None else sum(slots) / (info.n_expert * n_trunk)
         hit = _predicted_hit(costs, slots) if profile else None
-        return dict(slots_per_layer=slots, slots_total=total, whole_layers=sum(n >= info.n_expert for n in slots),
-                    fit_fraction=fit, predicted_hit_rate=hit,
-                    expert_vram_bytes=sum(n * layer.bytes_per_expert for n, layer in zip(slots, info.layers)))
+        return dict(slots_per_layer=all_slots, slots_total=sum(all_slots),
+                    whole_layers=sum(n >= info.n_expert for n in all_slots), fit_fraction=fit, predicted_hit_rate=hit,
+                    expert_vram_bytes=sum(n * layer.bytes_per_expert for n, layer in zip(slots, trunk.layers)))
 
     if vram_budget is None:
         # pinned memory only speeds up copies to a GPU: without one, mmap
@@ -177,61 +221,84 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
                 args += DYNAMIC_ARGS
             note = (f"no NVIDIA GPU: {slots[0]} slots per layer held in RAM (LLAMA_MOE_CACHE_DEVICE=CPU) to show the "
                     f"cache engage: same results as stock, no speedup")
+        args += spec.server_args(gpu=False) if spec else []
+        cpu = summary(slots[:n_trunk]) | dict(slots_per_layer=slots, slots_total=sum(slots),
+                                              whole_layers=sum(n >= info.n_expert for n in slots))
         return Plan(backend="cpu", vram_budget_bytes=None, stock_ncmoe=None, modelled_host_ms=None,
-                    stock_modelled_host_ms=None, server_args=args, notes=[note],
-                    **(base | summary(slots) | {"load_mode": "mmap", "expert_vram_bytes": 0}))
+                    stock_modelled_host_ms=None, server_args=args, notes=[note, *spec_notes],
+                    **(base | cpu | {"load_mode": "mmap", "expert_vram_bytes": 0}))
 
     split_args: list[str] = []
     if isinstance(vram_budget, list):
-        split = plan_split(info, ctx, vram_budget, costs, profile is not None)
+        split = plan_split(info, trunk, ctx, vram_budget, costs, profile is not None, spec)
         room, slots = split.room, split.slots_per_layer
         devices = [d.to_json() for d in split.devices]
-        base |= {key: sum(d[key] for d in devices) for key in ("kv_cache_bytes", "compute_bytes", "margin_bytes")}
-        base |= dict(non_expert_vram_bytes=sum(d["non_expert_bytes"] for d in devices), devices=devices,
-                     tensor_split=split.tensor_split, vram_source="estimate")
+        sums = {key: sum(d[key] for d in devices) for key in
+                ("kv_cache_bytes", "compute_bytes", "margin_bytes", "draft_weights_bytes", "draft_kv_cache_bytes",
+                 "draft_compute_bytes")}
+        base |= sums | dict(non_expert_vram_bytes=sum(d["non_expert_bytes"] for d in devices), devices=devices,
+                            tensor_split=split.tensor_split, vram_source="estimate")
         split_args = ["-sm", "layer", "--tensor-split", ",".join(map(str, split.tensor_split))]
         vram_budget = sum(vram_budget)
     else:
-        room = vram_budget - non_expert - kv - compute - margin if expert_room is None else expert_room
+        others = non_expert + kv + compute + margin
+        room = vram_budget - others - draft.total if expert_room is None else expert_room - draft.total
         if room < 0:
-            raise MoeplugError(f"the budget of {vram_budget / GIB:.2f} GiB does not hold the model's other weights, "
-                               f"KV cache and buffers ({(vram_budget - room) / GIB:.2f} GiB): lower --ctx or use a "
-                               f"smaller quant")
-        slots = allocate(costs, room) if profile else whole_layers_first(info, room)
-    ncmoe = stock_ncmoe(info, room)  # two GPUs: stock's placement for their rooms pooled
-    stock_slots = [info.n_expert if layer.block >= ncmoe else 0 for layer in info.layers]
+            raise MoeplugError(_no_room(vram_budget, others if expert_room is None else vram_budget - expert_room,
+                                        draft, spec, ctx))
+        slots = allocate(costs, room) if profile else whole_layers_first(trunk, room)
+    ncmoe = stock_ncmoe(trunk, room)  # two GPUs: stock's placement for their rooms pooled
+    stock_slots = [info.n_expert if layer.block >= ncmoe else 0 for layer in trunk.layers]
     s = summary(slots, room)
     args = ["-c", str(ctx), "-ngl", "99", *split_args, "-fit", "off", *lm_args]
-    notes = list(load_notes)
-    whole = s["whole_layers"]
-    if whole == n_layers:
+    notes = list(load_notes) + spec_notes
+    whole = sum(n >= info.n_expert for n in slots)
+    if whole == n_trunk:
+        args += placement_args(info, s["slots_per_layer"], profile, profile_path)  # an MTP block's experts in RAM
         notes.append("every expert fits in VRAM: full offload, no cache needed")
-    elif s["slots_total"] == 0:
+    elif sum(slots) == 0 and not mtp:
         args += ["--cpu-moe"]
         notes.append("no room for one slot: every expert on the CPU (--cpu-moe)")
+    elif sum(slots) == 0:  # --cpu-moe would take the MTP head's experts off the GPU too
+        args += experts_in_ram_args([layer.block for layer in trunk.layers])
+        notes.append("no room for one slot: every expert of the trunk on the CPU")
     else:
         partial = any(0 < n < info.n_expert for n in slots)
         base["cache_policy"] = "dynamic" if partial and profile and policy in ("auto", "dynamic") else "static"
-        args += placement_args(info, slots, profile, profile_path, base["cache_policy"])
+        args += placement_args(info, s["slots_per_layer"], profile, profile_path, base["cache_policy"])
         if base["cache_policy"] == "dynamic":
             notes.append("the slots follow the prompt (--moe-cache-policy dynamic): a hot missed expert replaces "
                          "the coldest resident one between batches, uploaded while the next tokens compute")
         if not profile and split_args:
             notes.append(f"no profile to choose slots: stock placement on each GPU, {whole} whole layer"
                          f"{'s' if whole != 1 else ''} (each GPU's first), the experts of the other "
-                         f"{n_layers - whole} in RAM")
+                         f"{n_trunk - whole} in RAM")
         elif not profile:
             notes.append(f"no profile to choose slots: stock placement, {whole} whole layer{'s' if whole != 1 else ''} "
-                         f"on the GPU, the experts of the last {n_layers - whole} in RAM")
+                         f"on the GPU, the experts of the last {n_trunk - whole} in RAM")
         elif whole:
             notes.append(f"{whole} whole layer{'s' if whole != 1 else ''} resident (no CPU pass): the profile's "
                          f"hit curves make {'them' if whole != 1 else 'it'} worth more than spreading the slots")
             if "--moe-cache-slots" not in args:
                 notes.append("no partly resident layer: stock's placement, nothing for the cache to hold")
+    args += spec.server_args(gpu=True) if spec else []
     return Plan(backend="cuda", vram_budget_bytes=vram_budget, stock_ncmoe=ncmoe,
                 modelled_host_ms=1e3 * modelled_seconds(costs, slots),
                 stock_modelled_host_ms=1e3 * modelled_seconds(costs, stock_slots), server_args=args,
                 warnings=_fit_warnings(s["fit_fraction"], s["predicted_hit_rate"]), notes=notes, **(base | s))
+
+
+def _no_room(budget: int, others: int, draft: SpecNeed, spec: Speculation | None, ctx: int) -> str:
+    """The one line for a budget that holds no expert: what it does not hold, the draft named apart."""
+    if draft.total and budget >= others:
+        return (f"the budget of {human_bytes(budget)} does not hold the draft ({spec.describe() if spec else ''}): "
+                f"{human_bytes(draft.total)} (weights {human_bytes(draft.weights)}, KV cache at {ctx} tokens "
+                f"{human_bytes(draft.kv_cache)}, compute {human_bytes(draft.compute)}) beside the model's other "
+                f"weights, KV cache and buffers ({human_bytes(others)}): lower --ctx, use a smaller draft, or plan "
+                f"without --spec")
+    also = f" and a draft of {human_bytes(draft.total)}" if draft.total else ""
+    return (f"the budget of {budget / GIB:.2f} GiB does not hold the model's other weights, KV cache and buffers "
+            f"({others / GIB:.2f} GiB{also}): lower --ctx or use a smaller quant")
 
 
 def describe_slots(slots_per_layer: list[int] | int, n_expert: int) -> str:

@@ -27,9 +27,10 @@ from moeplug.runlog import log_tail
 from moeplug.server import HOST, Server, server_argv, start_server, url_of
 
 # "L layers x N slots, ..."; with whole layers or layers that differ,
-# "L layers x N0-N1 slots (S in all, F whole layers), ..." (N0- only when they differ)
+# "L layers x N0-N1 slots (S in all, F whole layers), ..." (N0- only when they differ); uploaded to
+# one device ("CUDA0") or, with layers split over GPUs, to each in layer order ("CUDA0, CUDA1")
 ENGAGED_RE = re.compile(r"moe-cache: (\d+) layers x (?:(\d+)-)?(\d+) slots(?: \((\d+) in all, (\d+) whole layers\))?, "
-                        r"([\d.]+) MiB uploaded to (\S+) in ([\d.]+) s")
+                        r"([\d.]+) MiB uploaded to (\S+(?:, \S+)*) in ([\d.]+) s")
 NOT_ENGAGED_RE = re.compile(r"moe-cache: not engaged, running without it: (.*)")
 BUFFER_RE = re.compile(r"(\S+) (model|KV|compute) buffer size =\s+([\d.]+) MiB")
 
@@ -43,7 +44,7 @@ class CacheStatus:
     slots_total: int = 0
     whole_layers: int = 0  # every expert resident: no CPU pass
     mib_uploaded: float = 0.0
-    device: str = ""
+    device: str = ""  # "CUDA0", or "CUDA0, CUDA1" where the slots live on several
     seconds: float = 0.0
     reason: str = ""
 

@@ -91,6 +91,8 @@ def serve_three(binary: Path, model: Path, replay: Path, log: Path, cache_args: 
             res["outputs"].append((reply["tokens"], reply["completion_probabilities"]))
             if cache_args:
                 after = counters(srv.url)
+                # one device holds every layer's slots: its counters are the totals
+                assert after.devices == {"CPU": {"selections": after.selections, "hits": after.hits}}
                 res["rates"].append(hit_rate(before, after))
                 res["swaps"] = after.swaps
     return res

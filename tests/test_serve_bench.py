@@ -92,3 +92,25 @@ def test_serve_bench_replay(patched_build, stock_build, bench_model: Path, tmp_p
     check_table(stdout, doc, "replay")
     for c in doc["configs"]:
         assert c["server_args"][c["server_args"].index(REPLAY_FLAG) + 1].endswith(".gguf")
+
+
+def test_serve_bench_prices_recording(patched_build, stock_build, bench_model: Path, tmp_path: Path) -> None:
+    """--policies auto,auto+record: two moeplug rows of the same plan against stock, the second
+    recording live routing counts, and a table of the second against the first (what recording
+    costs)."""
+    stdout, doc = run_bench(patched_build, stock_build, bench_model, tmp_path, "--workloads", "random",
+                            "--policies", "auto,auto+record")
+    rows = doc["tables"]["random"]
+    assert len(rows) == 2 and rows[1]["moeplug"] == rows[0]["moeplug"] + "+record"
+    mine = [c for c in doc["configs"] if c["side"] == "moeplug"]
+    assert ["--moe-cache-record" in c["server_args"] for c in mine] == [False, True]
+    assert [a for a in mine[1]["server_args"] if a != "--moe-cache-record"] == mine[0]["server_args"]
+    (cost,) = doc["tables"]["random/record"]
+    a, b = ({k: v for k, v in c["samples"].items()} for c in reversed(mine))
+    per = [statistics.median(s[1] for s in a[k]) / statistics.median(s[1] for s in b[k]) for k in sorted(a)]
+    assert cost["decode"]["ratio_median"] == pytest.approx(statistics.median(per))
+    assert "### random: recording's cost, with --moe-cache-record / without" in stdout
+    assert f"{cost['decode']['ratio_median']:.3f}x (lowest {cost['decode']['ratio_lowest']:.3f}x)" in stdout
+    bad = subprocess.run([sys.executable, str(SERVE_BENCH), "--policies", "dynamic+count"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "--policies: 'dynamic+count'" in bad.stderr

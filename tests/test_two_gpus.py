@@ -24,12 +24,13 @@ import pytest
 
 from helpers import fixture_spec, make_profile, run_cli
 from moeplug.errors import MoeplugError
-from moeplug.estimates import CUDA_POOL_HEADROOM, SAFETY_MARGIN, compute_buffer_bytes, kv_cache_bytes
+from moeplug.estimates import CUDA_POOL_HEADROOM, SAFETY_MARGIN, compute_buffer_bytes, kv_cache_bytes, nextn_layers
 from moeplug.gpu import GpuInfo, one_budget_note, vram_budgets
 from moeplug.model_inspect import inspect_model
 from moeplug.allocate import allocate
 from moeplug.plan import Plan, _layer_costs, make_plan
 from moeplug.profile.format import read_profile
+from moeplug.speculation import Speculation, draft_compute_bytes
 from moeplug.split import layer_devices, split_for
 from moeplug.synth import make_model
 
@@ -138,31 +139,60 @@ def fixed_per_gpu(info, ctx: int) -> int:
     return compute_buffer_bytes(info) + CUDA_POOL_HEADROOM + SAFETY_MARGIN
 
 
-def check_within_budgets(plan: Plan, info, ctx: int, budgets: list[int]) -> list[int | None]:
+def check_within_budgets(plan: Plan, info, ctx: int, budgets: list[int], draft=None,
+                         mtp: bool = False) -> list[int | None]:
     """The layer placement llama.cpp makes of the plan's flags, and each GPU's bytes recounted from the
-    model's tensors under it: within its budget, and what the plan says."""
+    model's tensors under it: within its budget, and what the plan says. draft: the draft model's
+    ModelInfo, whose layers llama.cpp splits by the same --tensor-split over its own blocks; mtp:
+    the NextN blocks are the draft's, whole, with their KV cache, on the GPU the split gives them."""
     args = plan.server_args
     assert args[args.index("-sm") + 1] == "layer"
     proportions = [float(x) for x in args[args.index("--tensor-split") + 1].split(",")]
     devices = layer_devices(info.n_layer, proportions, int(args[args.index("-ngl") + 1]))
     assert None not in devices and devices == sorted(devices)  # every layer on a GPU, GPU 0's first
+    n_trunk = info.n_layer - nextn_layers(info)
+    nextn = set(range(n_trunk, info.n_layer)) if mtp else set()
     experts = {f"blk.{layer.block}.{key}" for layer in info.layers for key in layer.tensors}
     used = [fixed_per_gpu(info, ctx)] * len(budgets)
+    drafted = [0] * len(budgets)
     for t in info.tensors:
-        if t.name not in experts:
-            m = re.match(r"blk\.(\d+)\.", t.name)
+        m = re.match(r"blk\.(\d+)\.", t.name)
+        if m and int(m[1]) in nextn:
+            drafted[devices[int(m[1])]] += t.n_bytes  # the MTP head's block, experts included
+        elif t.name not in experts:
             used[devices[int(m[1])] if m else devices[-1]] += t.n_bytes  # outside the blocks: the output's GPU
-    for block in range(info.n_layer):
-        used[devices[block]] += kv_cache_bytes(info, ctx) // info.n_layer
+    for block in range(n_trunk):
+        used[devices[block]] += kv_cache_bytes(info, ctx) // n_trunk
+    for block in nextn:
+        drafted[devices[block]] += kv_cache_bytes(info, ctx, mtp=True) // len(nextn)
+    for d in {devices[b] for b in nextn}:
+        drafted[d] += draft_compute_bytes(info)
+    if draft is not None:
+        where = layer_devices(draft.n_layer, proportions, int(args[args.index("-ngld") + 1]))
+        for t in draft.tensors:
+            m = re.match(r"blk\.(\d+)\.", t.name)
+            drafted[where[int(m[1])] if m else where[-1]] += t.n_bytes
+        for block in range(draft.n_layer):
+            drafted[where[block]] += kv_cache_bytes(draft, ctx) // draft.n_layer
+        for d in set(where):
+            drafted[d] += draft_compute_bytes(draft)
     for layer, n in zip(info.layers, plan.slots_per_layer):
-        used[devices[layer.block]] += n * layer.bytes_per_expert
+        if layer.block in nextn:
+            assert n == info.n_expert  # a whole layer, counted in the draft's weights
+        else:
+            used[devices[layer.block]] += n * layer.bytes_per_expert
     assert plan.devices is not None
+    assert [d["draft_weights_bytes"] + d["draft_kv_cache_bytes"] + d["draft_compute_bytes"]
+            for d in plan.devices] == drafted
+    used = [u + dr for u, dr in zip(used, drafted)]
     assert [d["used_bytes"] for d in plan.devices] == used
     assert all(u <= b for u, b in zip(used, budgets)), (used, budgets)
     for d, dev in enumerate(plan.devices):
         assert dev["blocks"] == [b for b in range(info.n_layer) if devices[b] == d]
         assert dev["output"] == (devices[-1] == d) and dev["budget_bytes"] == budgets[d]
         assert dev["headroom_bytes"] == budgets[d] - used[d]
+    for key in ("draft_weights_bytes", "draft_kv_cache_bytes", "draft_compute_bytes"):
+        assert getattr(plan, key) == sum(d[key] for d in plan.devices)
     return devices
 
 
@@ -245,6 +275,67 @@ def test_cli_plan_two_budgets(eight_blocks: Path) -> None:
     text = run_cli("plan", str(eight_blocks), "--vram-budget", "860MiB,900MiB", "--ctx", "2048")
     assert text.returncode == 0 and "CUDA0" in text.stdout and "CUDA1" in text.stdout
     assert f"--tensor-split {','.join(map(str, doc['tensor_split']))}" in text.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# speculative decoding with two GPUs
+
+
+@pytest.fixture(scope="module")
+def draft5(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 5-block draft with the fixture models' vocab: enough blocks for the split to share them."""
+    spec = replace(fixture_spec("qwen3moe"), layers=5, experts=4, used=1, seed=11)
+    return make_model(spec, tmp_path_factory.mktemp("draft5") / "draft5.gguf")[0]
+
+
+def test_two_budgets_with_a_draft_model(eight_blocks: Path, draft5: Path) -> None:
+    """The draft's blocks go to the GPUs by the plan's own --tensor-split over the draft's layers,
+    each GPU's share of its weights and KV cache and a draft compute buffer off that GPU's budget."""
+    info, draft, ctx = inspect_model(eight_blocks), inspect_model(draft5), 2048
+    spec = Speculation("draft", str(draft5))
+    layer, base = info.layers[0].expert_bytes, fixed_per_gpu(info, ctx) + 8 * MIB
+    room = draft.total_bytes + kv_cache_bytes(draft, ctx) + draft_compute_bytes(draft)
+    shared = 0
+    for extra in [(room, room), (room + 3 * layer, room), (room // 2, room + room // 2), (0, 2 * room + 5 * layer)]:
+        budgets = [base + extra[0], base + extra[1]]
+        plan = make_plan(info, ctx, budgets, spec=spec)
+        check_within_budgets(plan, info, ctx, budgets, draft=draft)
+        assert plan.draft_weights_bytes == draft.total_bytes  # every tensor of the draft on a GPU (-ngld 99)
+        assert plan.tokens_per_step == 4 and plan.server_args[-6:-4] == ["-ngld", "99"]
+        shared += all(d["draft_weights_bytes"] for d in plan.devices or [])
+    assert shared  # at least one plan shares the draft over both GPUs
+    with pytest.raises(MoeplugError, match="and the draft's share however the layers are split.*without --spec"):
+        make_plan(info, ctx, [base, base], spec=spec)
+    make_plan(info, ctx, [base, base])  # the same budgets hold the model without the draft
+
+
+def test_two_budgets_with_an_mtp_head(fixture_models) -> None:
+    """--mtp: the NextN block (the model's last) is the draft's, whole, on the GPU the split gives
+    it, with its KV cache and a draft compute buffer; without it, that layer gets no slot."""
+    info, ctx = inspect_model(fixture_models["hy_v3-mtp"]), 1024
+    assert nextn_layers(info) == 1
+    base = fixed_per_gpu(info, ctx) + info.total_bytes + kv_cache_bytes(info, ctx) + \
+        kv_cache_bytes(info, ctx, mtp=True) + draft_compute_bytes(info)
+    for budgets in ([base, base], [fixed_per_gpu(info, ctx) + info.total_bytes // 4, base]):
+        plan = make_plan(info, ctx, budgets, spec=Speculation("mtp"))
+        devices = check_within_budgets(plan, info, ctx, budgets, mtp=True)
+        assert plan.server_args[-4:] == ["--spec-type", "draft-mtp", "--spec-draft-n-max", "3"]
+        holder = devices[info.n_layer - 1]
+        assert plan.devices is not None and plan.devices[1 - holder]["draft_weights_bytes"] == 0
+        plain = make_plan(info, ctx, budgets)
+        check_within_budgets(plain, info, ctx, budgets)
+        assert plain.slots_per_layer[-1] == 0 and plain.draft_weights_bytes == 0
+
+
+def test_cli_plan_two_budgets_with_a_draft(eight_blocks: Path, draft5: Path) -> None:
+    r = run_cli("plan", str(eight_blocks), "--vram-budget", "3GiB,3GiB", "--ctx", "2048", "--draft", str(draft5),
+                "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["speculation"]["kind"] == "draft" and "--tensor-split" in doc["server_args"]
+    assert doc["draft_weights_bytes"] == sum(d["draft_weights_bytes"] for d in doc["devices"]) > 0
+    text = run_cli("plan", str(eight_blocks), "--vram-budget", "3GiB,3GiB", "--ctx", "2048", "--draft", str(draft5))
+    assert text.returncode == 0 and "draft" in text.stdout.split("layer split:")[0].split("CUDA0")[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -359,3 +450,44 @@ def test_planned_split_is_the_one_llama_cpp_loads(patched_build, rpc_devices, ei
             assert need.context == dev["kv_cache_bytes"]
             assert need.model <= dev["non_expert_bytes"] + MIB and need.compute <= dev["compute_bytes"]
     assert len(splits) == 3 and (9, 0) in splits  # two ways of sharing the blocks, and all on GPU 0
+
+
+@pytest.mark.native
+@pytest.mark.parametrize("kind", ["draft", "mtp"])
+def test_draft_follows_the_planned_split_on_two_rpc_devices(patched_build, rpc_devices, eight_blocks: Path,
+                                                            draft5: Path, fixture_models, tmp_path: Path,
+                                                            kind: str) -> None:
+    """llama-server with the plan's flags and speculation on two devices: a draft model's blocks
+    land where the plan put its share (the target's --tensor-split over the draft's own layers), and
+    the draft's KV cache on each device, a draft model's or the MTP head's, is what the plan counts
+    there (its weights and compute buffer at most that)."""
+    from moeplug.server import start_server
+    from moeplug.serving import parse_buffers
+
+    model = eight_blocks if kind == "draft" else fixture_models["hy_v3-mtp"]
+    info = inspect_model(model)
+    spec = Speculation("draft", str(draft5)) if kind == "draft" else Speculation("mtp")
+    plan = make_plan(info, 512, [3 << 30, 3 << 30], spec=spec)
+    assert plan.devices is not None and all(d["blocks"] for d in plan.devices)
+    log_path = tmp_path / "srv.log"
+    with start_server(patched_build.binary("llama-server"), model, log_path, ctx=None, threads=2,
+                      env=rpc_devices["env"],
+                      extra_args=[*rpc_devices["args"], "-np", "1", "-v", *plan.server_args]) as srv:
+        srv.wait_healthy()
+    log = log_path.read_text()
+    marker = f"loading draft model '{draft5}'" if kind == "draft" else "creating MTP draft context"
+    assert marker in log, log[-3000:]
+    section = log[log.index(marker):]
+    if kind == "draft":
+        found = re.findall(r"layer\s+(\d+) assigned to device (\S+?),", section)
+        names = {"RPC0": 0, "RPC1": 1, "CPU": None}
+        got = [names[dev] for _, dev in sorted(found, key=lambda x: int(x[0]))]
+        assert got == layer_devices(inspect_model(draft5).n_layer, plan.tensor_split or [], 99)
+        assert set(got) == {0, 1}
+    buffers = parse_buffers(section.split("adding speculative implementation")[0])
+    endpoints = rpc_devices["args"][rpc_devices["args"].index("--rpc") + 1].split(",")  # RPC0, RPC1 in this order
+    for endpoint, dev in zip(endpoints, plan.devices):  # buffers are named RPC0[HOST:PORT] on every RPC device
+        name = f"RPC0[{endpoint}]"
+        assert buffers["KV"].get(name, 0) * MIB == pytest.approx(dev["draft_kv_cache_bytes"], abs=0.01 * MIB)
+        assert buffers.get("model", {}).get(name, 0) * MIB <= dev["draft_weights_bytes"] + 0.01 * MIB  # MTP: none
+        assert buffers.get("compute", {}).get(name, 0) * MIB <= dev["draft_compute_bytes"]

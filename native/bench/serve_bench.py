@@ -255,6 +255,31 @@ def print_table(workload: str, rows: list[dict[str, Any]]) -> None:
             print(f"\n(failed: {e})")
 
 
+def record_rows(pairs: list[tuple[Config, Config]], workload: str) -> list[dict[str, Any]]:
+    """Per moeplug row that records (--moe-cache-record), the per-prompt t/s ratios against the row
+    of the same budget and policy that does not: what recording costs, side by side in one run."""
+    rows = []
+    mine = [m for m, _ in pairs if workload in m.workloads]
+    for rec in (m for m in mine if "--moe-cache-record" in m.server_args):
+        plain = next((m for m in mine if m.budget == rec.budget and m.desc == rec.desc.removesuffix("+record")), None)
+        if plain is None:
+            continue
+        row: dict[str, Any] = {"budget": rec.budget, "moeplug": plain.desc}
+        for test, key in ((0, "prefill"), (1, "decode")):
+            r = ratios(rec, plain, workload, test)
+            row[key] = {"ratio_median": statistics.median(r) if r else None, "ratio_lowest": min(r) if r else None}
+        rows.append(row)
+    if rows:
+        print(f"\n### {workload}: recording's cost, with --moe-cache-record / without (per-prompt ratios)\n")
+        print("| budget | moeplug | prefill | decode |")
+        print("|---|---|---:|---:|")
+        for r in rows:
+            cells = [f"{r[k]['ratio_median']:.3f}x (lowest {r[k]['ratio_lowest']:.3f}x)"
+                     if r[k]["ratio_median"] is not None else "-" for k in ("prefill", "decode")]
+            print(f"| {r['budget']} | {r['moeplug']} | {cells[0]} | {cells[1]} |")
+    return rows
+
+
 def prepare_model(a: argparse.Namespace) -> Path:
     from moeplug.synth import make_model, shape_spec
 
@@ -327,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-tokens", type=int, default=256, help="tokens per prompt of the text profile")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--policies", default="", help="moeplug rows per slot policy, e.g. static,dynamic (default: the "
-                    "plan's own choice, one row)")
+                    "plan's own choice, one row); a policy+record row also records live routing counts "
+                    "(--moe-cache-record), to measure what recording costs beside the same policy without it")
     ap.add_argument("--time-limit", type=float, default=0, help="seconds from the start after which no round starts "
                     "that would not end in time at the pace of the last one (0: none)")
     ap.add_argument("--prebuilt-moeplug", type=Path, help="bin/ folder of a patched build (skip building)")
@@ -348,6 +374,9 @@ def main(argv: list[str] | None = None) -> int:
         budgets = parse_budgets(a.budgets)
     except ValueError as exc:
         ap.error(str(exc))
+    policies = [p.strip() for p in a.policies.split(",") if p.strip()] or ["auto"]
+    if any(p.removesuffix("+record") not in ("auto", "static", "dynamic") for p in policies):
+        ap.error(f"--policies: {a.policies!r}: each of auto, static, dynamic, optionally with +record")
 
     t0 = time.time()
     patched = build_of(a.prebuilt_moeplug, False, a.backend, a.jobs)
@@ -389,7 +418,6 @@ def main(argv: list[str] | None = None) -> int:
     fit_tool = patched.binary("llama-fit-params")
     need = gpu_need(fit_tool, model, a.ctx) if free is not None else None
     print(f"# llama-fit-params, every routed expert in RAM: {need}", file=sys.stderr)
-    policies = [p.strip() for p in a.policies.split(",") if p.strip()] or ["auto"]
     for label, value, fraction in budgets:
         budget = budget_bytes(info, a.ctx, value, fraction, need)
         label = label if not fraction else f"{label} ({budget / GIB:.2f} GiB)"
@@ -401,18 +429,19 @@ def main(argv: list[str] | None = None) -> int:
         for group, profile, extra, mine_bin, stock_bin, stock_id in groups:
             if not group:
                 continue
-            plans = [plan_for(info, a.ctx, budget, profile, slots_on_cpu=False, fit_tool=fit_tool, policy=p)
-                     for p in policies]
+            plans = [plan_for(info, a.ctx, budget, profile, slots_on_cpu=False, fit_tool=fit_tool,
+                              policy=p.removesuffix("+record")) for p in policies]
             load = ["-lm", "none"] if plans[0].load_mode == "pinned" else []
             theirs = Config(label, "stock", stock_bin, stock_id,
                             ["-c", str(a.ctx), "--fit", "on", "-fitt", str(margin), *load, *common, *extra], group,
                             desc="--fit")
             configs.append(theirs)
-            for plan in plans:
+            for plan, policy in zip(plans, policies):
+                record = ["--moe-cache-record"] if policy.endswith("+record") else []
                 desc = describe_slots(plan.slots_per_layer, info.n_expert)
-                desc += f", {plan.cache_policy}" if len(plans) > 1 else ""
-                mine = Config(label, "moeplug", mine_bin, patched.build_id, [*plan.server_args, *common, *extra],
-                              group, slots_env, desc)
+                desc += f", {plan.cache_policy}{'+record' if record else ''}" if len(plans) > 1 else ""
+                mine = Config(label, "moeplug", mine_bin, patched.build_id,
+                              [*plan.server_args, *record, *common, *extra], group, slots_env, desc)
                 print(f"# {label} {'+'.join(group)}: moeplug {' '.join(mine.server_args)} | stock "
                       f"{' '.join(theirs.server_args)}", file=sys.stderr)
                 configs.append(mine)
@@ -425,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
         if w in plain or (w == "replay" and replay):
             tables[w] = table_rows(pairs, w)
             print_table(w, tables[w])
+            if recorded := record_rows(pairs, w):
+                tables[f"{w}/record"] = recorded
     for w, why in skipped.items():
         print(f"\n### {w}: skipped: {why}")
     print(f"\n{info.arch}, {len(info.layers)} MoE layers x {info.n_expert} experts ({info.n_expert_used} used), "

@@ -682,15 +682,23 @@ std::string common_moeplug_cache_metrics(const llama_model * model) {
 
     uint64_t selected = 0, resident = 0, cpu_bytes = 0, swaps = 0, upload_bytes = 0;
     std::string layers_selected, layers_resident, layers_swaps;
+    std::map<std::string, std::pair<uint64_t, uint64_t>> on_device; // device -> (selections, hits)
     for (const auto & s : stats) {
         selected     += s.n_selected;
         resident     += s.n_resident;
         cpu_bytes    += (s.n_selected - s.n_resident) * s.bytes_per_expert;
         swaps        += s.n_swaps;
         upload_bytes += s.n_swaps * s.bytes_per_expert;
+        on_device[s.device].first  += s.n_selected;
+        on_device[s.device].second += s.n_resident;
         layers_selected += string_format("llamacpp:moe_cache_layer_selections_total{layer=\"%d\"} %llu\n", s.il, (unsigned long long) s.n_selected);
         layers_resident += string_format("llamacpp:moe_cache_layer_hits_total{layer=\"%d\"} %llu\n", s.il, (unsigned long long) s.n_resident);
         layers_swaps    += string_format("llamacpp:moe_cache_layer_swaps_total{layer=\"%d\"} %llu\n", s.il, (unsigned long long) s.n_swaps);
+    }
+    std::string devices_selected, devices_resident;
+    for (const auto & [dev, n] : on_device) {
+        devices_selected += string_format("llamacpp:moe_cache_device_selections_total{device=\"%s\"} %llu\n", dev.c_str(), (unsigned long long) n.first);
+        devices_resident += string_format("llamacpp:moe_cache_device_hits_total{device=\"%s\"} %llu\n", dev.c_str(), (unsigned long long) n.second);
     }
     auto counter = [](const char * name, const char * help, uint64_t value) {
         return string_format("# HELP llamacpp:%s %s\n# TYPE llamacpp:%s counter\nllamacpp:%s %llu\n",
@@ -707,7 +715,11 @@ std::string common_moeplug_cache_metrics(const llama_model * model) {
            "# HELP llamacpp:moe_cache_layer_hits_total Resident-slot hits per MoE layer.\n"
            "# TYPE llamacpp:moe_cache_layer_hits_total counter\n" + layers_resident +
            "# HELP llamacpp:moe_cache_layer_swaps_total Experts uploaded into a slot per MoE layer.\n"
-           "# TYPE llamacpp:moe_cache_layer_swaps_total counter\n" + layers_swaps;
+           "# TYPE llamacpp:moe_cache_layer_swaps_total counter\n" + layers_swaps +
+           "# HELP llamacpp:moe_cache_device_selections_total Expert selections of the layers whose slots live on a device.\n"
+           "# TYPE llamacpp:moe_cache_device_selections_total counter\n" + devices_selected +
+           "# HELP llamacpp:moe_cache_device_hits_total Of them, resident-slot hits.\n"
+           "# TYPE llamacpp:moe_cache_device_hits_total counter\n" + devices_resident;
 }
 
 bool common_moeplug_replay_load(llama_model * model, const std::string & path) {

@@ -60,7 +60,7 @@ std::vector<common_moeplug_cache_choice> common_moeplug_cache_choose(
 
 // sets up the cache with the hottest experts of each layer from the profile (slots: as
 // common_moeplug_parse_slots reads it); logs one line:
-//   moe-cache: L layers x N slots, X MiB uploaded to DEV in T s
+//   moe-cache: L layers x N slots, X MiB uploaded to DEV in T s       (DEV: "CUDA0", "CUDA0, CUDA1", ...)
 //   moe-cache: L layers x N0-N1 slots (S in all, F whole layers), X MiB uploaded to DEV in T s
 // (the part in parentheses when layers differ or some hold every expert, N0- when they differ)
 // or, when it cannot engage (the model then runs without it):

@@ -94,7 +94,8 @@ size_t llama_model_moeplug_cache_stats(const llama_model * model, llama_moeplug_
     std::sort(layers.begin(), layers.end(), [](auto * a, auto * b) { return a->il < b->il; });
     for (size_t i = 0; i < layers.size() && i < n_max; ++i) {
         out[i] = { layers[i]->il, layers[i]->n_selected.load(), layers[i]->n_resident.load(), layers[i]->bytes_per_expert,
-                   layers[i]->n_swaps.load() };
+                   layers[i]->n_swaps.load(), {} };
+        snprintf(out[i].device, sizeof(out[i].device), "%s", layers[i]->dev ? ggml_backend_dev_name(layers[i]->dev) : "");
     }
     return layers.size();
 }
@@ -506,6 +507,7 @@ bool llama_moeplug_cache_build(llama_model & model, const llama_moeplug_cache_pa
         layer->il       = plan.il;
         layer->n_expert = plan.down->ne[2];
         layer->experts  = plan.experts;
+        layer->dev      = plan.dev;
         layer->score.assign(layer->n_expert, 0.0f);
         for (size_t e = 0; e < plan.rates.size(); ++e) {
             // a use count in steady state: rate x the tokens a count lasts (half-life / ln 2)
@@ -628,7 +630,15 @@ bool llama_moeplug_cache_build(llama_model & model, const llama_moeplug_cache_pa
     result.n_layers   = (int32_t) plans.size();
     result.n_bytes    = n_bytes;
     result.t_upload_s = (ggml_time_us() - t_start) / 1e6;
-    snprintf(result.device, sizeof(result.device), "%s", ggml_backend_dev_name(plans[0].dev));
+    // every device that holds slots, in layer order: "CUDA0", or "CUDA0, CUDA1" with a layer split
+    std::string devices;
+    std::set<ggml_backend_dev_t> named;
+    for (const auto & plan : plans) {
+        if (named.insert(plan.dev).second) {
+            devices += std::string(devices.empty() ? "" : ", ") + ggml_backend_dev_name(plan.dev);
+        }
+    }
+    snprintf(result.device, sizeof(result.device), "%s", devices.c_str());
 
     model.moeplug_cache = std::move(cache);
     return true;

@@ -76,6 +76,7 @@ struct llama_moeplug_cache_layer {
     mutable std::atomic<uint64_t> n_resident { 0 };
     mutable std::atomic<uint64_t> n_swaps    { 0 }; // experts uploaded into a slot after start-up
     size_t bytes_per_expert = 0; // of the source tensors: what the CPU reads per non-resident selection
+    ggml_backend_dev_t dev  = nullptr; // where the slots live (the layer's device)
 
     // the slot of each expert (-1: not resident), from which write_maps() makes the maps the graphs read
     std::vector<int32_t> slot_of;
