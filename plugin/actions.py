@@ -32,12 +32,13 @@ from moeplug.serving import ServerRecord
 from moeplug.speculation import KeepInstalled, Speculation
 
 
-def plan_model(model: str, *, ctx: int | None = None, vram_budget: int | None = None, profile: Path | None = None,
-               ctx_override: bool = False, spec: Speculation | KeepInstalled | None = KeepInstalled(),
-               progress: ProgressFn = silent) -> Plan:
-    """Plan an installed model (by name) or any model reference, for a budget (None: free VRAM) and
-    a context (None: 4096, or the training context when smaller); profile None: the stored one.
-    spec: speculative decoding (None: none; KeepInstalled: an installed model's own)."""
+def plan_model(model: str, *, ctx: int | None = None, vram_budget: int | list[int] | None = None,
+               profile: Path | None = None, ctx_override: bool = False,
+               spec: Speculation | KeepInstalled | None = KeepInstalled(), progress: ProgressFn = silent) -> Plan:
+    """Plan an installed model (by name) or any model reference, for a budget (None: free VRAM; a
+    list: one per GPU) and a context (None: 4096, or the training context when smaller); profile
+    None: the stored one. spec: speculative decoding (None: none; KeepInstalled: an installed
+    model's own)."""
     from moeplug.profile.format import model_fingerprint
     from moeplug.profile.runner import default_profile_path
 
@@ -61,7 +62,7 @@ class Served:
         return {"name": self.name, "server": self.server.to_json()}
 
 
-def serve(name: str, *, port: int | None = None, vram_budget: int | None = None, ctx: int | None = None,
+def serve(name: str, *, port: int | None = None, vram_budget: int | list[int] | None = None, ctx: int | None = None,
           ctx_override: bool = False, allow_fallback: bool = False, metrics: bool = False, record: bool = False,
           host: str = HOST, spec: Speculation | KeepInstalled | None = KeepInstalled(),
           progress: ProgressFn = silent) -> Served:

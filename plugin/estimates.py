@@ -9,7 +9,7 @@ layers first) at the same room.
 from __future__ import annotations
 
 from moeplug.errors import EXIT_USAGE, MoeplugError
-from moeplug.model_inspect import ModelInfo, scalar_or_max
+from moeplug.model_inspect import ModelInfo, MoeLayer, scalar_or_max
 from moeplug.sizes import GIB, MIB
 
 SAFETY_MARGIN = 512 * MIB
@@ -44,15 +44,21 @@ def kv_cache_bytes(info: ModelInfo, ctx: int, bytes_per_value: int = 2, mtp: boo
     """f16 K and V for every attention layer of the trunk at ctx tokens (an upper bound for
     SWA/hybrid models); mtp: those of the MTP (NextN) blocks instead, which an MTP draft context
     holds at the same ctx."""
+    return sum(kv_cache_bytes_per_block(info, ctx, bytes_per_value, mtp))
+
+
+def kv_cache_bytes_per_block(info: ModelInfo, ctx: int, bytes_per_value: int = 2, mtp: bool = False) -> list[int]:
+    """kv_cache_bytes by block (llama.cpp keeps a layer's KV cache on that layer's device): the
+    trunk's blocks, or with mtp the NextN (MTP) blocks, the last ones, the others none."""
     md, arch = info.metadata, info.arch
     n_head = scalar_or_max(md.get(f"{arch}.attention.head_count")) or 1
     n_head_kv = scalar_or_max(md.get(f"{arch}.attention.head_count_kv")) or n_head
     n_embd = scalar_or_max(md.get(f"{arch}.embedding_length")) or 0
     k_len = scalar_or_max(md.get(f"{arch}.attention.key_length")) or n_embd // n_head
     v_len = scalar_or_max(md.get(f"{arch}.attention.value_length")) or k_len
-    n_nextn = nextn_layers(info)
-    n_layers = n_nextn if mtp else info.n_layer - n_nextn
-    return ctx * n_layers * n_head_kv * (k_len + v_len) * bytes_per_value
+    n_trunk = info.n_layer - nextn_layers(info)
+    per_layer = ctx * n_head_kv * (k_len + v_len) * bytes_per_value
+    return [per_layer if (block >= n_trunk) == mtp else 0 for block in range(info.n_layer)]
 
 
 def compute_buffer_bytes(info: ModelInfo, ubatch: int = DEFAULT_UBATCH) -> int:
@@ -80,11 +86,13 @@ def stock_ncmoe(info: ModelInfo, room: int) -> int:
     return info.n_layer
 
 
-def whole_layers_first(info: ModelInfo, room: int) -> list[int]:
+def whole_layers_first(info: ModelInfo, room: int, layers: list[MoeLayer] | None = None) -> list[int]:
     """Stock placement without a profile: whole layers from the first while they fit in room bytes,
-    the experts of the rest in RAM (the same bytes as -ncmoe, the other end: see experts_in_ram_args)."""
-    slots, used = [0] * len(info.layers), 0
-    for i, layer in enumerate(info.layers):
+    the experts of the rest in RAM (the same bytes as -ncmoe, the other end: see experts_in_ram_args).
+    layers: these MoE layers only (one GPU's), default all of them."""
+    layers = info.layers if layers is None else layers
+    slots, used = [0] * len(layers), 0
+    for i, layer in enumerate(layers):
         if used + layer.expert_bytes > room:
             break  # one run of whole layers, as stock keeps them
         slots[i] = info.n_expert

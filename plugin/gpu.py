@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from moeplug.errors import EXIT_USAGE, MoeplugError
+
+MAX_PLANNED_GPUS = 2  # the planner splits layers over one or two GPUs
+
 
 @dataclass(frozen=True)
 class GpuInfo:
@@ -60,6 +64,29 @@ def free_vram_bytes() -> int | None:
     """Free memory of GPU 0, or None without an NVIDIA GPU."""
     found = gpus()
     return found[0].free_bytes if found else None
+
+
+def vram_budgets(budget: int | list[int] | None, found: list[GpuInfo]) -> int | list[int] | None:
+    """The budget to plan for: one size (one GPU, as given), one per GPU (a list, checked against
+    the GPUs found: no more budgets than GPUs where NVML sees any), or None: each GPU's free memory
+    (an int with one GPU, a list with two or more: the first two), None without a GPU."""
+    if isinstance(budget, list):
+        if found and len(budget) > len(found):
+            raise MoeplugError(f"--vram-budget gives {len(budget)} budgets but this machine has {len(found)} "
+                               f"NVIDIA GPU{'s' if len(found) != 1 else ''}: give one per GPU", EXIT_USAGE)
+        return budget
+    if budget is not None:
+        return budget
+    free = [g.free_bytes for g in found[:MAX_PLANNED_GPUS]]
+    return None if not free else free[0] if len(free) == 1 else free
+
+
+def one_budget_note(budget: int | list[int] | None, found: list[GpuInfo]) -> str | None:
+    """What a plan of one budget should say on a machine with more GPUs (None: nothing)."""
+    if budget is None or isinstance(budget, list) or len(found) < 2:
+        return None
+    return (f"one budget for {len(found)} GPUs: planned as one GPU, but llama.cpp spreads the layers over every "
+            f"GPU it sees (by free memory); give one budget per GPU (--vram-budget A,B) to plan the split")
 
 
 def gpu_arch() -> str | None:

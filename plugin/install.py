@@ -19,7 +19,7 @@ from moeplug.fsutil import write_text_atomic
 from moeplug.hooks import refresh_hooks
 from moeplug.model_inspect import ModelInfo, inspect_model
 from moeplug.estimates import context_size
-from moeplug.gpu import free_vram_bytes
+from moeplug.gpu import gpus, one_budget_note, vram_budgets
 from moeplug.output import human_bytes
 from moeplug.paths import data_dir
 from moeplug.plan import Plan, make_plan
@@ -55,7 +55,7 @@ class InstalledModel:
         return dict(SLOTS_ON_CPU_ENV) if self.slots_on_cpu else {}
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)  # the plan too: asdict recurses into dataclasses
+        return asdict(self) | {"plan": self.plan.to_json()}
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> InstalledModel:
@@ -183,19 +183,25 @@ def remake_profile(name: str, prompt_sets: list[str] | None = None, progress: Pr
                           list(prompt_sets or DEFAULT_PROMPT_SETS), remake=True, progress=progress)
 
 
-def plan_for(info: ModelInfo, ctx: int, vram_budget: int | None, profile: Path | None,
+def plan_for(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, profile: Path | None,
              slots_on_cpu: bool, loaded: Profile | None = None, fit_tool: Path | None = None,
              policy: str = "auto", spec: Speculation | None = None) -> Plan:
-    """The plan at a budget (None: the free VRAM). loaded: the profile to plan from when it is not
-    (yet) the file at `profile`. fit_tool: the build's llama-fit-params, whose estimate of the
-    GPU's other buffers replaces moeplug's own where it sees a GPU. spec: speculative decoding."""
+    """The plan at a budget (None: the free VRAM of each GPU; a list: one per GPU). loaded: the
+    profile to plan from when it is not (yet) the file at `profile`. fit_tool: the build's
+    llama-fit-params, whose estimate of the GPU's other buffers replaces moeplug's own where it
+    sees a GPU (one GPU only). spec: speculative decoding."""
     from moeplug.fit_estimate import gpu_need
 
-    budget = vram_budget if vram_budget is not None else free_vram_bytes()
+    found = gpus()
+    budget = vram_budgets(vram_budget, found)
     slots_in_ram = max(1, info.n_expert // 4) if slots_on_cpu else 0  # the demo without a GPU
-    need = gpu_need(fit_tool, info.path, ctx) if fit_tool is not None and budget is not None else None
-    return make_plan(info, ctx, budget, profile, available_ram_bytes(), slots_in_ram, need=need, policy=policy,
+    one_gpu = budget is not None and not isinstance(budget, list)
+    need = gpu_need(fit_tool, info.path, ctx) if fit_tool is not None and one_gpu else None
+    plan = make_plan(info, ctx, budget, profile, available_ram_bytes(), slots_in_ram, need=need, policy=policy,
                      profile=loaded, spec=spec)
+    note = one_budget_note(budget, found)
+    plan.notes += [note] if note else []
+    return plan
 
 
 def installed_build(m: InstalledModel) -> Any:
@@ -209,7 +215,8 @@ def installed_build(m: InstalledModel) -> Any:
     return builds[m.build_id]
 
 
-def install(text: str, *, ctx: int | None = None, vram_budget: int | None = None, backend: str | None = None,
+def install(text: str, *, ctx: int | None = None, vram_budget: int | list[int] | None = None,
+            backend: str | None = None,
             jobs: int = 0, profile_tokens: int | None = None, prompt_sets: list[str] | None = None, serve: bool = True,
             port: int | None = None, allow_fallback: bool = False, metrics: bool = False, ctx_override: bool = False,
             host: str = HOST, spec: Speculation | None = None, progress: ProgressFn = silent) -> Installed:
@@ -260,12 +267,12 @@ def warn_exposure(host: str, progress: ProgressFn) -> None:
         progress(Note(warning))
 
 
-def plan_installed(m: InstalledModel, ctx: int | None = None, vram_budget: int | None = None,
+def plan_installed(m: InstalledModel, ctx: int | None = None, vram_budget: int | list[int] | None = None,
                    profile: Profile | None = None, spec: Speculation | KeepInstalled | None = KeepInstalled()) -> Plan:
     """An installed model's plan made again, for another budget or context (None: the stored
     ones), from its profile (or `profile`, the one about to replace it), with its speculation
     (or `spec`: a Speculation, None for none); nothing is stored (replan keeps it)."""
-    budget = vram_budget if vram_budget is not None else m.plan.vram_budget_bytes
+    budget = vram_budget if vram_budget is not None else m.plan.budget
     path = Path(m.profile) if m.profile and (profile is not None or Path(m.profile).exists()) else None
     try:
         fit_tool = installed_build(m).binary("llama-fit-params")
@@ -277,7 +284,7 @@ def plan_installed(m: InstalledModel, ctx: int | None = None, vram_budget: int |
                     spec=spec)
 
 
-def replan(m: InstalledModel, ctx: int | None = None, vram_budget: int | None = None,
+def replan(m: InstalledModel, ctx: int | None = None, vram_budget: int | list[int] | None = None,
            spec: Speculation | KeepInstalled | None = KeepInstalled()) -> InstalledModel:
     """Plan an installed model again (a new budget, context or speculation, or its profile
     changed: the stored ones otherwise) and keep that plan as the model's own; the hooks follow."""

@@ -35,9 +35,30 @@ def plan_text(p: Plan) -> str:
          f"modelled CPU time per batch of {p.tokens_per_step}", _host_ms(p)],
         ["load mode", p.load_mode],
     ]
-    lines = [table(["plan", ""], rows, "lr"), "server args: " + shlex.join(p.server_args)]  # quoted: -ot has | ( )
+    lines = [table(["plan", ""], rows, "lr")] + ([devices_text(p)] if p.devices else [])
+    lines += ["server args: " + shlex.join(p.server_args)]  # quoted: -ot has | ( )
     lines += [f"note: {n}" for n in p.notes] + [f"WARNING: {w}" for w in p.warnings]
     return "\n".join(lines)
+
+
+def devices_text(p: Plan) -> str:
+    """Per GPU of a two-GPU plan: its layers, whole layers and slots, and its bytes against its budget
+    (with speculation, its share of the draft too)."""
+    rows = []
+    for d in p.devices or []:
+        blocks = d["blocks"]
+        held = f"{blocks[0]}-{blocks[-1]}" if blocks else "none"
+        draft = [human_bytes(d["draft_weights_bytes"] + d["draft_kv_cache_bytes"] + d["draft_compute_bytes"])]
+        rows.append([d["device"], held + (" + output" if d["output"] else ""), d["moe_layers"], d["whole_layers"],
+                     d["slots"], human_bytes(d["non_expert_bytes"] + d["kv_cache_bytes"] + d["compute_bytes"]
+                                             + d["margin_bytes"]),
+                     human_bytes(d["expert_vram_bytes"]), *(draft if p.speculation else []),
+                     human_bytes(d["budget_bytes"]), human_bytes(d["headroom_bytes"])])
+    split = ",".join(map(str, p.tensor_split or []))
+    draft_head = ["draft"] if p.speculation else []
+    head = ["GPU", "blocks", "MoE layers", "whole", "slots", "other VRAM", "experts", *draft_head, "budget", "headroom"]
+    return (table(head, rows, "ll" + "r" * (len(head) - 2))
+            + f"\nlayer split: -sm layer --tensor-split {split} (as llama.cpp places layers)")
 
 
 def _draft_rows(p: Plan) -> list[list[str]]:
@@ -203,7 +224,7 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("serve", help="launch an installed model's llama-server and verify it")
     p.add_argument("model", help="an installed name (see 'moeplug list')")
-    add_plan_options(p, "re-plan for this budget, e.g. 12GiB (kept as the model's plan)",
+    add_plan_options(p, "re-plan for this budget, e.g. 12GiB, or 12GiB,12GiB for two GPUs (kept as the model's plan)",
                      "re-plan for this context size (kept as the model's plan)")
     add_serve_options(p)
     p.add_argument("--record", action="store_true",
@@ -227,5 +248,6 @@ def register(sub: Any) -> None:
     p.set_defaults(func=cmd_list)
 
 
-BUDGET_HELP = "GPU memory to plan for, e.g. 12GiB (default: free VRAM from NVML)"
+BUDGET_HELP = ("GPU memory to plan for, e.g. 12GiB, or one per GPU in CUDA order, e.g. 12GiB,12GiB (default: "
+               "each GPU's free VRAM from NVML)")
 CTX_HELP = "context size to plan and serve (default 4096, or the model's training context when smaller)"

@@ -15,6 +15,7 @@ import re
 from typing import Any
 
 from moeplug.errors import MoeplugError
+from moeplug.gpu import MAX_PLANNED_GPUS
 from moeplug.sizes import parse_size
 
 INT32_MAX = 2**31 - 1  # llama.cpp reads its counts into an int
@@ -61,6 +62,31 @@ class Size:
         if not 0 < value <= self.hi:
             raise argparse.ArgumentTypeError(f"{text} is out of range: expected {self.describe()}, at most 1 PiB")
         return value
+
+
+class Budgets:
+    """--vram-budget: one size (one GPU, an int) or one per GPU in CUDA device order (12GiB,12GiB: a
+    list); at most as many as the planner splits layers over."""
+
+    MAX_GPUS = MAX_PLANNED_GPUS
+
+    def __init__(self) -> None:
+        self.item = Size(what="a VRAM budget")
+        self.__name__ = "a VRAM budget"
+
+    def describe(self) -> str:
+        return f"{self.item.describe()}, or one per GPU like 12GiB,12GiB (at most {self.MAX_GPUS})"
+
+    def __call__(self, text: str) -> int | list[int]:
+        parts = text.split(",")
+        if len(parts) == 1:
+            return self.item(text)
+        if any(not p.strip() for p in parts):
+            raise argparse.ArgumentTypeError(f"{text!r} has an empty budget: expected {self.describe()}")
+        if len(parts) > self.MAX_GPUS:
+            raise argparse.ArgumentTypeError(f"{text!r} gives {len(parts)} budgets: moeplug plans at most "
+                                             f"{self.MAX_GPUS} GPUs (one budget each)")
+        return [self.item(p.strip()) for p in parts]
 
 
 class IntList:
@@ -113,10 +139,10 @@ HALF_LIFE = Number(int, 1, 2**53, "a half-life in tokens")
 GAIN = Number(float, 0.0, 1.0, "a share of expert selections")
 IDLE_SECONDS = Number(float, 0.0, 86400.0, "a number of seconds")
 DRAFT_TOKENS = Number(int, 1, 1024, "a number of draft tokens")
-BUDGET = Size(what="a VRAM budget")
+BUDGET = Budgets()
 CUDA_ARCH = CudaArch()
 
-NUMERIC_TYPES = (Number, Size, IntList, CudaArch)
+NUMERIC_TYPES = (Number, Size, Budgets, IntList, CudaArch)
 
 
 # ---------------------------------------------------------------------------------------------

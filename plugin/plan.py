@@ -6,6 +6,10 @@ headroom, a safety margin) leaves room for slots, which allocate.py spreads over
 from the profile's hit curves. The same budget also gives stock llama.cpp's best placement
 (`-ncmoe K`), shown beside it.
 
+Two budgets (two GPUs, `--vram-budget 12GiB,12GiB`) plan each GPU's layers, whole layers and
+slots within that GPU's budget, and pass the layer split as `-sm layer --tensor-split A,B`
+(multi_gpu.py; llama.cpp's split arithmetic in split.py). One budget plans one GPU as before.
+
 The parts live by concern: the estimates in estimates.py, the llama-server flags in
 server_flags.py, size parsing in sizes.py, free RAM in probes.py and free VRAM in gpu.py.
 
@@ -40,6 +44,7 @@ from moeplug.estimates import (
     whole_layers_first,
 )
 from moeplug.model_inspect import ModelInfo
+from moeplug.multi_gpu import plan_split
 from moeplug.output import human_bytes
 from moeplug.profile.format import Profile
 from moeplug.server_flags import DYNAMIC_ARGS, experts_in_ram_args, placement_args
@@ -91,9 +96,14 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     cache_policy: str = "static"  # "dynamic": the slots follow the prompt (--moe-cache-policy dynamic)
     vram_source: str = "estimate"  # what sized the GPU's other buffers: "estimate" (estimates.py) or "llama-fit-params"
+    # two GPUs only (absent from a one-GPU plan's JSON): per GPU what it holds (multi_gpu.DevicePlan's
+    # JSON), and the --tensor-split proportions; the figures above are then the sums over the GPUs
+    devices: list[dict[str, Any]] | None = None
+    tensor_split: list[int] | None = None
     # speculative decoding (speculation.py): Speculation.to_json(), or None; what its draft holds on
-    # the GPU (an MTP head: its NextN blocks, experts included); the slots were spread for batches of
-    # tokens_per_step tokens, and modelled_host_ms is per such verification step
+    # the GPU (an MTP head: its NextN blocks, experts included; two GPUs: summed over them); the
+    # slots were spread for batches of tokens_per_step tokens, and modelled_host_ms is per such
+    # verification step
     speculation: dict[str, Any] | None = None
     draft_weights_bytes: int = 0
     draft_kv_cache_bytes: int = 0
@@ -101,7 +111,16 @@ class Plan:
     tokens_per_step: int = 1
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        doc = asdict(self)
+        for key in ("devices", "tensor_split"):
+            if doc[key] is None:
+                del doc[key]
+        return doc
+
+    @property
+    def budget(self) -> int | list[int] | None:
+        """The budget it was planned for, as make_plan takes it: one per GPU where it has two."""
+        return [d["budget_bytes"] for d in self.devices] if self.devices else self.vram_budget_bytes
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> Plan:
@@ -125,7 +144,7 @@ def _fit_warnings(fit: float, hit: float | None) -> list[str]:
     return []
 
 
-def make_plan(info: ModelInfo, ctx: int, vram_budget: int | None, profile_path: Path | None = None,
+def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, profile_path: Path | None = None,
               ram_available: int | None = None, slots_in_ram: int = 0, expert_room: int | None = None,
               need: DeviceNeed | None = None, policy: str = "auto", profile: Profile | None = None,
               spec: Speculation | None = None) -> Plan:
@@ -138,8 +157,12 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | None, profile_path: 
     says the GPU holds beside the experts; the budget less that and the CUDA context is the
     experts' room. policy: the slot policy, "static", "dynamic" or "auto" (dynamic wherever a
     layer is partly resident: the hot experts move from prompt to prompt, and the swaps cost
-    no results). spec: speculative decoding (the draft's VRAM comes off the room, the slots are
-    spread for its verification batches)."""
+    no results). vram_budget: bytes of one GPU, or a list of one per GPU (two: multi_gpu.py; need and
+    expert_room apply to one GPU only). spec: speculative decoding (the draft's VRAM comes off the
+    room, on two GPUs each GPU's share off its budget; the slots are spread for its verification
+    batches)."""
+    if isinstance(vram_budget, list) and len(vram_budget) == 1:
+        vram_budget = vram_budget[0]
     if not info.layers:
         raise MoeplugError(f"{info.path}: no routed-expert tensors: a dense model, nothing for moeplug to plan")
     trunk = trunk_of(info)
@@ -205,16 +228,29 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | None, profile_path: 
                     stock_modelled_host_ms=None, server_args=args, notes=[note, *spec_notes],
                     **(base | cpu | {"load_mode": "mmap", "expert_vram_bytes": 0}))
 
-    others = non_expert + kv + compute + margin
-    room = vram_budget - others - draft.total if expert_room is None else expert_room - draft.total
-    if room < 0:
-        raise MoeplugError(_no_room(vram_budget, others if expert_room is None else vram_budget - expert_room,
-                                    draft, spec, ctx))
-    ncmoe = stock_ncmoe(trunk, room)
+    split_args: list[str] = []
+    if isinstance(vram_budget, list):
+        split = plan_split(info, trunk, ctx, vram_budget, costs, profile is not None, spec)
+        room, slots = split.room, split.slots_per_layer
+        devices = [d.to_json() for d in split.devices]
+        sums = {key: sum(d[key] for d in devices) for key in
+                ("kv_cache_bytes", "compute_bytes", "margin_bytes", "draft_weights_bytes", "draft_kv_cache_bytes",
+                 "draft_compute_bytes")}
+        base |= sums | dict(non_expert_vram_bytes=sum(d["non_expert_bytes"] for d in devices), devices=devices,
+                            tensor_split=split.tensor_split, vram_source="estimate")
+        split_args = ["-sm", "layer", "--tensor-split", ",".join(map(str, split.tensor_split))]
+        vram_budget = sum(vram_budget)
+    else:
+        others = non_expert + kv + compute + margin
+        room = vram_budget - others - draft.total if expert_room is None else expert_room - draft.total
+        if room < 0:
+            raise MoeplugError(_no_room(vram_budget, others if expert_room is None else vram_budget - expert_room,
+                                        draft, spec, ctx))
+        slots = allocate(costs, room) if profile else whole_layers_first(trunk, room)
+    ncmoe = stock_ncmoe(trunk, room)  # two GPUs: stock's placement for their rooms pooled
     stock_slots = [info.n_expert if layer.block >= ncmoe else 0 for layer in trunk.layers]
-    slots = allocate(costs, room) if profile else whole_layers_first(trunk, room)
     s = summary(slots, room)
-    args = ["-c", str(ctx), "-ngl", "99", "-fit", "off", *lm_args]
+    args = ["-c", str(ctx), "-ngl", "99", *split_args, "-fit", "off", *lm_args]
     notes = list(load_notes) + spec_notes
     whole = sum(n >= info.n_expert for n in slots)
     if whole == n_trunk:
@@ -233,7 +269,11 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | None, profile_path: 
         if base["cache_policy"] == "dynamic":
             notes.append("the slots follow the prompt (--moe-cache-policy dynamic): a hot missed expert replaces "
                          "the coldest resident one between batches, uploaded while the next tokens compute")
-        if not profile:
+        if not profile and split_args:
+            notes.append(f"no profile to choose slots: stock placement on each GPU, {whole} whole layer"
+                         f"{'s' if whole != 1 else ''} (each GPU's first), the experts of the other "
+                         f"{n_trunk - whole} in RAM")
+        elif not profile:
             notes.append(f"no profile to choose slots: stock placement, {whole} whole layer{'s' if whole != 1 else ''} "
                          f"on the GPU, the experts of the last {n_trunk - whole} in RAM")
         elif whole:

@@ -19,13 +19,14 @@ RANKS: list[tuple[int, tuple[str, ...]]] = [
     (5, ("moeplug.actions", "moeplug.monitor", "moeplug.hooks.watch", "moeplug.reprofile")),
     (4, ("moeplug.install",)),
     (3, ("moeplug.plan", "moeplug.hooks")),
-    (2, ("moeplug.allocate", "moeplug.estimates", "moeplug.server_flags", "moeplug.speculation")),
+    (2, ("moeplug.allocate", "moeplug.estimates", "moeplug.server_flags", "moeplug.multi_gpu",
+         "moeplug.speculation")),
     (1, ("moeplug.profile", "moeplug.native", "moeplug.model_inspect", "moeplug.synth", "moeplug.refs",
          "moeplug.demo", "moeplug.download", "moeplug.serving", "moeplug.server", "moeplug.metrics", "moeplug.trace",
          "moeplug.schedule")),
     (0, ("moeplug", "moeplug.errors", "moeplug.paths", "moeplug.fsutil", "moeplug.output", "moeplug.progress",
          "moeplug.runlog", "moeplug.sizes", "moeplug.gpu", "moeplug.probes", "moeplug.archs", "moeplug.options",
-         "moeplug.fit_estimate")),
+         "moeplug.fit_estimate", "moeplug.split")),
 ]
 CLI_RANK = RANKS[0][0]
 
