@@ -390,8 +390,10 @@ def test_hook_watch_service_regenerates_and_stops_on_ctrl_c(home: dict[str, str]
     preset = tmp_path / "router.ini"
     assert moeplug(home, "hook", "llama-server", "--preset", str(preset)).returncode == 0
     updated = read_hooks()[0].updated
+    # SIGINT as a terminal's Ctrl-C finds it: a test run started in the background (`cmd &` without
+    # job control) ignores SIGINT, and a child would inherit that
     proc = subprocess.Popen([sys.executable, "-m", "moeplug", "hook", "watch"], env=home, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert "watching" in proc.stderr.readline()
         record = installed_dir() / "demo.json"
