@@ -142,3 +142,20 @@ def test_serve_bench_with_speculation(patched_build, stock_build, bench_model: P
     bad = subprocess.run([sys.executable, str(SERVE_BENCH), "--spec", "bogus"], capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "--spec 'bogus'" in bad.stderr
+
+
+def test_serve_bench_two_gpu_budgets(patched_build, stock_build, bench_model: Path, tmp_path: Path) -> None:
+    """--budgets 2+2 (GiB on each of two GPUs): moeplug's plan splits the layers (-sm layer
+    --tensor-split), stock --fit gets a -fitt per GPU; a malformed per-GPU budget is refused."""
+    _, doc = run_bench(patched_build, stock_build, bench_model, tmp_path, "--workloads", "random",
+                       "--budgets", "2+2", "--rounds", "1")
+    (row,) = doc["tables"]["random"]
+    assert row["budget"] == "2+2 GiB" and row["decode"]["ratio_median"] > 0
+    stock = next(c for c in doc["configs"] if c["side"] == "stock")["server_args"]
+    mine = next(c for c in doc["configs"] if c["side"] == "moeplug")["server_args"]
+    assert stock[stock.index("-fitt") + 1] == "0,0"  # no GPU: nothing to leave free
+    assert mine[mine.index("-sm") + 1] == "layer" and len(mine[mine.index("--tensor-split") + 1].split(",")) == 2
+    for bad in ("8+", "8+8+8", "0+8"):
+        r = subprocess.run([sys.executable, str(SERVE_BENCH), "--budgets", bad], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 2 and "GiB for each of two GPUs (8+8)" in r.stderr, r.stderr

@@ -5,7 +5,9 @@ llama-server `--fit on` at the same VRAM budget, on text, recorded routing and r
     python native/bench/serve_bench.py --shape gpt-oss-20b --budgets 25%,50% --workloads replay,text \\
         --trace ../shared/data/traces/gpt-oss-20b/decode-routing-mmlu.npz --train-prompts 0:400 --replay-prompts 400:
 
-For each budget (GiB, or `N%`: the planner's other VRAM plus N% of the model's expert bytes) and
+For each budget (GiB; `N%`: the planner's other VRAM plus N% of the model's expert bytes; `A+B`: GiB
+on each of two GPUs, moeplug splitting the layers as it plans them, stock --fit given a -fitt per
+GPU) and
 each server configuration, one llama-server is launched per round through moeplug's own library
 (`moeplug.install.plan_for` -> `Plan.server_args` -> `moeplug.serving.launch_verified`, exactly what
 `moeplug serve` runs, with --metrics), the workload's prompts are sent one by one to
@@ -87,15 +89,35 @@ class Config:
     errors: list[str] = field(default_factory=list)
 
 
-def parse_budgets(text: str) -> list[tuple[str, float, bool]]:
-    """'8,12,16' (GiB) or '25%,50%' (of the expert bytes): (label, value, is_fraction)."""
-    out = []
+def parse_budgets(text: str) -> list[tuple[str, float | list[float], bool]]:
+    """'8,12,16' (GiB), '25%,50%' (of the expert bytes) or '8+8,12+12' (GiB per GPU, two GPUs):
+    (label, value, is_fraction); a per-GPU budget's value is the list of its GiB."""
+    out: list[tuple[str, float | list[float], bool]] = []
     for item in (x.strip() for x in text.split(",") if x.strip()):
         try:
-            out.append((item, float(item[:-1]) / 100, True) if item.endswith("%") else (f"{item} GiB", float(item), False))
+            if "+" in item:
+                per_gpu = [float(v) for v in item.split("+")]
+                if len(per_gpu) != 2 or min(per_gpu) <= 0:
+                    raise ValueError
+                out.append((f"{item} GiB", per_gpu, False))
+            else:
+                out.append((item, float(item[:-1]) / 100, True) if item.endswith("%") else (f"{item} GiB", float(item), False))
         except ValueError:
-            raise ValueError(f"--budgets: {item!r} is neither GiB (8) nor a share of the expert bytes (25%)") from None
+            raise ValueError(f"--budgets: {item!r} is neither GiB (8), a share of the expert bytes (25%) nor "
+                             f"GiB for each of two GPUs (8+8)") from None
     return out
+
+
+def fit_targets(budget: int | list[int], free: int | None) -> str:
+    """stock's -fitt: MiB to leave free, so that the budget is what it may use (per GPU for a list;
+    0 without a GPU, the CPU smoke test)."""
+    from moeplug.gpu import gpus
+
+    if not isinstance(budget, list):
+        return str(max(0, (free - budget) // MIB) if free is not None else 0)
+    found = gpus()
+    return ",".join(str(max(0, (g.free_bytes - b) // MIB) if g else 0)
+                    for g, b in zip(found + [None] * len(budget), budget))
 
 
 def budget_bytes(info, ctx: int, value: float, fraction: bool, need=None, spec=None) -> int:
@@ -105,6 +127,8 @@ def budget_bytes(info, ctx: int, value: float, fraction: bool, need=None, spec=N
     and buffers)."""
     from moeplug.plan import make_plan
 
+    if isinstance(value, list):
+        return [int(v * GIB) for v in value]
     if not fraction:
         return int(value * GIB)
     p = make_plan(info, ctx, 1 << 50, need=need, spec=spec)
@@ -480,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, value, fraction in budgets:
         budget = budget_bytes(info, a.ctx, value, fraction, need, spec)
         label = label if not fraction else f"{label} ({budget / GIB:.2f} GiB)"
-        margin = max(0, (free - budget) // MIB) if free is not None else 0
+        margin = fit_targets(budget, free)
         groups = [(plain, text_prof, [], patched.binary("llama-server"), stock.binary("llama-server"), stock.build_id)]
         if replay:
             groups.append((["replay"], replay[0], [REPLAY_FLAG, str(replay[1])], patched.binary("llama-server"),
