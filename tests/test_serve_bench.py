@@ -138,7 +138,7 @@ def test_serve_bench_with_speculation(patched_build, stock_build, bench_model: P
         drafted, accepted = c["drafts"]["random"]
         assert drafted > 0 and 0 < accepted <= drafted
     assert "-md" not in baseline["server_args"] and not baseline["drafts"]
-    assert f"vs stock --fit, no speculation |" in stdout
+    assert "vs stock --fit, no speculation |" in stdout
     bad = subprocess.run([sys.executable, str(SERVE_BENCH), "--spec", "bogus"], capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "--spec 'bogus'" in bad.stderr
