@@ -80,15 +80,21 @@ def check_one_line_error(r, case: str) -> None:
     assert "Traceback" not in r.stderr + r.stdout, case
 
 
+def within(cases: list, seconds: float):
+    """The cases in order, until seconds have passed (the fuzz loops are bounded in time)."""
+    deadline = time.monotonic() + seconds
+    for case in cases:
+        if time.monotonic() > deadline:
+            return
+        yield case
+
+
 def fuzz_cli(data: bytes, path: Path, argv: list[str], data_too: bool, what: str) -> None:
     path.write_bytes(data)
     assert run_cli(*argv, str(path)).returncode == 0  # the file itself is read
-    deadline = time.monotonic() + TIME_LIMIT_S
     ran = refused = 0
     all_cases = cases(data, CASES, data_too)
-    for case, buf in all_cases:
-        if time.monotonic() > deadline:
-            break
+    for case, buf in within(all_cases, TIME_LIMIT_S):
         path.write_bytes(buf)
         r = run_cli(*argv, str(path))
         check_one_line_error(r, case)
@@ -221,12 +227,9 @@ def test_llama_server_serves_on_hostile_profiles(server: Server, tiny_model: Pat
     picked = [("the profile", data)] + rng.sample(trunc, min(len(trunc), server.profile_cases // 3))
     picked += list(mutants(data, rng, server.profile_cases - len(picked), data_too=True))
     profile, log = tmp_path / "case.gguf", tmp_path / "server.log"
-    deadline = time.monotonic() + server.profile_s
     seen: dict[str, int] = {}
     ran = 0
-    for case, buf in picked:
-        if time.monotonic() > deadline:
-            break
+    for case, buf in within(picked, server.profile_s):
         profile.write_bytes(buf)
         got = outcome(*start(server.binary, tiny_model, ["--moe-cache-profile", str(profile),
                                                          "--moe-cache-slots", "2"], log, server.env))
@@ -255,12 +258,9 @@ def test_llama_server_refuses_broken_models_as_stock_does(server: Server, stock_
     trunc = list(truncations(data))
     picked = rng.sample(trunc, 10) + list(mutants(data, rng, server.model_cases, data_too=False))
     model, log = tmp_path / "case.gguf", tmp_path / "server.log"
-    deadline = time.monotonic() + server.model_s
     outcomes: dict[str, int] = {}
     ran = 0
-    for case, buf in picked:
-        if time.monotonic() > deadline:
-            break
+    for case, buf in within(picked, server.model_s):
         model.write_bytes(buf)
         stock = outcome(*start(stock_build.binary("llama-server"), model, [], log))
         mine = outcome(*start(server.binary, model, ["--moe-cache-profile", str(tiny_profile),

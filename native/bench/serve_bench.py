@@ -120,7 +120,7 @@ def fit_targets(budget: int | list[int], free: int | None) -> str:
                     for g, b in zip(found + [None] * len(budget), budget))
 
 
-def budget_bytes(info, ctx: int, value: float, fraction: bool, need=None, spec=None) -> int:
+def budget_bytes(info, ctx: int, value: float | list[float], fraction: bool, need=None, spec=None) -> int | list[int]:
     """Bytes of VRAM; a fraction buys that share of the expert bytes beside what the planner puts
     on the GPU anyway (weights, KV cache, buffers and margin: llama.cpp's own estimate where
     llama-fit-params saw a GPU, need, else moeplug's; and a speculative draft's weights, KV cache
@@ -232,6 +232,11 @@ def ratios(mine: Config, stock: Config, workload: str, test: int) -> list[float]
     return [a[i] / b[i] for i in sorted(a) if i in b and b[i] > 0]
 
 
+def ratio_summary(r: list[float]) -> dict[str, float | None]:
+    """The median and the lowest of per-prompt ratios (None for none)."""
+    return {"ratio_median": statistics.median(r) if r else None, "ratio_lowest": min(r) if r else None}
+
+
 def hit_rate(cfg: Config, workload: str) -> float | None:
     h = cfg.hits.get(workload) or []
     sel = sum(s for _, s in h)
@@ -258,8 +263,7 @@ def table_rows(pairs: list[tuple[Config, Config]], workload: str) -> list[dict[s
         for test, key in ((0, "prefill"), (1, "decode")):
             r = ratios(mine, stock, workload, test)
             row[key] = {"moeplug_tps": median(list(per_prompt(mine, workload, test).values())),
-                        "stock_tps": median(list(per_prompt(stock, workload, test).values())),
-                        "ratio_median": statistics.median(r) if r else None, "ratio_lowest": min(r) if r else None}
+                        "stock_tps": median(list(per_prompt(stock, workload, test).values())), **ratio_summary(r)}
         row["vram_mib"] = {"moeplug": _mib(mine), "stock": _mib(stock)}
         row["hit_rate"] = hit_rate(mine, workload)
         row["drafts"] = {"moeplug": mine.drafts.get(workload), "stock": stock.drafts.get(workload)}
@@ -305,8 +309,7 @@ def record_rows(pairs: list[tuple[Config, Config]], workload: str) -> list[dict[
             continue
         row: dict[str, Any] = {"budget": rec.budget, "moeplug": plain.desc}
         for test, key in ((0, "prefill"), (1, "decode")):
-            r = ratios(rec, plain, workload, test)
-            row[key] = {"ratio_median": statistics.median(r) if r else None, "ratio_lowest": min(r) if r else None}
+            row[key] = ratio_summary(ratios(rec, plain, workload, test))
         rows.append(row)
     if rows:
         print(f"\n### {workload}: recording's cost, with --moe-cache-record / without (per-prompt ratios)\n")
@@ -504,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, value, fraction in budgets:
         budget = budget_bytes(info, a.ctx, value, fraction, need, spec)
         label = label if not fraction else f"{label} ({budget / GIB:.2f} GiB)"
-        margin = fit_targets(budget, free)
+        fitt = fit_targets(budget, free)
         groups = [(plain, text_prof, [], patched.binary("llama-server"), stock.binary("llama-server"), stock.build_id)]
         if replay:
             groups.append((["replay"], replay[0], [REPLAY_FLAG, str(replay[1])], patched.binary("llama-server"),
@@ -515,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
             plans = [plan_for(info, a.ctx, budget, profile, slots_on_cpu=False, fit_tool=fit_tool,
                               policy=p.removesuffix("+record"), spec=spec) for p in policies]
             load = ["-lm", "none"] if plans[0].load_mode == "pinned" else []
-            stock_args = ["-c", str(a.ctx), "--fit", "on", "-fitt", str(margin), *load, *common, *extra]
+            stock_args = ["-c", str(a.ctx), "--fit", "on", "-fitt", fitt, *load, *common, *extra]
             theirs = Config(label, "stock", stock_bin, stock_id,
                             stock_args + (spec.server_args(gpu=True) + spec_args if spec else []), group,
                             desc="--fit" + (f", {spec.kind}" if spec else ""))

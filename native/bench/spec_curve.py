@@ -47,8 +47,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import GIB, MIB, free_vram_or_say, interleaved_rounds, median  # noqa: E402
-from serve_bench import DEFAULT_TRACE, budget_bytes, build_of, parse_budgets, prepare_model, replay_inputs  # noqa: E402
+from bench import GIB, free_vram_or_say, interleaved_rounds, median  # noqa: E402
+from serve_bench import (DEFAULT_TRACE, budget_bytes, build_of, fit_targets, parse_budgets, prepare_model,  # noqa: E402
+                         replay_inputs)
 
 ACCEPTANCE = (0.5, 0.6, 0.7, 0.8, 0.9)
 DRAFT_LENGTHS = range(1, 9)
@@ -237,13 +238,13 @@ def main(argv: list[str] | None = None) -> int:
     for label, value, fraction in budgets:
         budget = budget_bytes(info, ctx, value, fraction, need)
         label = label if not fraction else f"{label} ({budget / GIB:.2f} GiB)"
-        margin = max(0, (free - budget) // MIB) if free is not None else 0
+        fitt = fit_targets(budget, free)
         plan = plan_for(info, ctx, budget, profile_path, slots_on_cpu=False,
                         fit_tool=patched.binary("llama-fit-params"), policy=a.policy)
         args = ["-ngl", "99", *placement_args(info, plan.slots_per_layer, profile, profile_path, plan.cache_policy)]
         mine = Row(label, "moeplug", args, slots_env,
                    f"{describe_slots(plan.slots_per_layer, info.n_expert)}, {plan.cache_policy}")
-        stock = Row(label, "stock", ["-fitt", str(margin)], desc="--fit")
+        stock = Row(label, "stock", ["-fitt", fitt], desc="--fit")
         print(f"# {label}: moeplug {' '.join(mine.args)} | stock {' '.join(stock.args)}", file=sys.stderr)
         rows += [mine, stock]
         pairs.append((mine, stock))
