@@ -46,14 +46,16 @@ def parse_fit_print(text: str) -> list[DeviceNeed]:
 
 
 def gpu_need(fit_tool: Path, model: Path, ctx: int, extra_args: list[str] | None = None,
-             timeout: float = 300) -> DeviceNeed | None:
+             timeout: float = 300, experts_in_ram: bool = True) -> DeviceNeed | None:
     """What the first GPU holds for a server of this model and context with every routed expert in
-    RAM, by llama.cpp's own estimate; None when the tool is missing, fails or finds no GPU. Asked
-    once per process for the same tool, model file and context (the dashboard re-plans often)."""
+    RAM (experts_in_ram False: every weight on the GPU, as a speculative draft model is loaded), by
+    llama.cpp's own estimate; None when the tool is missing, fails or finds no GPU. Asked once per
+    process for the same tool, model file and context (the dashboard re-plans often)."""
     if not fit_tool.exists() or not Path(model).exists():
         return None
     stamp = tuple((p.stat().st_mtime_ns, p.stat().st_size) for p in (fit_tool, Path(model)))
-    return _gpu_need(fit_tool, Path(model), ctx, tuple(extra_args or ()), timeout, stamp)
+    extra = (("--cpu-moe",) if experts_in_ram else ()) + tuple(extra_args or ())
+    return _gpu_need(fit_tool, Path(model), ctx, extra, timeout, stamp)
 
 
 @functools.lru_cache(maxsize=32)
@@ -61,7 +63,7 @@ def _gpu_need(fit_tool: Path, model: Path, ctx: int, extra_args: tuple[str, ...]
               stamp: tuple[tuple[int, int], ...]) -> DeviceNeed | None:
     """gpu_need's run of the tool; stamp (the files' mtime and size) only keys the cache."""
     try:
-        r = subprocess.run([str(fit_tool), "-m", str(model), "-c", str(ctx), "-ngl", "99", "--cpu-moe",
+        r = subprocess.run([str(fit_tool), "-m", str(model), "-c", str(ctx), "-ngl", "99",
                             "--fit-print", "on", *extra_args], capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired):
         return None

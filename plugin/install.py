@@ -198,10 +198,20 @@ def plan_for(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pro
     one_gpu = budget is not None and not isinstance(budget, list)
     need = gpu_need(fit_tool, info.path, ctx) if fit_tool is not None and one_gpu else None
     plan = make_plan(info, ctx, budget, profile, available_ram_bytes(), slots_in_ram, need=need, policy=policy,
-                     profile=loaded, spec=spec)
+                     profile=loaded, spec=spec, draft_need=draft_need_for(spec, ctx, fit_tool if one_gpu else None))
     note = one_budget_note(budget, found)
     plan.notes += [note] if note else []
     return plan
+
+
+def draft_need_for(spec: Speculation | None, ctx: int, fit_tool: Path | None) -> Any:
+    """llama.cpp's own estimate of what a speculative draft model holds on the GPU (a DeviceNeed), or
+    None: no draft model, no tool, or no GPU (the planner then estimates it itself)."""
+    from moeplug.fit_estimate import gpu_need
+
+    if spec is None or spec.kind != "draft" or fit_tool is None:
+        return None
+    return gpu_need(fit_tool, Path(str(spec.draft)), ctx, experts_in_ram=False)
 
 
 def installed_build(m: InstalledModel) -> Any:

@@ -147,7 +147,7 @@ def _fit_warnings(fit: float, hit: float | None) -> list[str]:
 def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, profile_path: Path | None = None,
               ram_available: int | None = None, slots_in_ram: int = 0, expert_room: int | None = None,
               need: DeviceNeed | None = None, policy: str = "auto", profile: Profile | None = None,
-              spec: Speculation | None = None) -> Plan:
+              spec: Speculation | None = None, draft_need: DeviceNeed | None = None) -> Plan:
     """profile: the profile at profile_path when the caller has read it already (a re-profile's
     preview plans from the profile it is about to store there). slots_in_ram: without a GPU, hold
     that many slots per layer in RAM anyway (the demo's stand-in for a GPU,
@@ -160,7 +160,7 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
     no results). vram_budget: bytes of one GPU, or a list of one per GPU (two: multi_gpu.py; need and
     expert_room apply to one GPU only). spec: speculative decoding (the draft's VRAM comes off the
     room, on two GPUs each GPU's share off its budget; the slots are spread for its verification
-    batches)."""
+    batches); draft_need: llama.cpp's own estimate for a draft model (install.draft_need_for)."""
     if isinstance(vram_budget, list) and len(vram_budget) == 1:
         vram_budget = vram_budget[0]
     if not info.layers:
@@ -168,7 +168,7 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
     trunk = trunk_of(info)
     if not trunk.layers:
         raise MoeplugError(f"{info.path}: routed experts only in its MTP (NextN) blocks: nothing for moeplug to plan")
-    draft = spec_need(info, spec, ctx)
+    draft = spec_need(info, spec, ctx, draft_need)
     mtp = spec is not None and spec.kind == "mtp"
     k = spec.tokens_per_step if spec is not None else 1
     per_slot = bytes_per_slot(trunk)

@@ -37,6 +37,7 @@ from typing import Any
 
 from moeplug.errors import EXIT_USAGE, MoeplugError
 from moeplug.estimates import CUDA_POOL_HEADROOM, compute_buffer_bytes, kv_cache_bytes, nextn_layers
+from moeplug.fit_estimate import DeviceNeed
 from moeplug.model_inspect import ModelInfo, inspect_model
 
 KINDS = ("draft", "mtp", "ngram")
@@ -168,8 +169,18 @@ def read_draft(spec: Speculation) -> ModelInfo:
     return inspect_model(path, dense_ok=True)
 
 
-def spec_need(info: ModelInfo, spec: Speculation | None, ctx: int) -> SpecNeed:
-    """What the draft holds on the GPU for a server of `info` at ctx tokens (module docstring)."""
+def draft_weight_bytes(draft: ModelInfo) -> int:
+    """A draft model's weights on the GPU: every tensor but the token embeddings, which llama.cpp
+    keeps in RAM (its input layer is always the CPU's), unless the output matrix is tied to them."""
+    names = {t.name for t in draft.tensors}
+    tied = "output.weight" not in names
+    return sum(t.n_bytes for t in draft.tensors if tied or t.name != "token_embd.weight")
+
+
+def spec_need(info: ModelInfo, spec: Speculation | None, ctx: int, measured: DeviceNeed | None = None) -> SpecNeed:
+    """What the draft holds on the GPU for a server of `info` at ctx tokens (module docstring).
+    measured: llama.cpp's own estimate for the draft model alone (fit_estimate.gpu_need with every
+    weight on the GPU), which replaces moeplug's where llama-fit-params saw a GPU."""
     if spec is None or spec.kind == "ngram":
         return NO_NEED
     if spec.kind == "mtp":
@@ -177,5 +188,7 @@ def spec_need(info: ModelInfo, spec: Speculation | None, ctx: int) -> SpecNeed:
             raise MoeplugError(f"--spec mtp: {info.path} has no MTP (NextN) block "
                                f"({info.arch}.nextn_predict_layers is not set or its blocks hold no tensor)")
         return SpecNeed(nextn_weight_bytes(info), kv_cache_bytes(info, ctx, mtp=True), draft_compute_bytes(info))
+    if measured is not None:
+        return SpecNeed(measured.model, measured.context, measured.compute + DRAFT_POOL_HEADROOM)
     draft = read_draft(spec)
-    return SpecNeed(draft.total_bytes, kv_cache_bytes(draft, ctx), draft_compute_bytes(draft))
+    return SpecNeed(draft_weight_bytes(draft), kv_cache_bytes(draft, ctx), draft_compute_bytes(draft))

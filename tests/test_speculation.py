@@ -105,15 +105,19 @@ def test_batches_give_a_flat_layer_slots_a_skewed_one_had() -> None:
 
 
 def test_a_draft_model_is_counted_in_the_budget(fixture_models, draft: Path, tmp_path: Path) -> None:
-    """Its weights (every tensor, on the GPU), its KV cache at the served context, its compute
-    buffer: off the experts' room; the flags name it; too small a budget says so in one line."""
+    """Its weights (every tensor on the GPU but the token embeddings, which llama.cpp keeps in RAM),
+    its KV cache at the served context, its compute buffer: off the experts' room; the flags name
+    it; too small a budget says so in one line."""
     info, d, ctx = inspect_model(fixture_models["qwen3moe"]), inspect_model(draft), 2048
     layer = info.layers[0].expert_bytes
     spec = Speculation("draft", str(draft))
-    need = d.total_bytes + kv_cache_bytes(d, ctx) + compute_buffer_bytes(d) + CUDA_POOL_HEADROOM // 4
+    names = {t.name for t in d.tensors}
+    assert "output.weight" in names and "token_embd.weight" in names  # untied: the embeddings stay in RAM
+    weights = d.total_bytes - next(t.n_bytes for t in d.tensors if t.name == "token_embd.weight")
+    need = weights + kv_cache_bytes(d, ctx) + compute_buffer_bytes(d) + CUDA_POOL_HEADROOM // 4
     budget = others(info, ctx) + need + int(1.5 * layer)
     plan = make_plan(info, ctx, budget, spec=spec)
-    assert plan.draft_weights_bytes == d.total_bytes
+    assert plan.draft_weights_bytes == weights
     assert plan.draft_kv_cache_bytes == ctx * 2 * 2 * (64 + 64) * 2  # 2 layers x 2 KV heads x (K + V) x f16
     assert plan.draft_weights_bytes + plan.draft_kv_cache_bytes + plan.draft_compute_bytes == need
     assert plan.whole_layers == 1 and plan.expert_vram_bytes <= budget - others(info, ctx) - need
@@ -128,7 +132,7 @@ def test_a_draft_model_is_counted_in_the_budget(fixture_models, draft: Path, tmp
                 "--draft", str(draft), "--spec-draft-max", "5", "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
-    assert doc["draft_weights_bytes"] == d.total_bytes and doc["draft_kv_cache_bytes"] == plan.draft_kv_cache_bytes
+    assert doc["draft_weights_bytes"] == weights and doc["draft_kv_cache_bytes"] == plan.draft_kv_cache_bytes
     assert doc["speculation"]["kind"] == "draft" and doc["tokens_per_step"] == 6
     assert doc["server_args"][-2:] == ["--spec-draft-n-max", "5"]
     human = run_cli("plan", str(fixture_models["qwen3moe"]), "--vram-budget", f"{budget}", "--ctx", str(ctx),
@@ -223,8 +227,9 @@ def test_llama_server_speculates_with_the_planned_flags(patched_build, fixture_m
     buffers = parse_buffers(section.split("adding speculative implementation")[0])
     assert sum(buffers["KV"].values()) * MIB == pytest.approx(plan.draft_kv_cache_bytes, abs=0.01 * MIB)
     assert max(buffers["compute"].values()) * MIB <= plan.draft_compute_bytes
-    if kind == "draft":
-        assert sum(buffers["model"].values()) * MIB == pytest.approx(plan.draft_weights_bytes, rel=0.02)
+    if kind == "draft":  # every weight in a host buffer here; the plan's are those a GPU would hold
+        embd = next(t.n_bytes for t in inspect_model(draft).tensors if t.name == "token_embd.weight")
+        assert sum(buffers["model"].values()) * MIB == pytest.approx(plan.draft_weights_bytes + embd, rel=0.02)
     drafted = re.search(rf"{spec_type}: .*#gen drafts = +(\d+)", log)
     assert drafted and int(drafted[1]) > 0, log[-2000:]
 
@@ -261,3 +266,15 @@ def test_install_keeps_the_speculation_for_serve(patched_build, fixture_models, 
     listed = json.loads(run_cli_process("list", "--json", env=env).stdout)["models"]
     assert listed[0]["plan"]["speculation"] is None
 
+
+def test_llama_cpp_s_estimate_of_the_draft_replaces_moeplug_s(fixture_models, draft: Path) -> None:
+    """Where llama-fit-params measured the draft alone (a GPU), its weights, context and compute
+    buffer are what the plan takes off the budget, plus the draft context's own CUDA pool."""
+    from moeplug.fit_estimate import DeviceNeed
+
+    info, ctx = inspect_model(fixture_models["qwen3moe"]), 2048
+    spec = Speculation("draft", str(draft))
+    measured = DeviceNeed("CUDA0", 3 * MIB, 5 * MIB, 7 * MIB)
+    plan = make_plan(info, ctx, 1 << 40, spec=spec, draft_need=measured)
+    assert (plan.draft_weights_bytes, plan.draft_kv_cache_bytes, plan.draft_compute_bytes) == \
+        (3 * MIB, 5 * MIB, 7 * MIB + CUDA_POOL_HEADROOM // 4)

@@ -120,7 +120,8 @@ def fit_targets(budget: int | list[int], free: int | None) -> str:
                     for g, b in zip(found + [None] * len(budget), budget))
 
 
-def budget_bytes(info, ctx: int, value: float | list[float], fraction: bool, need=None, spec=None) -> int | list[int]:
+def budget_bytes(info, ctx: int, value: float | list[float], fraction: bool, need=None, spec=None,
+                 draft_need=None) -> int | list[int]:
     """Bytes of VRAM; a fraction buys that share of the expert bytes beside what the planner puts
     on the GPU anyway (weights, KV cache, buffers and margin: llama.cpp's own estimate where
     llama-fit-params saw a GPU, need, else moeplug's; and a speculative draft's weights, KV cache
@@ -131,7 +132,7 @@ def budget_bytes(info, ctx: int, value: float | list[float], fraction: bool, nee
         return [int(v * GIB) for v in value]
     if not fraction:
         return int(value * GIB)
-    p = make_plan(info, ctx, 1 << 50, need=need, spec=spec)
+    p = make_plan(info, ctx, 1 << 50, need=need, spec=spec, draft_need=draft_need)
     other = p.non_expert_vram_bytes + p.kv_cache_bytes + p.compute_bytes + p.margin_bytes
     draft = p.draft_weights_bytes + p.draft_kv_cache_bytes + p.draft_compute_bytes
     return int(other + draft + value * info.expert_bytes)
@@ -389,7 +390,7 @@ def replay_inputs(model: Path, a: argparse.Namespace) -> tuple[Path, Path, int] 
 
 def main(argv: list[str] | None = None) -> int:
     from moeplug.fit_estimate import gpu_need
-    from moeplug.install import SLOTS_ON_CPU_ENV, plan_for
+    from moeplug.install import SLOTS_ON_CPU_ENV, draft_need_for, plan_for
     from moeplug.model_inspect import inspect_model
     from moeplug.plan import describe_slots
 
@@ -504,8 +505,11 @@ def main(argv: list[str] | None = None) -> int:
     fit_tool = patched.binary("llama-fit-params")
     need = gpu_need(fit_tool, model, a.ctx) if free is not None else None
     print(f"# llama-fit-params, every routed expert in RAM: {need}", file=sys.stderr)
+    draft_need = draft_need_for(spec, a.ctx, fit_tool) if free is not None else None
+    if draft_need is not None:
+        print(f"# llama-fit-params, the draft model: {draft_need}", file=sys.stderr)
     for label, value, fraction in budgets:
-        budget = budget_bytes(info, a.ctx, value, fraction, need, spec)
+        budget = budget_bytes(info, a.ctx, value, fraction, need, spec, draft_need)
         label = label if not fraction else f"{label} ({budget / GIB:.2f} GiB)"
         fitt = fit_targets(budget, free)
         groups = [(plain, text_prof, [], patched.binary("llama-server"), stock.binary("llama-server"), stock.build_id)]
