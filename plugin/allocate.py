@@ -41,6 +41,20 @@ the round trip and slot pass stay one per step, and the modelled time is per ver
 cross-validated hit curve's steps, so the ranking is still judged on prompts it was not made from;
 tokens of one batch are treated as independent draws, which overstates the distinct experts a
 little (consecutive tokens route alike) and so, if anything, values the slots of flat layers high.
+
+Prompts cost too. A prompt batch (up to a ubatch of 512 tokens) uploads, for every layer that is
+not whole, the experts its tokens picked that have no slot, and each such layer costs a fixed
+stall besides (the scheduler waits for the GPU before it copies a layer's weights). On the H200,
+llama-bench pp64 on the Qwen3-30B-A3B shape fitted 0.58 ms per such layer and batch plus the
+experts at 36.8 GB/s, within 2% of four placements (stock --fit, -ncmoe 30, 48 slots in every
+layer scattered or contiguous; native/BENCHMARKS.md, eleventh session), and it explained why
+placement mattered there: the benchmark model's early layers route a 64-token prompt to 94-42
+distinct experts, its later ones to ~25, so keeping the later layers' experts in RAM (as --fit
+does) uploads a third fewer bytes than keeping the first ones there. How many distinct experts a
+prompt batch picks per layer comes from the profile's prompt tokens, split by prompt as above (the
+slots ranked on one half, the batches of the other half counted), and `prefill_weight` says how
+many prompt tokens the workload has per generated token (1 by default; 0 plans for decode only).
+A profile without prompt tokens (one made from a decode trace) adds no prompt cost.
 """
 
 from __future__ import annotations
@@ -59,6 +73,12 @@ CPU_EXPERT_BYTES_PER_S = 63e9
 ROUND_TRIP_S = 60e-6
 SLOT_PASS_S = 20e-6
 TIE_BREAK_S = 1e-12
+# Prompt batches (module docstring): a layer that is not whole stalls the batch this long and
+# uploads the experts it misses at this rate (H200, PCIe 5, pinned weights, llama-bench pp64).
+OFFLOAD_LAYER_S = 0.58e-3
+UPLOAD_BYTES_PER_S = 36.8e9
+PREFILL_WEIGHT = 1.0  # prompt tokens per generated token
+PREFILL_UBATCH = 512  # llama-server's ubatch: a longer prompt uploads once per ubatch
 
 
 @dataclass
@@ -68,6 +88,11 @@ class LayerCost:
     n_expert_used: int
     hits: np.ndarray  # [n_expert + 1]: share of selections the top-N experts serve, N = 0..n_expert
     tokens_per_step: int = 1  # k: tokens one batch verifies (speculative decoding: draft tokens + 1)
+    # per prompt token: experts uploaded with the top-N resident, N = 0..n_expert (prefill_uploads),
+    # and prompt batches; None: no prompt cost (the profile holds no prompt tokens)
+    prefill: np.ndarray | None = None
+    prefill_batches: float = 0.0
+    prefill_weight: float = PREFILL_WEIGHT
 
     def missed_experts(self, n_slots: np.ndarray) -> np.ndarray:
         """Expected distinct experts a step computes on the CPU with n_slots resident: at k = 1 the
@@ -84,8 +109,17 @@ class LayerCost:
         """Modelled host-side time per step (a decoded token, or a verification batch of
         tokens_per_step tokens) with n_slots resident experts."""
         cpu = self.missed_experts(n_slots) * self.bytes_per_expert / CPU_EXPERT_BYTES_PER_S
-        t = ROUND_TRIP_S + np.where(n_slots > 0, SLOT_PASS_S, 0.0) + cpu
+        t = ROUND_TRIP_S + np.where(n_slots > 0, SLOT_PASS_S, 0.0) + cpu + self.prompt_seconds(n_slots)
         return np.where(n_slots >= self.n_expert, 0.0, t)
+
+    def prompt_seconds(self, n_slots: np.ndarray) -> np.ndarray:
+        """The layer's share of prompt processing per step, weighted by prompt tokens per generated
+        token: its stalls and uploads per prompt token (module docstring), 0 without prompt data."""
+        if self.prefill is None or self.prefill_weight <= 0:
+            return np.zeros_like(np.asarray(n_slots), dtype=np.float64)
+        per_token = (self.prefill_batches * OFFLOAD_LAYER_S
+                     + self.prefill[np.minimum(n_slots, self.n_expert)] * self.bytes_per_expert / UPLOAD_BYTES_PER_S)
+        return self.prefill_weight * self.tokens_per_step * per_token
 
 
 def uniform_hits(n_expert: int) -> np.ndarray:
@@ -156,6 +190,43 @@ def hit_curves(profile: Profile | None, n_layers: int, n_expert: int) -> np.ndar
     curves = np.maximum.accumulate(np.clip(curves, 0.0, 1.0), axis=1)
     curves[:, -1] = 1.0
     return curves
+
+
+def prefill_uploads(profile: Profile | None, n_layers: int, n_expert: int,
+                    ubatch: int = PREFILL_UBATCH) -> tuple[np.ndarray, float] | None:
+    """Per layer, the experts a prompt batch uploads per prompt token with the top-N resident
+    (float [n_layers, n_expert + 1]), and prompt batches per prompt token; None where the profile
+    holds no prompt tokens. The prompt tokens of each prompt are cut into batches of `ubatch`; the
+    experts are ranked on the other half of the prompts (the folds of hit_curves) and the distinct
+    experts of each batch counted behind the top N."""
+    if profile is None:
+        return None
+    sources = [s for s in profile.sources if len(s.seq) and s.meta.shape[0] == len(s.seq)]
+    if not sources or not any((s.meta[:, 2] == 0).any() for s in sources):
+        return None
+    seq = np.concatenate([s.seq for s in sources]).astype(np.int64)
+    meta = np.concatenate([s.meta for s in sources])
+    prompt_id = np.concatenate([s.meta[:, 0].astype(np.int64) + (i << 32) for i, s in enumerate(sources)])
+    fold = _prompt_folds(sources)
+    ranks = [_layer_counts(seq[fold == f], n_layers, n_expert) for f in (0, 1)]
+    uploads = np.zeros((n_layers, n_expert + 1))
+    n_batches = n_tokens = 0
+    prefill = meta[:, 2] == 0
+    for pid in np.unique(prompt_id[prefill]):
+        steps = np.flatnonzero(prefill & (prompt_id == pid))
+        other = ranks[1 - int(fold[steps[0]])]
+        for start in range(0, len(steps), ubatch):
+            batch = seq[steps[start:start + ubatch]]  # [tokens, n_layers, k]
+            n_batches += 1
+            n_tokens += len(batch)
+            for layer in range(n_layers):
+                ids = batch[:, layer, :].ravel()
+                used = np.zeros(n_expert, dtype=np.float64)
+                used[ids[(ids >= 0) & (ids < n_expert)]] = 1.0
+                order = np.lexsort((np.arange(n_expert), -other[layer]))
+                ranked = used[order]
+                uploads[layer] += np.concatenate([np.cumsum(ranked[::-1])[::-1], [0.0]])
+    return uploads / n_tokens, n_batches / n_tokens
 
 
 def slot_order(counts_decode: np.ndarray, counts_prefill: np.ndarray) -> np.ndarray:

@@ -185,11 +185,12 @@ def remake_profile(name: str, prompt_sets: list[str] | None = None, progress: Pr
 
 def plan_for(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, profile: Path | None,
              slots_on_cpu: bool, loaded: Profile | None = None, fit_tool: Path | None = None,
-             policy: str = "auto", spec: Speculation | None = None) -> Plan:
+             policy: str = "auto", spec: Speculation | None = None, prefill_weight: float | None = None) -> Plan:
     """The plan at a budget (None: the free VRAM of each GPU; a list: one per GPU). loaded: the
     profile to plan from when it is not (yet) the file at `profile`. fit_tool: the build's
     llama-fit-params, whose estimate of the GPU's other buffers replaces moeplug's own where it
-    sees a GPU (one GPU only). spec: speculative decoding."""
+    sees a GPU (one GPU only). spec: speculative decoding. prefill_weight: prompt tokens per
+    generated token (None: the planner's default, allocate.PREFILL_WEIGHT)."""
     from moeplug.fit_estimate import gpu_need
 
     found = gpus()
@@ -198,7 +199,8 @@ def plan_for(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pro
     one_gpu = budget is not None and not isinstance(budget, list)
     need = gpu_need(fit_tool, info.path, ctx) if fit_tool is not None and one_gpu else None
     plan = make_plan(info, ctx, budget, profile, available_ram_bytes(), slots_in_ram, need=need, policy=policy,
-                     profile=loaded, spec=spec, draft_need=draft_need_for(spec, ctx, fit_tool if one_gpu else None))
+                     profile=loaded, spec=spec, draft_need=draft_need_for(spec, ctx, fit_tool if one_gpu else None),
+                     **({} if prefill_weight is None else {"prefill_weight": prefill_weight}))
     note = one_budget_note(budget, found)
     plan.notes += [note] if note else []
     return plan

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from moeplug.allocate import LayerCost, allocate, hit_curves, modelled_seconds
+from moeplug.allocate import PREFILL_WEIGHT, LayerCost, allocate, hit_curves, modelled_seconds, prefill_uploads
 from moeplug.errors import MoeplugError
 from moeplug.fit_estimate import CUDA_CONTEXT_RESERVE, DeviceNeed
 from moeplug.estimates import (
@@ -55,10 +55,13 @@ WARN_FIT = 0.20
 WARN_FIT_STRONG = 0.15
 
 
-def _layer_costs(info: ModelInfo, profile: Profile | None, tokens_per_step: int = 1) -> list[LayerCost]:
+def _layer_costs(info: ModelInfo, profile: Profile | None, tokens_per_step: int = 1,
+                 prefill_weight: float = PREFILL_WEIGHT) -> list[LayerCost]:
     curves = hit_curves(profile, len(info.layers), info.n_expert)
-    return [LayerCost(layer.bytes_per_expert, layer.n_expert, info.n_expert_used, curve, tokens_per_step)
-            for layer, curve in zip(info.layers, curves)]
+    prompts = prefill_uploads(profile, len(info.layers), info.n_expert) if prefill_weight > 0 else None
+    return [LayerCost(layer.bytes_per_expert, layer.n_expert, info.n_expert_used, curve, tokens_per_step,
+                      prompts[0][i] if prompts else None, prompts[1] if prompts else 0.0, prefill_weight)
+            for i, (layer, curve) in enumerate(zip(info.layers, curves))]
 
 
 def trunk_of(info: ModelInfo) -> ModelInfo:
@@ -147,7 +150,8 @@ def _fit_warnings(fit: float, hit: float | None) -> list[str]:
 def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, profile_path: Path | None = None,
               ram_available: int | None = None, slots_in_ram: int = 0, expert_room: int | None = None,
               need: DeviceNeed | None = None, policy: str = "auto", profile: Profile | None = None,
-              spec: Speculation | None = None, draft_need: DeviceNeed | None = None) -> Plan:
+              spec: Speculation | None = None, draft_need: DeviceNeed | None = None,
+              prefill_weight: float = PREFILL_WEIGHT) -> Plan:
     """profile: the profile at profile_path when the caller has read it already (a re-profile's
     preview plans from the profile it is about to store there). slots_in_ram: without a GPU, hold
     that many slots per layer in RAM anyway (the demo's stand-in for a GPU,
@@ -160,7 +164,9 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
     no results). vram_budget: bytes of one GPU, or a list of one per GPU (two: multi_gpu.py; need and
     expert_room apply to one GPU only). spec: speculative decoding (the draft's VRAM comes off the
     room, on two GPUs each GPU's share off its budget; the slots are spread for its verification
-    batches); draft_need: llama.cpp's own estimate for a draft model (install.draft_need_for)."""
+    batches); draft_need: llama.cpp's own estimate for a draft model (install.draft_need_for).
+    prefill_weight: prompt tokens per generated token, what prompt batches weigh beside decoding
+    (allocate.py; 0: decode only)."""
     if isinstance(vram_budget, list) and len(vram_budget) == 1:
         vram_budget = vram_budget[0]
     if not info.layers:
@@ -181,7 +187,7 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
     margin = SAFETY_MARGIN if need is None else CUDA_CONTEXT_RESERVE
     if profile is None and profile_path:
         profile = _read_profile(profile_path)
-    costs = _layer_costs(trunk, profile, k)
+    costs = _layer_costs(trunk, profile, k, prefill_weight)
     load_mode, load_notes = choose_load_mode(info, ram_available)
     n_layers = len(info.layers)
     n_trunk = len(trunk.layers)

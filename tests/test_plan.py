@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from helpers import run_cli
-from moeplug.allocate import LayerCost, _curve, _layer_counts, allocate, hit_curves, modelled_seconds, uniform_hits
+from moeplug.allocate import (LayerCost, _curve, _layer_counts, allocate, hit_curves, modelled_seconds, prefill_uploads,
+                              uniform_hits)
 from moeplug.errors import MoeplugError
 from moeplug.model_inspect import inspect_model
 from moeplug.estimates import CUDA_POOL_HEADROOM, SAFETY_MARGIN, compute_buffer_bytes, kv_cache_bytes, stock_ncmoe
@@ -181,6 +182,49 @@ def test_hit_curves_do_not_trust_lucky_experts() -> None:
     assert abs(cv[:, 32].mean() - 0.25) < 0.03
     assert np.all(np.diff(cv, axis=1) >= 0) and np.all(cv[:, -1] == 1.0)
 
+
+
+def test_prompt_batches_upload_the_distinct_experts_behind_the_slots() -> None:
+    """Two prompts, one layer of 8 experts, 2 picked per token: each prompt's batches count the
+    distinct experts they pick behind the top N of the other prompt's ranking, per prompt token;
+    a longer prompt than the ubatch uploads once per batch."""
+    picks = {0: [(0, 1), (0, 2), (0, 1)], 1: [(0, 3), (1, 3)]}  # prompt 0 uses {0, 1, 2}, prompt 1 {0, 1, 3}
+    seq = np.array([[ids] for q in (0, 1) for ids in picks[q]], dtype=np.int16)  # [5 tokens, 1 layer, 2]
+    meta = np.array([[q, pos, 0] for q in (0, 1) for pos in range(len(picks[q]))], dtype=np.int32)
+    counts = np.bincount(seq.ravel(), minlength=8)[None, :]
+    prof = Profile(fingerprint=None, tensors=["blk.0.ffn_down_exps.weight"], counts_prefill=counts,  # type: ignore[arg-type]
+                   counts_decode=counts * 0, sources=[ProfileSource("t", ["a", "b"], seq, meta)])
+    # prompt 0 ranked by prompt 1's counts (3, 0, 1, 2, ...), prompt 1 by prompt 0's (0, 1, 2, 3, ...)
+    uploads, batches = prefill_uploads(prof, 1, 8)
+    assert uploads[0].tolist() == pytest.approx(np.array([6, 5, 3, 2, 0, 0, 0, 0, 0]) / 5)
+    assert batches == pytest.approx(2 / 5)
+    uploads, batches = prefill_uploads(prof, 1, 8, ubatch=2)  # prompt 0: {0, 1, 2} then {0, 1}
+    assert uploads[0].tolist() == pytest.approx(np.array([8, 7, 4, 2, 0, 0, 0, 0, 0]) / 5)
+    assert batches == pytest.approx(3 / 5)
+    decode_only = replace(prof, sources=[ProfileSource("t", ["a", "b"], seq, meta * [1, 1, 0] + [0, 0, 1])])
+    assert prefill_uploads(decode_only, 1, 8) is None  # no prompt tokens: no prompt cost
+
+
+def test_a_prompt_heavy_workload_moves_slots_to_the_diverse_layer() -> None:
+    """Two layers alike for decoding (skewed routers), room for one layer's experts. Decoding alone
+    splits the slots evenly; when a prompt batch of 64 tokens picks 100 distinct experts in the
+    first layer and 25 in the second, four prompt tokens per generated token move slots to the
+    first, whose uploads they save."""
+    zipf = 1 / np.arange(1, 129) ** 1.2
+    hits = np.concatenate([[0.0], np.cumsum(zipf / zipf.sum())])
+    n = np.arange(129)
+
+    def layer(distinct: int, weight: float) -> LayerCost:
+        return LayerCost(2_654_208, 128, 8, hits, prefill=distinct * (1 - n / 128) / 64, prefill_batches=1 / 64,
+                         prefill_weight=weight)
+
+    room = 128 * 2_654_208
+    decode = allocate([layer(100, 0.0), layer(25, 0.0)], room)
+    assert all(0 < s < 128 for s in decode) and abs(decode[0] - decode[1]) <= 1, decode
+    prompts = allocate([layer(100, 4.0), layer(25, 4.0)], room)
+    assert sum(prompts) == 128 and prompts[0] > decode[0] + 32, prompts
+    assert modelled_seconds([layer(100, 4.0), layer(25, 4.0)], prompts) < \
+        modelled_seconds([layer(100, 4.0), layer(25, 4.0)], decode)
 
 
 def test_hit_curves_split_by_prompt() -> None:

@@ -415,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-replay-weights", action="store_true", help="replay the experts only, weights from the router")
     ap.add_argument("--profile-tokens", type=int, default=256, help="tokens per prompt of the text profile")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--prefill-weights", default="",
+                    help="moeplug rows per planner prefill weight (prompt tokens per generated token), e.g. 0,1 "
+                         "(default: the planner's)")
     ap.add_argument("--policies", default="", help="moeplug rows per slot policy, e.g. static,dynamic (default: the "
                     "plan's own choice, one row); a policy+record row also records live routing counts "
                     "(--moe-cache-record), to measure what recording costs beside the same policy without it")
@@ -447,6 +450,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         ap.error(str(exc))
     policies = [p.strip() for p in a.policies.split(",") if p.strip()] or ["auto"]
+    try:
+        weights = [float(w) for w in a.prefill_weights.split(",") if w.strip()] or [None]
+    except ValueError:
+        ap.error(f"--prefill-weights: {a.prefill_weights!r}: give numbers, e.g. 0,1")
+    if any(w is not None and w < 0 for w in weights):
+        ap.error("--prefill-weights: each weight must be 0 or more")
     if any(p.removesuffix("+record") not in ("auto", "static", "dynamic") for p in policies):
         ap.error(f"--policies: {a.policies!r}: each of auto, static, dynamic, optionally with +record")
     if a.spec is None and (a.spec_accept is not None or a.spec_baseline or a.spec_draft_max is not None):
@@ -519,8 +528,9 @@ def main(argv: list[str] | None = None) -> int:
         for group, profile, extra, mine_bin, stock_bin, stock_id in groups:
             if not group:
                 continue
+            variants = [(p, w) for p in policies for w in weights]
             plans = [plan_for(info, a.ctx, budget, profile, slots_on_cpu=False, fit_tool=fit_tool,
-                              policy=p.removesuffix("+record"), spec=spec) for p in policies]
+                              policy=p.removesuffix("+record"), spec=spec, prefill_weight=w) for p, w in variants]
             load = ["-lm", "none"] if plans[0].load_mode == "pinned" else []
             stock_args = ["-c", str(a.ctx), "--fit", "on", "-fitt", fitt, *load, *common, *extra]
             theirs = Config(label, "stock", stock_bin, stock_id,
@@ -531,10 +541,11 @@ def main(argv: list[str] | None = None) -> int:
             if spec and a.spec_baseline:
                 baseline = Config(label, "stock", stock_bin, stock_id, stock_args, group, desc="--fit, no speculation")
                 configs.append(baseline)
-            for plan, policy in zip(plans, policies):
+            for plan, (policy, weight) in zip(plans, variants):
                 record = ["--moe-cache-record"] if policy.endswith("+record") else []
                 desc = describe_slots(plan.slots_per_layer, info.n_expert)
-                desc += f", {plan.cache_policy}{'+record' if record else ''}" if len(plans) > 1 else ""
+                desc += f", {plan.cache_policy}{'+record' if record else ''}" if len(policies) > 1 else ""
+                desc += f", prefill weight {weight:g}" if len(weights) > 1 else ""
                 desc += f", {spec.kind}" if spec else ""
                 mine = Config(label, "moeplug", mine_bin, patched.build_id,
                               [*plan.server_args, *record, *spec_args, *common, *extra], group, slots_env, desc)
