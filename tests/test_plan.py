@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import run_cli
+from helpers import make_profile, run_cli
 from moeplug.allocate import (LayerCost, _curve, _layer_counts, allocate, hit_curves, modelled_seconds, prefill_uploads,
                               uniform_hits)
 from moeplug.errors import MoeplugError
@@ -225,6 +225,29 @@ def test_a_prompt_heavy_workload_moves_slots_to_the_diverse_layer() -> None:
     assert sum(prompts) == 128 and prompts[0] > decode[0] + 32, prompts
     assert modelled_seconds([layer(100, 4.0), layer(25, 4.0)], prompts) < \
         modelled_seconds([layer(100, 4.0), layer(25, 4.0)], decode)
+
+
+def test_prompt_cost_prints_the_planner_s_prompt_model(patched_build, fixture_models, tmp_path: Path) -> None:
+    """native/bench/prompt_cost.py on a real profile: distinct experts per prompt batch for every
+    layer, and one row for the stock rule and one per prefill weight."""
+    import sys
+
+    model = fixture_models["qwen3moe"]
+    info = inspect_model(model)
+    profile = make_profile(patched_build, model, tmp_path / "p.profile.gguf", 8)
+    budget = fixed_bytes(info, 4096) + info.expert_bytes // 2
+    script = Path(__file__).parents[1] / "native" / "bench" / "prompt_cost.py"
+    r = subprocess.run([sys.executable, str(script), str(model), str(profile), "--budget", str(budget),
+                        "--weights", "0,1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("distinct experts per prompt batch"))
+    distinct = [int(x) for x in line.split(":")[1].split()]
+    assert len(distinct) == len(info.layers) and all(1 <= d <= info.n_expert for d in distinct)
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| ") and "placement" not in ln]
+    assert len(rows) == 3 and "stock --fit's rule" in rows[0] and "prefill weight 1" in rows[2], r.stdout
+    bad = subprocess.run([sys.executable, str(script), str(model), str(tmp_path / "none.gguf")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
 
 
 def test_hit_curves_split_by_prompt() -> None:
