@@ -100,10 +100,6 @@ size_t llama_model_moeplug_cache_stats(const llama_model * model, llama_moeplug_
     return layers.size();
 }
 
-void llama_moeplug_cache_configure_sched(const llama_moeplug_cache & cache, ggml_backend_sched_t sched) {
-    ggml_backend_sched_set_async_weight_copies(sched, !cache.layers.empty());
-}
-
 uint32_t llama_moeplug_cache::n_extra_nodes() const {
     // and a copy of the selections of every recorded layer
     return MOEPLUG_CACHE_EXTRA_NODES_PER_LAYER * (uint32_t) layers.size() + 2 * (uint32_t) recorded.size();

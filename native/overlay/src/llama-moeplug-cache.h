@@ -13,7 +13,6 @@
 //   src/llama-context.cpp  graph_params(): passes model.moeplug_cache to the graph         (0005)
 //                          graph_max_nodes(): + llama_moeplug_cache::n_extra_nodes()      (0005)
 //                          process_ubatch(): llama_moeplug_cache_after_compute() after a graph (0011)
-//                          the constructor: llama_moeplug_cache_configure_sched() per scheduler (0022)
 //   src/llama-graph.cpp    build_moe_ffn(): llama_moeplug_cache::build_experts()          (0005)
 //   src/llama-ext.h        the C API: llama_model_moeplug_cache_init/_stats, _record_*    (0005, 0011)
 //   src/CMakeLists.txt     this file's .cpp in libllama                                   (0005)
@@ -172,11 +171,6 @@ void llama_moeplug_read_expert(llama_moeplug_cache & cache, const ggml_tensor * 
 // policy) commits finished uploads and starts new ones (src/llama-moeplug-policy.cpp)
 void llama_moeplug_cache_after_compute(llama_moeplug_cache & cache, ggml_backend_sched_t sched, ggml_cgraph * gf,
         const llama_ubatch & ubatch);
-
-// a context's scheduler, for a model with the cache: prompt batches copy the missed experts of the
-// partly resident layers from host memory, queued behind the GPU's work instead of waiting for it
-// (ggml_backend_sched_set_async_weight_copies)
-void llama_moeplug_cache_configure_sched(const llama_moeplug_cache & cache, ggml_backend_sched_t sched);
 
 // the name of a graph's copy of a layer's selected experts, read after the graph: "moeplug_obs-IL-K"
 // with K 's' (the two passes ran), 'w' (a whole layer ran its slots) or 'n' (the stock pass ran)
