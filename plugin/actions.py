@@ -34,11 +34,12 @@ from moeplug.speculation import KeepInstalled, Speculation
 
 def plan_model(model: str, *, ctx: int | None = None, vram_budget: int | list[int] | None = None,
                profile: Path | None = None, ctx_override: bool = False,
-               spec: Speculation | KeepInstalled | None = KeepInstalled(), progress: ProgressFn = silent) -> Plan:
+               spec: Speculation | KeepInstalled | None = KeepInstalled(), prefill_weight: float | None = None,
+               progress: ProgressFn = silent) -> Plan:
     """Plan an installed model (by name) or any model reference, for a budget (None: free VRAM; a
     list: one per GPU) and a context (None: 4096, or the training context when smaller); profile
     None: the stored one. spec: speculative decoding (None: none; KeepInstalled: an installed
-    model's own)."""
+    model's own). prefill_weight: prompt tokens per generated token (None: the planner's default)."""
     from moeplug.profile.format import model_fingerprint
     from moeplug.profile.runner import default_profile_path
 
@@ -50,7 +51,8 @@ def plan_model(model: str, *, ctx: int | None = None, vram_budget: int | list[in
     require_moe(info)
     ctx = context_size(info, ctx, ctx_override)
     profile = profile or default_profile_path(model_fingerprint(path))
-    return plan_for(info, ctx, vram_budget, profile if profile.exists() else None, slots_on_cpu=False, spec=spec)
+    return plan_for(info, ctx, vram_budget, profile if profile.exists() else None, slots_on_cpu=False, spec=spec,
+                    prefill_weight=prefill_weight)
 
 
 @dataclass

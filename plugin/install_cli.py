@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moeplug.options import JOBS, TOKENS, add_backend, add_json, add_plan_options, add_serve_options, add_spec_options
+from moeplug.options import JOBS, PREFILL_WEIGHT, TOKENS, add_backend, add_json, add_plan_options, add_serve_options, add_spec_options
 from moeplug.output import Output, human_bytes, table
 from moeplug.plan import Plan, describe_slots
 from moeplug.server import HOST
@@ -31,8 +31,9 @@ def plan_text(p: Plan) -> str:
         ["experts in VRAM", human_bytes(p.expert_vram_bytes)],
         ["predicted hit rate", f"{p.predicted_hit_rate:.1%}" if p.predicted_hit_rate is not None else "no profile"],
         ["stock -ncmoe for this budget", str(p.stock_ncmoe) if p.stock_ncmoe is not None else "-"],
-        ["modelled CPU time per token" if p.tokens_per_step == 1 else
-         f"modelled CPU time per batch of {p.tokens_per_step}", _host_ms(p)],
+        ["modelled host time per token" if p.tokens_per_step == 1 else
+         f"modelled host time per batch of {p.tokens_per_step}", _host_ms(p)],
+        ["prompt tokens per generated token", f"{p.prefill_weight:g} (planned for)"],
         ["load mode", p.load_mode],
     ]
     lines = [table(["plan", ""], rows, "lr")] + ([devices_text(p)] if p.devices else [])
@@ -122,7 +123,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     out = Output.for_args(args)
     plan = plan_model(args.model, ctx=args.ctx, vram_budget=args.vram_budget,
                       profile=Path(args.profile) if args.profile else None, ctx_override=args.ctx_override,
-                      spec=spec, progress=out.progress)
+                      spec=spec, prefill_weight=args.prefill_weight, progress=out.progress)
     return out.result(plan, plan_text)
 
 
@@ -218,6 +219,9 @@ def register(sub: Any) -> None:
     p.add_argument("model", help="an installed name or a model reference")
     add_plan_options(p, BUDGET_HELP, CTX_HELP)
     p.add_argument("--profile", help="profile file (default: the model's stored profile, if any)")
+    p.add_argument("--prefill-weight", type=PREFILL_WEIGHT, default=None,
+                   help="prompt tokens per generated token to plan for, 0-1000: prompt batches upload the experts "
+                        "of every layer that is not whole (default 1; 0: decode only)")
     add_spec_options(p, shorthands=True, keep=True)
     add_json(p)
     p.set_defaults(func=cmd_plan)

@@ -139,6 +139,7 @@ HALF_LIFE = Number(int, 1, 2**53, "a half-life in tokens")
 GAIN = Number(float, 0.0, 1.0, "a share of expert selections")
 IDLE_SECONDS = Number(float, 0.0, 86400.0, "a number of seconds")
 DRAFT_TOKENS = Number(int, 1, 1024, "a number of draft tokens")
+PREFILL_WEIGHT = Number(float, 0.0, 1000.0, "prompt tokens per generated token")
 BUDGET = Budgets()
 CUDA_ARCH = CudaArch()
 

@@ -90,7 +90,7 @@ class Plan:
     fit_fraction: float
     predicted_hit_rate: float | None
     stock_ncmoe: int | None
-    modelled_host_ms: float | None  # CPU-side time per decoded token (allocate.py's model)
+    modelled_host_ms: float | None  # host-side time per decoded token, prompts weighted (allocate.py's model)
     stock_modelled_host_ms: float | None  # the same for stock -ncmoe at this budget
     load_mode: str
     profile: str | None
@@ -112,6 +112,8 @@ class Plan:
     draft_kv_cache_bytes: int = 0
     draft_compute_bytes: int = 0
     tokens_per_step: int = 1
+    # prompt tokens per generated token the slots were spread for (allocate.py: prompt batches)
+    prefill_weight: float = PREFILL_WEIGHT
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -198,7 +200,8 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
                 n_expert=info.n_expert, n_moe_layers=n_layers, load_mode=load_mode,
                 profile=str(profile_path) if profile_path else None,
                 speculation=spec.to_json() if spec else None, draft_weights_bytes=draft.weights,
-                draft_kv_cache_bytes=draft.kv_cache, draft_compute_bytes=draft.compute, tokens_per_step=k)
+                draft_kv_cache_bytes=draft.kv_cache, draft_compute_bytes=draft.compute, tokens_per_step=k,
+                prefill_weight=prefill_weight)
     lm_args = ["-lm", "none"] if load_mode == "pinned" else []
     spec_notes = [f"speculative decoding: {spec.describe()}; slots spread for verification batches of {k} "
                   f"tokens"] if spec else []

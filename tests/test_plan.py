@@ -19,10 +19,10 @@ from moeplug.allocate import (LayerCost, _curve, _layer_counts, allocate, hit_cu
 from moeplug.errors import MoeplugError
 from moeplug.model_inspect import inspect_model
 from moeplug.estimates import CUDA_POOL_HEADROOM, SAFETY_MARGIN, compute_buffer_bytes, kv_cache_bytes, stock_ncmoe
-from moeplug.plan import make_plan
+from moeplug.plan import _layer_costs, make_plan
 from moeplug.server_flags import experts_in_ram_args, placement_args
 from moeplug.sizes import parse_size
-from moeplug.profile.format import Profile, ProfileSource
+from moeplug.profile.format import Profile, ProfileSource, read_profile
 from moeplug.serving import parse_buffers
 from moeplug.server import start_server
 
@@ -340,6 +340,32 @@ def test_cli_plan_json(fixture_models) -> None:
                 "server_args"):
         assert key in doc, key
     assert doc["vram_budget_bytes"] == 2 << 30 and doc["slots_per_layer"] == [8, 8, 8] and doc["whole_layers"] == 3
+    assert doc["prefill_weight"] == 1.0  # the default: as many prompt tokens as generated ones
+
+
+def test_cli_plan_prefill_weight(patched_build, fixture_models, tmp_path: Path) -> None:
+    """`plan --prefill-weight W` plans for W prompt tokens per generated token (kept in the plan);
+    with a real profile a heavier weight never models the prompt side worse; out of range is one line."""
+    model = fixture_models["qwen3moe"]
+    info = inspect_model(model)
+    profile = make_profile(patched_build, model, tmp_path / "p.profile.gguf", 8)
+    budget = str(fixed_bytes(info, 2048) + info.expert_bytes // 2)
+    docs = {}
+    for w in ("0", "8"):
+        r = run_cli("plan", str(model), "--vram-budget", budget, "--ctx", "2048", "--profile", str(profile),
+                    "--prefill-weight", w, "--json")
+        assert r.returncode == 0, r.stderr
+        docs[w] = json.loads(r.stdout)
+        assert docs[w]["prefill_weight"] == float(w)
+    costs = _layer_costs(info, read_profile(profile), 1, 1.0)
+
+    def prompt(slots: list[int]) -> float:
+        return sum(float(c.prompt_seconds(np.array(n))) for c, n in zip(costs, slots) if n < info.n_expert)
+
+    assert prompt(docs["8"]["slots_per_layer"]) <= prompt(docs["0"]["slots_per_layer"])
+    for bad in ("-1", "1001", "x"):
+        r = run_cli("plan", str(model), "--prefill-weight", bad)
+        assert r.returncode == 2 and "--prefill-weight" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_cli_plan_without_gpu_is_a_cpu_plan(fixture_models) -> None:
