@@ -290,11 +290,41 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
                          f"hit curves make {'them' if whole != 1 else 'it'} worth more than spreading the slots")
             if "--moe-cache-slots" not in args:
                 notes.append("no partly resident layer: stock's placement, nothing for the cache to hold")
+    if spec is not None and k > 1 and profile is not None:
+        notes += _speculation_note(trunk, profile, slots, k)
     args += spec.server_args(gpu=True) if spec else []
     return Plan(backend="cuda", vram_budget_bytes=vram_budget, stock_ncmoe=ncmoe,
                 modelled_host_ms=1e3 * modelled_seconds(costs, slots),
                 stock_modelled_host_ms=1e3 * modelled_seconds(costs, stock_slots), server_args=args,
                 warnings=_fit_warnings(s["fit_fraction"], s["predicted_hit_rate"]), notes=notes, **(base | s))
+
+
+def tokens_per_step(acceptance: float, n_draft: int) -> float:
+    """Tokens one verification step yields when each drafted token is accepted with this
+    probability after the ones before it: 1 + a + ... + a^n."""
+    return float(sum(acceptance ** i for i in range(n_draft + 1)))
+
+
+def _speculation_note(trunk: ModelInfo, profile: Profile, slots: list[int], k: int) -> list[str]:
+    """What a verification batch of k tokens costs on the host against one token with these slots
+    (allocate.py: a batch reads the union of its tokens' missed experts), and the acceptance per
+    drafted token it takes for drafts to pay that back, the draft's own time not counted; nothing
+    where no expert is read from RAM."""
+    one = modelled_seconds(_layer_costs(trunk, profile, 1, 0.0), slots)
+    batch = modelled_seconds(_layer_costs(trunk, profile, k, 0.0), slots)
+    if one <= 0:
+        return []
+    ratio = batch / one
+    head = (f"speculation: a verification batch of {k} tokens is modelled at {ratio:.1f}x the host time of one "
+            f"token with these slots (it reads the experts all {k} picked)")
+    if tokens_per_step(1.0, k - 1) <= ratio:
+        return [head + "; no acceptance pays for it where host time dominates"]
+    lo, hi = 0.0, 1.0
+    for _ in range(50):  # the acceptance at which a step yields `ratio` tokens
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if tokens_per_step(mid, k - 1) < ratio else (lo, mid)
+    return [head + f"; drafts pay only where a step yields more than {ratio:.1f} tokens: above {hi:.2f} acceptance "
+                   f"per drafted token, before the draft's own time"]
 
 
 def _no_room(budget: int, others: int, draft: SpecNeed, spec: Speculation | None, ctx: int) -> str:

@@ -278,3 +278,33 @@ def test_llama_cpp_s_estimate_of_the_draft_replaces_moeplug_s(fixture_models, dr
     plan = make_plan(info, ctx, 1 << 40, spec=spec, draft_need=measured)
     assert (plan.draft_weights_bytes, plan.draft_kv_cache_bytes, plan.draft_compute_bytes) == \
         (3 * MIB, 5 * MIB, 7 * MIB + CUDA_POOL_HEADROOM // 4)
+
+
+def test_the_plan_says_what_acceptance_pays_for_a_verification_batch(patched_build, fixture_models, draft: Path,
+                                                                      tmp_path: Path) -> None:
+    """With a profile and experts in RAM, the plan notes the modelled host time of a batch of
+    k = draft + 1 tokens against one token's, and the acceptance at which a step yields that many
+    tokens: more drafted tokens cost more per batch and need at least as much acceptance."""
+    from helpers import make_profile
+    from moeplug.plan import tokens_per_step
+
+    assert tokens_per_step(0.0, 3) == 1.0 and tokens_per_step(1.0, 3) == 4.0
+    assert tokens_per_step(0.5, 2) == pytest.approx(1.75)
+    model = fixture_models["qwen3moe"]
+    info = inspect_model(model)
+    profile = make_profile(patched_build, model, tmp_path / "p.profile.gguf", 8)
+    d = inspect_model(draft)
+    room = d.total_bytes + kv_cache_bytes(d, 2048) + compute_buffer_bytes(d) + CUDA_POOL_HEADROOM // 4
+    budget = others(info, 2048) + room + info.expert_bytes // 3
+    found = {}
+    for n in (1, 3):
+        plan = make_plan(info, 2048, budget, profile, spec=Speculation("draft", str(draft), n))
+        notes = [x for x in plan.notes if x.startswith("speculation: a verification batch")]
+        assert len(notes) == 1, plan.notes
+        m = re.search(rf"batch of {n + 1} tokens is modelled at ([\d.]+)x .* above ([\d.]+) acceptance", notes[0])
+        assert m, notes[0]
+        found[n] = float(m[1]), float(m[2])
+        assert 1.0 <= found[n][0] <= n + 1
+        assert tokens_per_step(found[n][1], n) == pytest.approx(found[n][0], abs=0.06)
+    assert found[3][0] > found[1][0] and found[3][1] >= found[1][1] - 0.01
+    assert not [x for x in make_plan(info, 2048, budget, profile).notes if x.startswith("speculation")]
