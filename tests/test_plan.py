@@ -128,13 +128,17 @@ def whole_layers_lead(slots: Sequence[int], n_expert: int) -> bool:
 
 def test_allocation_is_optimal_against_brute_force() -> None:
     """Every way to spread the slots over four small layers, the whole ones first: the dynamic
-    programme finds the least modelled time."""
+    programme finds the least modelled time, prompt batches weighed or not."""
     rng = np.random.default_rng(5)
     for trial in range(40):
         layers = []
         for _ in range(4):
             p = np.sort(rng.dirichlet(np.full(6, rng.uniform(0.2, 3))))[::-1]
             layers.append(cost(np.concatenate([[0.0], np.cumsum(p)]), used=2))
+            if trial % 2:  # with prompt batches: uploads per prompt token falling with the slots
+                uploads = np.concatenate([np.sort(rng.uniform(0, 0.2, 6))[::-1], [0.0]])
+                layers[-1] = LayerCost(2_654_208, 6, 2, layers[-1].hits, prefill=uploads,
+                                       prefill_batches=1 / 64, prefill_weight=float(rng.uniform(0, 4)))
         room = int(rng.integers(0, 25)) * 2_654_208
         got = allocate(layers, room)
         assert sum(got) * 2_654_208 <= room and whole_layers_lead(got, 6)
