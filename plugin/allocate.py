@@ -209,12 +209,14 @@ def prefill_uploads(profile: Profile | None, n_layers: int, n_expert: int,
     prompt_id = np.concatenate([s.meta[:, 0].astype(np.int64) + (i << 32) for i, s in enumerate(sources)])
     fold = _prompt_folds(sources)
     ranks = [_layer_counts(seq[fold == f], n_layers, n_expert) for f in (0, 1)]
+    # per fold and layer, the experts by the other fold's counts (most selected first, then lower id)
+    orders = [[np.lexsort((np.arange(n_expert), -ranks[1 - f][layer])) for layer in range(n_layers)] for f in (0, 1)]
     uploads = np.zeros((n_layers, n_expert + 1))
     n_batches = n_tokens = 0
     prefill = meta[:, 2] == 0
     for pid in np.unique(prompt_id[prefill]):
         steps = np.flatnonzero(prefill & (prompt_id == pid))
-        other = ranks[1 - int(fold[steps[0]])]
+        order = orders[int(fold[steps[0]])]
         for start in range(0, len(steps), ubatch):
             batch = seq[steps[start:start + ubatch]]  # [tokens, n_layers, k]
             n_batches += 1
@@ -223,8 +225,7 @@ def prefill_uploads(profile: Profile | None, n_layers: int, n_expert: int,
                 ids = batch[:, layer, :].ravel()
                 used = np.zeros(n_expert, dtype=np.float64)
                 used[ids[(ids >= 0) & (ids < n_expert)]] = 1.0
-                order = np.lexsort((np.arange(n_expert), -other[layer]))
-                ranked = used[order]
+                ranked = used[order[layer]]
                 uploads[layer] += np.concatenate([np.cumsum(ranked[::-1])[::-1], [0.0]])
     return uploads / n_tokens, n_batches / n_tokens
 
