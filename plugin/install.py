@@ -231,10 +231,13 @@ def install(text: str, *, ctx: int | None = None, vram_budget: int | list[int] |
             backend: str | None = None,
             jobs: int = 0, profile_tokens: int | None = None, prompt_sets: list[str] | None = None, serve: bool = True,
             port: int | None = None, allow_fallback: bool = False, metrics: bool = False, ctx_override: bool = False,
-            host: str = HOST, spec: Speculation | None = None, progress: ProgressFn = silent) -> Installed:
+            host: str = HOST, spec: Speculation | None = None, prefill_weight: float | None = None,
+            progress: ProgressFn = silent) -> Installed:
     """Install (and unless serve=False, serve) a model. ctx None: 4096, or less for a model trained
     with less; above the training context only with ctx_override. host: where the server listens.
-    spec: speculative decoding, planned for and kept in the installed plan (serve reuses it)."""
+    spec: speculative decoding, planned for and kept in the installed plan (serve reuses it).
+    prefill_weight: prompt tokens per generated token to plan for (None: the planner's default),
+    kept in the installed plan as well."""
     from moeplug.native.build import build, resolve_options
     from moeplug.serving import launch_verified, model_lock
 
@@ -257,7 +260,7 @@ def install(text: str, *, ctx: int | None = None, vram_budget: int | list[int] |
                                  list(prompt_sets or DEFAULT_PROMPT_SETS), progress=progress)
         slots_on_cpu = is_demo and result.manifest.get("backend") == "cpu"
         plan = plan_for(info, ctx, vram_budget, profile, slots_on_cpu, fit_tool=result.binary("llama-fit-params"),
-                        spec=spec)
+                        spec=spec, prefill_weight=prefill_weight)
         record = InstalledModel(name=name, ref=text, path=str(resolved.path), profile=str(profile),
                                 build_id=result.build_id, ctx=ctx, plan=plan,
                                 slots_on_cpu=slots_on_cpu and plan.backend == "cpu")
@@ -280,10 +283,12 @@ def warn_exposure(host: str, progress: ProgressFn) -> None:
 
 
 def plan_installed(m: InstalledModel, ctx: int | None = None, vram_budget: int | list[int] | None = None,
-                   profile: Profile | None = None, spec: Speculation | KeepInstalled | None = KeepInstalled()) -> Plan:
+                   profile: Profile | None = None, spec: Speculation | KeepInstalled | None = KeepInstalled(),
+                   prefill_weight: float | None = None) -> Plan:
     """An installed model's plan made again, for another budget or context (None: the stored
     ones), from its profile (or `profile`, the one about to replace it), with its speculation
-    (or `spec`: a Speculation, None for none); nothing is stored (replan keeps it)."""
+    (or `spec`: a Speculation, None for none) and its prefill weight (or `prefill_weight`);
+    nothing is stored (replan keeps it)."""
     budget = vram_budget if vram_budget is not None else m.plan.budget
     path = Path(m.profile) if m.profile and (profile is not None or Path(m.profile).exists()) else None
     try:
@@ -292,15 +297,16 @@ def plan_installed(m: InstalledModel, ctx: int | None = None, vram_budget: int |
         fit_tool = None  # the build is gone: moeplug's own estimate
     if isinstance(spec, KeepInstalled):
         spec = spec.resolve(m.plan.speculation)
+    weight = m.plan.prefill_weight if prefill_weight is None else prefill_weight
     return plan_for(inspect_model(m.path), ctx or m.ctx, budget, path, m.slots_on_cpu, profile, fit_tool=fit_tool,
-                    spec=spec)
+                    spec=spec, prefill_weight=weight)
 
 
 def replan(m: InstalledModel, ctx: int | None = None, vram_budget: int | list[int] | None = None,
-           spec: Speculation | KeepInstalled | None = KeepInstalled()) -> InstalledModel:
-    """Plan an installed model again (a new budget, context or speculation, or its profile
-    changed: the stored ones otherwise) and keep that plan as the model's own; the hooks follow."""
-    plan = plan_installed(m, ctx, vram_budget, spec=spec)
+           spec: Speculation | KeepInstalled | None = KeepInstalled(), prefill_weight: float | None = None) -> InstalledModel:
+    """Plan an installed model again (a new budget, context, speculation or prefill weight, or its
+    profile changed: the stored ones otherwise) and keep that plan as the model's own; the hooks follow."""
+    plan = plan_installed(m, ctx, vram_budget, spec=spec, prefill_weight=prefill_weight)
     record = replace(m, ctx=ctx or m.ctx, plan=plan)
     write_installed(record)
     refresh_hooks(list_installed())

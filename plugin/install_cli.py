@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moeplug.options import JOBS, PREFILL_WEIGHT, TOKENS, add_backend, add_json, add_plan_options, add_serve_options, add_spec_options
+from moeplug.options import JOBS, TOKENS, add_backend, add_prefill_weight, add_json, add_plan_options, add_serve_options, add_spec_options
 from moeplug.output import Output, human_bytes, table
 from moeplug.plan import Plan, describe_slots
 from moeplug.server import HOST
@@ -110,7 +110,8 @@ def cmd_install(args: argparse.Namespace) -> int:
     done = install(args.model, ctx=args.ctx, vram_budget=args.vram_budget, backend=args.backend, jobs=args.jobs,
                    profile_tokens=args.profile_tokens, prompt_sets=[s for s in args.prompts.split(",") if s],
                    serve=not args.no_serve, port=args.port, allow_fallback=args.allow_fallback, metrics=args.metrics,
-                   ctx_override=args.ctx_override, host=args.host or HOST, spec=spec, progress=out.progress)
+                   ctx_override=args.ctx_override, host=args.host or HOST, spec=spec,
+                   prefill_weight=args.prefill_weight, progress=out.progress)
     return out.result(done, install_text)
 
 
@@ -135,7 +136,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     out = Output.for_args(args)
     served = serve(args.model, port=args.port, vram_budget=args.vram_budget, ctx=args.ctx,
                    ctx_override=args.ctx_override, allow_fallback=args.allow_fallback, metrics=args.metrics,
-                   record=args.record, host=args.host or HOST, spec=spec, progress=out.progress)
+                   record=args.record, host=args.host or HOST, spec=spec, prefill_weight=args.prefill_weight,
+                   progress=out.progress)
     return out.result(served, lambda s: served_text(s.name, s.server))
 
 
@@ -210,6 +212,7 @@ def register(sub: Any) -> None:
                    help="tokens generated per profiling prompt (default 256; demo 32; 0: the default)")
     p.add_argument("--prompts", default="codeish,chatty", help="bundled prompt sets (or .txt files) to profile with")
     p.add_argument("--no-serve", action="store_true", help="stop after planning")
+    add_prefill_weight(p)
     add_spec_options(p)
     add_serve_options(p)
     add_json(p)
@@ -219,9 +222,7 @@ def register(sub: Any) -> None:
     p.add_argument("model", help="an installed name or a model reference")
     add_plan_options(p, BUDGET_HELP, CTX_HELP)
     p.add_argument("--profile", help="profile file (default: the model's stored profile, if any)")
-    p.add_argument("--prefill-weight", type=PREFILL_WEIGHT, default=None,
-                   help="prompt tokens per generated token to plan for, 0-1000: prompt batches upload the experts "
-                        "of every layer that is not whole (default 1; 0: decode only)")
+    add_prefill_weight(p, keep=True)
     add_spec_options(p, shorthands=True, keep=True)
     add_json(p)
     p.set_defaults(func=cmd_plan)
@@ -233,6 +234,7 @@ def register(sub: Any) -> None:
     add_serve_options(p)
     p.add_argument("--record", action="store_true",
                    help="count the router's selections (llama-server --moe-cache-record) for 'moeplug reprofile'")
+    add_prefill_weight(p, keep=True)
     add_spec_options(p, keep=True)
     add_json(p)
     p.set_defaults(func=cmd_serve)

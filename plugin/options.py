@@ -194,6 +194,14 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
                         "costs a small read per MoE layer and batch)")
 
 
+def add_prefill_weight(p: argparse.ArgumentParser, keep: bool = False) -> None:
+    """--prefill-weight W: prompt tokens per generated token the plan weighs (allocate.py)."""
+    default = "the installed plan's" if keep else "1"
+    p.add_argument("--prefill-weight", type=PREFILL_WEIGHT, default=None, metavar="W",
+                   help=f"prompt tokens per generated token to plan for, 0-1000: prompt batches upload the experts "
+                        f"of every layer that is not whole (default: {default}; 0: decode only)")
+
+
 def add_spec_options(p: argparse.ArgumentParser, shorthands: bool = False, keep: bool = False) -> None:
     """--spec draft:PATH|mtp|ngram|none and --spec-draft-max N (checked where the plan is made:
     moeplug.speculation); shorthands: also --draft PATH and --mtp; keep: a model's installed

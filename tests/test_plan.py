@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import make_profile, run_cli
+from helpers import make_profile, run_cli, run_cli_process, xdg_homes
 from moeplug.allocate import (LayerCost, _curve, _layer_counts, allocate, hit_curves, modelled_seconds, prefill_uploads,
                               uniform_hits)
 from moeplug.errors import MoeplugError
@@ -370,6 +370,31 @@ def test_cli_plan_prefill_weight(patched_build, fixture_models, tmp_path: Path) 
     for bad in ("-1", "1001", "x"):
         r = run_cli("plan", str(model), "--prefill-weight", bad)
         assert r.returncode == 2 and "--prefill-weight" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.native
+def test_the_prefill_weight_is_kept_with_the_installed_plan(patched_build, fixture_models, tmp_path: Path) -> None:
+    """install --prefill-weight W stores W in the plan; plan reuses it (or previews another without
+    storing it); serve --prefill-weight re-plans, serves and keeps the new one."""
+    env = xdg_homes(tmp_path / "home")
+    r = run_cli_process("install", str(fixture_models["qwen3moe"]), "--ctx", "512", "--no-serve", "--profile-tokens", "8",
+                        "--prefill-weight", "3", "--json", env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    name = json.loads(r.stdout)["name"]
+
+    def stored() -> float:
+        return json.loads(run_cli_process("list", "--json", env=env).stdout)["models"][0]["plan"]["prefill_weight"]
+
+    assert stored() == 3.0
+    assert json.loads(run_cli_process("plan", name, "--json", env=env).stdout)["prefill_weight"] == 3.0
+    assert json.loads(run_cli_process("plan", name, "--prefill-weight", "0", "--json", env=env).stdout)["prefill_weight"] == 0.0
+    assert stored() == 3.0  # plan only previews
+    r = run_cli_process("serve", name, "--prefill-weight", "2", "--json", env=env)
+    try:
+        assert r.returncode == 0, r.stderr[-3000:]
+    finally:
+        run_cli_process("stop", "--all", env=env)
+    assert stored() == 2.0
 
 
 def test_cli_plan_without_gpu_is_a_cpu_plan(fixture_models) -> None:
