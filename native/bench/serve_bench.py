@@ -325,18 +325,26 @@ def record_rows(pairs: list[tuple[Config, Config]], workload: str) -> list[dict[
 
 def speculation(a: argparse.Namespace, model: Path):
     """(moeplug's Speculation for --spec, or None; the synthetic-acceptance flags both sides add).
-    draft:shape writes a draft of the model's shape cut to 2 blocks (same vocabulary) beside it."""
+    draft:shape writes a draft of the model's shape cut to 2 blocks (same vocabulary) beside it,
+    draft:small one of 1 block with as many experts as it uses."""
     from moeplug.speculation import parse_spec
     from moeplug.synth import make_model, shape_spec
 
     if a.spec is None:
         return None, []
     text = a.spec
-    if text == "draft:shape":
-        draft = model.with_name(f"{a.shape}-draft-2.gguf")
+    if text in ("draft:shape", "draft:small"):
+        base = shape_spec(a.shape, seed=99)
+        # shape: 2 blocks of the model's own; small: 1 block whose few experts are all used, 8-bit
+        # weights where the model's are 16-bit, the output tied to the embeddings where the
+        # architecture allows (what a small draft holds)
+        spec_d = replace(base, layers=2) if text == "draft:shape" else \
+            replace(base, layers=1, experts=base.used, tied=True,
+                    dtype="q8_0" if base.dtype in ("f16", "f32") else base.dtype)
+        draft = model.with_name(f"{a.shape}-draft-{'2' if text == 'draft:shape' else 'small'}.gguf")
         if not draft.exists():
             print(f"# writing the draft model {draft}", file=sys.stderr)
-            make_model(replace(shape_spec(a.shape, seed=99), layers=2), draft)
+            make_model(spec_d, draft)
         text = f"draft:{draft}"
     spec = parse_spec(text, a.spec_draft_max)
     rates = [] if a.spec_accept is None else ["--spec-synth-rates",
@@ -424,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-limit", type=float, default=0, help="seconds from the start after which no round starts "
                     "that would not end in time at the pace of the last one (0: none)")
     ap.add_argument("--spec", help="speculative decoding on both sides, as moeplug's --spec takes it: mtp, ngram, "
-                    "draft:PATH, or draft:shape (a 2-block model of --shape, same vocabulary, written beside the model)")
+                    "draft:PATH, draft:shape (a 2-block model of --shape, same vocabulary, written beside the model) or "
+                    "draft:small (1 block whose few experts are all used, output tied where the architecture allows)")
     ap.add_argument("--spec-draft-max", type=int, help="tokens drafted per step (default: llama.cpp's)")
     ap.add_argument("--spec-accept", type=float, help="synthetic acceptance on both sides (llama-server "
                     "--spec-synth-rates a,a^2,...: each drafted token accepted with probability a once the ones "
@@ -464,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--spec-accept: a probability from 0 to 1")
     if a.spec_draft_max is not None and a.spec_draft_max < 1:
         ap.error("--spec-draft-max: at least 1")
-    if a.spec is not None and a.spec != "draft:shape":
+    if a.spec is not None and a.spec not in ("draft:shape", "draft:small"):
         from moeplug.errors import MoeplugError
         from moeplug.speculation import parse_spec
 
