@@ -44,7 +44,8 @@ little (consecutive tokens route alike) and so, if anything, values the slots of
 
 Prompts cost too. A prompt batch (up to a ubatch of 512 tokens) uploads, for every layer that is
 not whole, the experts its tokens picked that have no slot, and each such layer costs a fixed
-stall besides (the scheduler waits for the GPU before it copies a layer's weights). On the H200,
+stall besides (its cause not yet found; not the scheduler's waits before the copies, which were
+measured away without effect). On the H200,
 llama-bench pp64 on the Qwen3-30B-A3B shape fitted 0.58 ms per such layer and batch plus the
 experts at 36.8 GB/s, within 2% of four placements (stock --fit, -ncmoe 30, 48 slots in every
 layer scattered or contiguous; native/BENCHMARKS.md, eleventh session), and it explained why
