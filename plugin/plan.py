@@ -291,7 +291,7 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
             if "--moe-cache-slots" not in args:
                 notes.append("no partly resident layer: stock's placement, nothing for the cache to hold")
     if spec is not None and k > 1 and profile is not None:
-        notes += _speculation_note(trunk, profile, slots, k)
+        notes += _speculation_note(costs, slots, k)
     args += spec.server_args(gpu=True) if spec else []
     return Plan(backend="cuda", vram_budget_bytes=vram_budget, stock_ncmoe=ncmoe,
                 modelled_host_ms=1e3 * modelled_seconds(costs, slots),
@@ -305,13 +305,14 @@ def tokens_per_step(acceptance: float, n_draft: int) -> float:
     return float(sum(acceptance ** i for i in range(n_draft + 1)))
 
 
-def _speculation_note(trunk: ModelInfo, profile: Profile, slots: list[int], k: int) -> list[str]:
+def _speculation_note(costs: list[LayerCost], slots: list[int], k: int) -> list[str]:
     """What a verification batch of k tokens costs on the host against one token with these slots
-    (allocate.py: a batch reads the union of its tokens' missed experts), and the acceptance per
-    drafted token it takes for drafts to pay that back, the draft's own time not counted; nothing
-    where no expert is read from RAM."""
-    one = modelled_seconds(_layer_costs(trunk, profile, 1, 0.0), slots)
-    batch = modelled_seconds(_layer_costs(trunk, profile, k, 0.0), slots)
+    (costs: the plan's, for batches of k; allocate.py: a batch reads the union of its tokens' missed
+    experts), and the acceptance per drafted token it takes for drafts to pay that back, the
+    draft's own time and prompts not counted; nothing where no expert is read from RAM."""
+    decode = [replace(c, prefill=None) for c in costs]
+    one = modelled_seconds([replace(c, tokens_per_step=1) for c in decode], slots)
+    batch = modelled_seconds(decode, slots)
     if one <= 0:
         return []
     ratio = batch / one

@@ -22,7 +22,6 @@ import numpy as np
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moeplug.allocate import prefill_uploads
     from moeplug.errors import MoeplugError
     from moeplug.model_inspect import inspect_model
     from moeplug.plan import _layer_costs, make_plan
@@ -46,18 +45,16 @@ def main(argv: list[str] | None = None) -> int:
     except (MoeplugError, ValueError, OSError) as exc:
         print(f"prompt_cost: {exc}", file=sys.stderr)
         return 2
-    uploads = prefill_uploads(profile, len(info.layers), info.n_expert)
-    if uploads is None:
+    costs = _layer_costs(info, profile, 1, 1.0)
+    if costs[0].prefill is None:
         print("prompt_cost: the profile holds no prompt tokens", file=sys.stderr)
         return 2
-    per_token, batches = uploads
-    tokens_per_batch = 1 / batches
+    per_token = np.stack([c.prefill for c in costs])  # experts uploaded per prompt token, by slots
+    tokens_per_batch = 1 / costs[0].prefill_batches
     distinct = per_token[:, 0] * tokens_per_batch
     print(f"# {info.arch}, {len(info.layers)} MoE layers x {info.n_expert} experts; profile {a.profile.name}: "
           f"{tokens_per_batch:.0f} prompt tokens per batch on average")
     print("distinct experts per prompt batch, by layer: " + " ".join(f"{d:.0f}" for d in distinct))
-
-    costs = _layer_costs(info, profile, 1, 1.0)
 
     def modelled(slots: list[int]) -> tuple[int, float, float, float]:
         not_whole = [i for i, n in enumerate(slots) if n < info.n_expert]
