@@ -58,8 +58,9 @@ def placement_args(info: ModelInfo, slots: list[int], profile: Profile | None, p
     args = experts_in_ram_args(in_ram)
     if profile is not None and any(partial):
         args += ["--moe-cache-slots", _slots_arg(info, profile, partial), "--moe-cache-profile", str(profile_path)]
-        # every batch through the slots: above the max batch a partly resident layer runs the stock
-        # graph, which uploads its resident experts too (prefill 1-2% slower on the GPU machine)
+        # on CUDA with pinned weights a prompt batch runs the stock pass, its experts copied on the
+        # GPU from the slots; where that cannot engage, every batch through the two passes: above the
+        # max batch the stock graph would upload the resident experts too
         args += ["--moe-cache-max-batch", str(DEFAULT_UBATCH)]
         if policy == "dynamic":
             args += DYNAMIC_ARGS

@@ -380,9 +380,12 @@ bool common_moeplug_cache_enable(llama_model * model, const std::string & model_
     }
     const std::string policy_desc = !dynamic ? "policy static" : string_format("policy dynamic (half-life %.0f tokens, %d uploads per batch)",
         (double) (half_life > 0.0f ? half_life : 128.0f), uploads > 0 ? uploads : 4);
-    LOG_INF("moe-cache: %d layers x %s, %.2f MiB uploaded to %s in %.2f s, %s\n",
+    // prompt batches of the partly resident layers: one pass, the device copying their experts from the slots
+    const std::string prompt_desc = result.n_layers_copied == 0 ? "" :
+        string_format(", prompt batches in one pass on %d layers", result.n_layers_copied);
+    LOG_INF("moe-cache: %d layers x %s, %.2f MiB uploaded to %s in %.2f s, %s%s\n",
         result.n_layers, slots_desc.c_str(), result.n_bytes / (1024.0 * 1024.0), result.device, result.t_upload_s,
-        policy_desc.c_str());
+        policy_desc.c_str(), prompt_desc.c_str());
     return true;
 }
 

@@ -75,12 +75,22 @@ void llama_moeplug_read_expert(llama_moeplug_cache & cache, const ggml_tensor * 
     }
 }
 
-const llama_moeplug_cache_layer * llama_moeplug_cache::find(const ggml_tensor * down_exps, int64_t n_tokens) const {
+const llama_moeplug_cache_layer * llama_moeplug_cache::find(const ggml_tensor * down_exps, int64_t n_tokens, bool * stock_on_slots) const {
     const auto it = layers.find(down_exps);
-    if (it == layers.end() || (n_tokens > max_batch && !it->second->full)) {
+    if (it == layers.end()) {
         return nullptr;
     }
-    return it->second.get();
+    const llama_moeplug_cache_layer * layer = it->second.get();
+    if (layer->full) {
+        return layer;
+    }
+    if (layer->device_copy && n_tokens >= offload_min_batch) {
+        if (stock_on_slots != nullptr) {
+            *stock_on_slots = true;
+        }
+        return nullptr;
+    }
+    return n_tokens > max_batch ? nullptr : layer;
 }
 
 size_t llama_model_moeplug_cache_stats(const llama_model * model, llama_moeplug_cache_layer_stats * out, size_t n_max) {
@@ -98,6 +108,23 @@ size_t llama_model_moeplug_cache_stats(const llama_model * model, llama_moeplug_
         snprintf(out[i].device, sizeof(out[i].device), "%s", layers[i]->dev ? ggml_backend_dev_name(layers[i]->dev) : "");
     }
     return layers.size();
+}
+
+void llama_moeplug_cache_init_sched(const llama_moeplug_cache * cache, ggml_backend_sched_t sched) {
+    if (cache == nullptr) {
+        return;
+    }
+    ggml_backend_sched_set_device_expert_copy(sched, true);
+    for (const auto & [down, layer] : cache->layers) {
+        if (!layer->device_copy) {
+            continue;
+        }
+        for (const auto & [src, dst] : layer->slots) {
+            if (ggml_n_dims(src) == 3) { // the weights of a MUL_MAT_ID, each copied by the scheduler
+                ggml_backend_sched_set_expert_slots(sched, src, dst, layer->map_slot);
+            }
+        }
+    }
 }
 
 uint32_t llama_moeplug_cache::n_extra_nodes() const {
@@ -171,7 +198,15 @@ ggml_tensor * llama_moeplug_cache::build_experts(
       const llm_moe_experts & w,
             llm_ffn_op_type   type_op,
                         int   il) const {
-    const llama_moeplug_cache_layer * cache = find(w.down, selected_experts->ne[1]);
+    bool stock_on_slots = false;
+    const llama_moeplug_cache_layer * cache = find(w.down, selected_experts->ne[1], &stock_on_slots);
+    if (stock_on_slots) {
+        // the stock pass, the device copying the experts it uses from the slots where resident
+        if (record || count || dynamic) {
+            moe_observe(g, selected_experts, il, 'p');
+        }
+        return nullptr;
+    }
     if (cache == nullptr || !moe_cache_usable(g, w, *cache, il)) {
         if (record) {
             moe_observe(g, selected_experts, il, 'n');
@@ -299,6 +334,24 @@ bool moe_dev_supports_skip_neg(ggml_backend_dev_t dev, ggml_backend_buffer_type_
 
 bool moe_is_cpu_dev(ggml_backend_dev_t dev) {
     return dev == nullptr || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
+}
+
+// whether prompt batches of the layer can run the stock pass with the device copying each expert from
+// its slot or from host memory: the slots are on the device the scheduler sends prompt batches to (the
+// model's first), every expert tensor is in that device's pinned host memory, and its backend copies
+bool moe_device_copies(const llama_model & model, const moe_layer_plan & plan) {
+    const char * v = getenv("LLAMA_MOE_CACHE_DEVICE_COPY");
+    if ((v != nullptr && strcmp(v, "0") == 0) || moe_is_cpu_dev(plan.dev) || model.devices.empty() || model.devices[0].dev != plan.dev) {
+        return false;
+    }
+    ggml_backend_buffer_type_t host = ggml_backend_dev_host_buffer_type(plan.dev);
+    for (const ggml_tensor * src : plan.sources) {
+        if (host == nullptr || src->buffer == nullptr || ggml_backend_buffer_get_type(src->buffer) != host) {
+            return false;
+        }
+    }
+    ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(plan.dev);
+    return reg != nullptr && ggml_backend_reg_get_proc_address(reg, "ggml_backend_copy_experts_async") != nullptr;
 }
 
 // N of a "blk.N.*" tensor name, or -1
@@ -563,6 +616,14 @@ bool llama_moeplug_cache_build(llama_model & model, const llama_moeplug_cache_pa
     const bool no_resident = moe_debug_no_resident();
     for (auto & [down, layer] : cache->layers) {
         layer->full = !no_resident && (int64_t) layer->experts.size() == layer->n_expert;
+    }
+    if (const char * v = getenv("GGML_OP_OFFLOAD_MIN_BATCH")) {
+        cache->offload_min_batch = std::max(1, atoi(v));
+    }
+    for (const auto & plan : plans) {
+        llama_moeplug_cache_layer & layer = *cache->layers.at(plan.down);
+        layer.device_copy = !layer.full && !no_resident && moe_device_copies(model, plan);
+        result.n_layers_copied += layer.device_copy;
     }
     uint64_t n_bytes = 0;
     for (auto & [down, layer] : cache->layers) {

@@ -13,8 +13,9 @@
 //   src/llama-context.cpp  graph_params(): passes model.moeplug_cache to the graph         (0005)
 //                          graph_max_nodes(): + llama_moeplug_cache::n_extra_nodes()      (0005)
 //                          process_ubatch(): llama_moeplug_cache_after_compute() after a graph (0011)
+//                          sched_reserve(): llama_moeplug_cache_init_sched() for each new scheduler (0023)
 //   src/llama-graph.cpp    build_moe_ffn(): llama_moeplug_cache::build_experts()          (0005)
-//   src/llama-ext.h        the C API: llama_model_moeplug_cache_init/_stats, _record_*    (0005, 0011)
+//   src/llama-ext.h        the C API: llama_model_moeplug_cache_init/_stats, _record_*    (0005, 0011, 0023)
 //   src/CMakeLists.txt     this file's .cpp in libllama                                   (0005)
 // common/moeplug-cache.{h,cpp} read profiles and call the C API from common_init (0006).
 
@@ -60,6 +61,13 @@ struct llama_moeplug_cache_layer {
     // every expert resident, slot i holding expert i: the layer runs on the slots alone, like a
     // layer whose experts were loaded on the device, at any batch size
     bool full = false;
+
+    // prompt batches (those the device computes with the experts copied over: GGML_OP_OFFLOAD_MIN_BATCH
+    // tokens and more, 32 by default) run the stock pass, and the device copies each expert they use
+    // from its slot or from host memory (ggml_backend_sched_set_expert_slots): one pass, no expert
+    // uploaded twice. Where the layer's device is the one prompt batches go to, its experts are in
+    // pinned memory and its backend can copy them; LLAMA_MOE_CACHE_DEVICE_COPY=0 turns it off.
+    bool device_copy = false;
 
     // source expert tensor (gate, up, gate_up, down, their biases and scales) -> slot copy
     std::unordered_map<const ggml_tensor *, ggml_tensor *> slots;
@@ -142,8 +150,12 @@ struct llama_moeplug_cache {
     std::vector<ggml_context_ptr>        ctxs;
     std::vector<ggml_backend_buffer_ptr> bufs;
 
-    // the layer to run with two passes for a batch of n_tokens, or nullptr for the stock graph
-    const llama_moeplug_cache_layer * find(const ggml_tensor * down_exps, int64_t n_tokens) const;
+    // prompt batches of this many tokens or more go to the device with their experts (GGML_OP_OFFLOAD_MIN_BATCH)
+    int32_t offload_min_batch = 32;
+
+    // the layer to run with two passes (or a whole layer on its slots) for a batch of n_tokens, or
+    // nullptr for the stock graph; *stock_on_slots: the stock graph, its experts copied from the slots
+    const llama_moeplug_cache_layer * find(const ggml_tensor * down_exps, int64_t n_tokens, bool * stock_on_slots = nullptr) const;
 
     // graph nodes the two-pass path adds, for the graph size
     uint32_t n_extra_nodes() const;
@@ -167,13 +179,18 @@ bool llama_moeplug_whole_tensors_only(const ggml_tensor * t);
 // back, from the model's files; throws std::runtime_error
 void llama_moeplug_read_expert(llama_moeplug_cache & cache, const ggml_tensor * src, int32_t e, uint8_t * dst);
 
+// a context's scheduler, once created: where the cache is on, backends that can copy the experts a
+// prompt batch uses from host memory themselves do so, without the host reading each layer's ids
+void llama_moeplug_cache_init_sched(const llama_moeplug_cache * cache, ggml_backend_sched_t sched);
+
 // after a graph ran: reads the selections it observed, counts hits and records, and (dynamic
 // policy) commits finished uploads and starts new ones (src/llama-moeplug-policy.cpp)
 void llama_moeplug_cache_after_compute(llama_moeplug_cache & cache, ggml_backend_sched_t sched, ggml_cgraph * gf,
         const llama_ubatch & ubatch);
 
 // the name of a graph's copy of a layer's selected experts, read after the graph: "moeplug_obs-IL-K"
-// with K 's' (the two passes ran), 'w' (a whole layer ran its slots) or 'n' (the stock pass ran)
+// with K 's' (the two passes ran), 'p' (the stock pass ran, the experts copied from the slots where
+// resident), 'w' (a whole layer ran its slots) or 'n' (the stock pass ran)
 constexpr const char * MOEPLUG_OBS_PREFIX = "moeplug_obs-";
 
 // builds model.moeplug_cache; on failure the model is unchanged and result.reason says why

@@ -31,7 +31,7 @@ namespace {
 
 struct moe_observed {
     int                  il   = -1;
-    char                 kind = 'n'; // 's' two passes, 'w' whole layer on its slots, 'n' stock pass
+    char                 kind = 'n'; // 's' two passes, 'p' stock pass with slots, 'w' whole layer on its slots, 'n' stock pass
     ggml_tensor *        t    = nullptr;
     std::vector<int32_t> ids;        // [n_expert_used, n_tokens]; empty where nothing needs the ids
 };
@@ -156,7 +156,7 @@ void moe_dynamic_step(llama_moeplug_cache & cache, const std::vector<moe_observe
     std::vector<llama_moeplug_cache_layer *> changed;
 
     for (const auto & o : observed) {
-        if (o.kind != 's') {
+        if (o.kind != 's' && o.kind != 'p') {
             continue;
         }
         llama_moeplug_cache_layer * layer = moe_layer_of(cache, o.il);

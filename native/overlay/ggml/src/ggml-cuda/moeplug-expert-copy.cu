@@ -1,0 +1,120 @@
+#include "moeplug-expert-copy.cuh"
+
+#define CUDA_EXPERT_COPY_BLOCK_SIZE 256
+#define CUDA_EXPERT_COPY_UNROLL     4
+
+static __global__ void k_mark_used_experts(
+        const char * __restrict__ ids, int64_t ne0, int64_t n, size_t nb0, size_t nb1,
+        int32_t * __restrict__ used, int64_t n_expert) {
+    const int64_t i = (int64_t) blockIdx.x*blockDim.x + threadIdx.x;
+    if (i >= n) {
+        return;
+    }
+    const int32_t id = *(const int32_t *) (ids + (i % ne0)*nb0 + (i / ne0)*nb1);
+    if (id >= 0 && id < n_expert) {
+        used[id] = 1;
+    }
+}
+
+// blocks (x, e) copy used expert e: its n words from its slot or from host memory, and pad words of the
+// expert after it from host memory (as the host's copies do: mmq reads a little past an expert's last row)
+template <typename T>
+static __global__ void k_copy_used_experts(
+        const T * __restrict__ host, const T * __restrict__ slots, const int32_t * __restrict__ slot_of,
+        T * __restrict__ dst, const int32_t * __restrict__ used, int64_t n_expert, int64_t n, int64_t pad) {
+    const int64_t e = blockIdx.y;
+    if (!used[e]) {
+        return;
+    }
+    const int32_t s   = slot_of != nullptr ? slot_of[e] : -1;
+    const T *     src = s >= 0 ? slots + s*n : host + e*n;
+    T *           out = dst + e*n;
+
+    const int64_t step = (int64_t) gridDim.x*blockDim.x;
+    int64_t i = (int64_t) blockIdx.x*blockDim.x + threadIdx.x;
+    for (; i + (CUDA_EXPERT_COPY_UNROLL - 1)*step < n; i += CUDA_EXPERT_COPY_UNROLL*step) {
+        T v[CUDA_EXPERT_COPY_UNROLL];
+#pragma unroll
+        for (int u = 0; u < CUDA_EXPERT_COPY_UNROLL; ++u) {
+            v[u] = src[i + u*step];
+        }
+#pragma unroll
+        for (int u = 0; u < CUDA_EXPERT_COPY_UNROLL; ++u) {
+            out[i + u*step] = v[u];
+        }
+    }
+    for (; i < n; i += step) {
+        out[i] = src[i];
+    }
+
+    if (e < n_expert - 1 && blockIdx.x == 0) {
+        for (int64_t j = threadIdx.x; j < pad; j += blockDim.x) {
+            out[n + j] = host[(e + 1)*n + j];
+        }
+    }
+}
+
+template <typename T>
+static void copy_used_experts_cuda(const void * host, const void * slots, const int32_t * slot_of, void * dst, const int32_t * used,
+        int64_t n_expert, size_t expert_size, size_t pad, cudaStream_t stream) {
+    const int64_t n         = (int64_t) (expert_size/sizeof(T));
+    const int64_t per_block = (int64_t) CUDA_EXPERT_COPY_BLOCK_SIZE*CUDA_EXPERT_COPY_UNROLL*8;
+    const dim3 grid((unsigned) std::max<int64_t>(1, std::min<int64_t>(64, (n + per_block - 1)/per_block)), (unsigned) n_expert, 1);
+    const dim3 block(CUDA_EXPERT_COPY_BLOCK_SIZE, 1, 1);
+    k_copy_used_experts<<<grid, block, 0, stream>>>((const T *) host, (const T *) slots, slot_of, (T *) dst, used,
+        n_expert, n, (int64_t) (pad/sizeof(T)));
+}
+
+bool ggml_cuda_copy_experts(ggml_backend_cuda_context & ctx, const ggml_tensor * src, ggml_tensor * dst, const ggml_tensor * ids,
+        const ggml_tensor * slots, const ggml_tensor * slot_of) {
+    const int     dim         = ggml_n_dims(src) - 1;
+    const int64_t n_expert    = src->ne[dim];
+    const size_t  expert_size = src->nb[dim];
+    const size_t  pad         = std::min<size_t>(expert_size, 512);
+
+    if (ids->type != GGML_TYPE_I32 || !ggml_are_same_shape(src, dst) || !ggml_is_contiguous(src) || !ggml_is_contiguous(dst) ||
+        n_expert > 65535) {
+        return false;
+    }
+    if (slots != nullptr && (slot_of == nullptr || slot_of->type != GGML_TYPE_I32 || ggml_nelements(slot_of) != n_expert ||
+            !ggml_is_contiguous(slot_of) || !ggml_is_contiguous(slots) || slots->type != src->type ||
+            slots->nb[ggml_n_dims(slots) - 1] != expert_size)) {
+        return false;
+    }
+
+    void * host = nullptr;
+    if (cudaHostGetDevicePointer(&host, src->data, 0) != cudaSuccess) {
+        (void) cudaGetLastError();
+        return false;
+    }
+
+    ggml_cuda_set_device(ctx.device);
+    cudaStream_t stream = ctx.stream();
+
+    ggml_cuda_pool_alloc<int32_t> used(ctx.pool(), n_expert);
+    CUDA_CHECK(cudaMemsetAsync(used.get(), 0, n_expert*sizeof(int32_t), stream));
+
+    const int64_t n_ids = ggml_nelements(ids);
+    if (n_ids > 0) {
+        const int n_blocks = (int) ((n_ids + CUDA_EXPERT_COPY_BLOCK_SIZE - 1) / CUDA_EXPERT_COPY_BLOCK_SIZE);
+        k_mark_used_experts<<<n_blocks, CUDA_EXPERT_COPY_BLOCK_SIZE, 0, stream>>>(
+            (const char *) ids->data, ids->ne[0], n_ids, ids->nb[0], ids->nb[1], used.get(), n_expert);
+    }
+
+    const void *    slots_d   = slots != nullptr ? slots->data : nullptr;
+    const int32_t * slot_of_d = slots != nullptr ? (const int32_t *) slot_of->data : nullptr;
+
+    // the widest word that divides every address and length
+    const uintptr_t a = (uintptr_t) host | (uintptr_t) dst->data | (uintptr_t) slots_d | expert_size | pad;
+    if (a % 16 == 0) {
+        copy_used_experts_cuda<int4>(host, slots_d, slot_of_d, dst->data, used.get(), n_expert, expert_size, pad, stream);
+    } else if (a % 8 == 0) {
+        copy_used_experts_cuda<int2>(host, slots_d, slot_of_d, dst->data, used.get(), n_expert, expert_size, pad, stream);
+    } else if (a % 4 == 0) {
+        copy_used_experts_cuda<int>(host, slots_d, slot_of_d, dst->data, used.get(), n_expert, expert_size, pad, stream);
+    } else {
+        copy_used_experts_cuda<char>(host, slots_d, slot_of_d, dst->data, used.get(), n_expert, expert_size, pad, stream);
+    }
+    CUDA_CHECK(cudaGetLastError());
+    return true;
+}

@@ -1,0 +1,62 @@
+"""Prompt batches with the expert slot cache on a GPU (skipped without one): the slots in VRAM, the
+other experts in pinned RAM, a batch of 32 tokens or more runs the stock pass and the GPU copies
+each expert it uses from its slot or over the bus (patches 0021-0023). Its logits must be bitwise
+those of the same placement without the cache, where the scheduler copies every used expert from
+RAM: the same offload, the same kernels, the same bytes.
+
+    MOEPLUG_GPU_BIN=<bin/ of a patched CUDA build> pytest tests/test_gpu_prompt.py
+
+The CPU build cannot reach this path (nothing is offloaded), so CI skips it; native/BENCHMARKS.md
+has the H200 runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from helpers import make_profile
+
+GPU_BIN = os.environ.get("MOEPLUG_GPU_BIN")
+
+pytestmark = [pytest.mark.native,
+              pytest.mark.skipif(not GPU_BIN, reason="needs MOEPLUG_GPU_BIN, the bin/ of a patched CUDA build")]
+
+ENGAGED = "prompt batches in one pass on"
+DYNAMIC = ("--moe-cache-policy", "dynamic", "--moe-cache-half-life", "32", "--moe-cache-uploads", "8")
+
+
+@dataclass(frozen=True)
+class Prebuilt:
+    """A build's bin/ given by path."""
+
+    bin_dir: Path
+    manifest: dict = field(default_factory=dict)
+
+    def binary(self, name: str) -> Path:
+        return self.bin_dir / name
+
+
+@pytest.fixture(scope="module")
+def gpu_build() -> Prebuilt:
+    build = Prebuilt(Path(GPU_BIN or "."))
+    assert build.binary("test-moe-cache").is_file(), f"no test-moe-cache in {build.bin_dir}"
+    return build
+
+
+@pytest.mark.parametrize("policy", ["static", "dynamic"])
+@pytest.mark.parametrize("name", ["qwen3moe", "gpt-oss", "hy_v3"])
+def test_prompt_batches_copy_the_slots_and_equal_stock(gpu_build, fixture_models, tmp_path: Path, name: str,
+                                                       policy: str) -> None:
+    model = fixture_models[name]
+    profile = make_profile(gpu_build, model, tmp_path / "p.gguf", 16)
+    cmd = [str(gpu_build.binary("test-moe-cache")), "-m", str(model), "--moe-cache-profile", str(profile),
+           "--moe-cache-slots", "3", "--moe-cache-max-batch", "512", "-ngl", "99", "--cpu-moe", "-lm", "none",
+           "-ub", "100", "-n", "0", *(DYNAMIC if policy == "dynamic" else ())]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert ENGAGED in r.stderr, r.stderr[-3000:]
+    assert r.stdout.strip().endswith("logits bitwise equal"), r.stdout
