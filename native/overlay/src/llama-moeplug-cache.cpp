@@ -1,6 +1,7 @@
 #include "llama-moeplug-cache.h"
 
 #include "llama-adapter.h"
+#include "llama-cparams.h"
 #include "llama-ext.h"
 #include "llama-impl.h"
 #include "llama-model.h"
@@ -75,7 +76,8 @@ void llama_moeplug_read_expert(llama_moeplug_cache & cache, const ggml_tensor * 
     }
 }
 
-const llama_moeplug_cache_layer * llama_moeplug_cache::find(const ggml_tensor * down_exps, int64_t n_tokens, bool * stock_on_slots) const {
+const llama_moeplug_cache_layer * llama_moeplug_cache::find(const ggml_tensor * down_exps, int64_t n_tokens, bool offload,
+        bool * stock_on_slots) const {
     const auto it = layers.find(down_exps);
     if (it == layers.end()) {
         return nullptr;
@@ -84,7 +86,7 @@ const llama_moeplug_cache_layer * llama_moeplug_cache::find(const ggml_tensor * 
     if (layer->full) {
         return layer;
     }
-    if (layer->device_copy && n_tokens >= offload_min_batch) {
+    if (layer->device_copy && offload && n_tokens >= offload_min_batch) {
         if (stock_on_slots != nullptr) {
             *stock_on_slots = true;
         }
@@ -199,7 +201,7 @@ ggml_tensor * llama_moeplug_cache::build_experts(
             llm_ffn_op_type   type_op,
                         int   il) const {
     bool stock_on_slots = false;
-    const llama_moeplug_cache_layer * cache = find(w.down, selected_experts->ne[1], &stock_on_slots);
+    const llama_moeplug_cache_layer * cache = find(w.down, selected_experts->ne[1], g.cparams.op_offload, &stock_on_slots);
     if (stock_on_slots) {
         // the stock pass, the device copying the experts it uses from the slots where resident
         if (record || count || dynamic) {

@@ -154,8 +154,10 @@ struct llama_moeplug_cache {
     int32_t offload_min_batch = 32;
 
     // the layer to run with two passes (or a whole layer on its slots) for a batch of n_tokens, or
-    // nullptr for the stock graph; *stock_on_slots: the stock graph, its experts copied from the slots
-    const llama_moeplug_cache_layer * find(const ggml_tensor * down_exps, int64_t n_tokens, bool * stock_on_slots = nullptr) const;
+    // nullptr for the stock graph; *stock_on_slots: the stock graph, the device copying its experts
+    // from the slots (where the context offloads prompt batches to the device: `offload`)
+    const llama_moeplug_cache_layer * find(const ggml_tensor * down_exps, int64_t n_tokens, bool offload = false,
+            bool * stock_on_slots = nullptr) const;
 
     // graph nodes the two-pass path adds, for the graph size
     uint32_t n_extra_nodes() const;
