@@ -81,6 +81,17 @@ SANITIZER_ENV = {
 SANITIZER_REPORTS = ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:")
 
 
+@dataclass(frozen=True)
+class Prebuilt:
+    """A build's bin/ given by path (a build made elsewhere, e.g. a CUDA build on a GPU machine)."""
+
+    bin_dir: Path
+    manifest = {}  # type: ignore[var-annotated]
+
+    def binary(self, name: str) -> Path:
+        return self.bin_dir / name
+
+
 def program_env(build) -> dict[str, str]:
     """The environment to run a program of `build` in: SANITIZER_ENV added for a sanitized build."""
     return {**os.environ, **(SANITIZER_ENV if build.manifest.get("sanitize") else {})}

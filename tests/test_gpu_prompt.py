@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from helpers import make_profile
+from helpers import Prebuilt, make_profile
 
 GPU_BIN = os.environ.get("MOEPLUG_GPU_BIN")
 
@@ -27,17 +26,6 @@ pytestmark = [pytest.mark.native,
 
 ENGAGED = "prompt batches in one pass on"
 DYNAMIC = ("--moe-cache-policy", "dynamic", "--moe-cache-half-life", "32", "--moe-cache-uploads", "8")
-
-
-@dataclass(frozen=True)
-class Prebuilt:
-    """A build's bin/ given by path."""
-
-    bin_dir: Path
-    manifest: dict = field(default_factory=dict)
-
-    def binary(self, name: str) -> Path:
-        return self.bin_dir / name
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from helpers import fixture_spec, make_profile
+from helpers import Prebuilt, fixture_spec, make_profile
 from moeplug.server import Server, start_server
 from moeplug.serving import parse_cache_line
 from moeplug.synth import make_model
@@ -55,15 +55,6 @@ PREBUILT = os.environ.get("MOEPLUG_LOAD_BIN")
 ON_GPU = os.environ.get("MOEPLUG_LOAD_GPU") == "1"
 
 
-@dataclass(frozen=True)
-class Prebuilt:
-    """A build's bin/ given by path (MOEPLUG_LOAD_BIN)."""
-
-    bin_dir: Path
-    manifest = {}  # type: ignore[var-annotated]
-
-    def binary(self, name: str) -> Path:
-        return self.bin_dir / name
 ROUNDS = 2  # the schedule runs twice: memory after the first (the warm-up) is the baseline
 
 WORDS = ("the router picks experts for every token and the slots keep the hottest ones resident while "
