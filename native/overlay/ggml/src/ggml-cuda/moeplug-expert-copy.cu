@@ -1,7 +1,14 @@
 #include "moeplug-expert-copy.cuh"
 
-#define CUDA_EXPERT_COPY_BLOCK_SIZE 256
-#define CUDA_EXPERT_COPY_UNROLL     4
+#include <mutex>
+#include <unordered_map>
+
+#define CUDA_EXPERT_COPY_BLOCK_SIZE       256
+#define CUDA_EXPERT_COPY_UNROLL           4
+#define CUDA_EXPERT_COPY_MAX_BLOCKS       64 // per expert
+// per expert, beside compute: the bus, not the SMs, bounds the copy, and the fewer blocks, the less
+// they take from the kernels they run beside (GGML_CUDA_EXPERT_COPY_AHEAD_BLOCKS overrides)
+#define CUDA_EXPERT_COPY_AHEAD_MAX_BLOCKS 2
 
 static __global__ void k_mark_used_experts(
         const char * __restrict__ ids, int64_t ne0, int64_t n, size_t nb0, size_t nb1,
@@ -56,21 +63,21 @@ static __global__ void k_copy_used_experts(
 
 template <typename T>
 static void copy_used_experts_cuda(const void * host, const void * slots, const int32_t * slot_of, void * dst, const int32_t * used,
-        int64_t n_expert, size_t expert_size, size_t pad, cudaStream_t stream) {
+        int64_t n_expert, size_t expert_size, size_t pad, int max_blocks, cudaStream_t stream) {
     const int64_t n         = (int64_t) (expert_size/sizeof(T));
     const int64_t per_block = (int64_t) CUDA_EXPERT_COPY_BLOCK_SIZE*CUDA_EXPERT_COPY_UNROLL*8;
-    const dim3 grid((unsigned) std::max<int64_t>(1, std::min<int64_t>(64, (n + per_block - 1)/per_block)), (unsigned) n_expert, 1);
+    const dim3 grid((unsigned) std::max<int64_t>(1, std::min<int64_t>(max_blocks, (n + per_block - 1)/per_block)), (unsigned) n_expert, 1);
     const dim3 block(CUDA_EXPERT_COPY_BLOCK_SIZE, 1, 1);
     k_copy_used_experts<<<grid, block, 0, stream>>>((const T *) host, (const T *) slots, slot_of, (T *) dst, used,
         n_expert, n, (int64_t) (pad/sizeof(T)));
 }
 
-bool ggml_cuda_copy_experts(ggml_backend_cuda_context & ctx, const ggml_tensor * src, ggml_tensor * dst, const ggml_tensor * ids,
-        const ggml_tensor * slots, const ggml_tensor * slot_of) {
+// whether the copy can run; host: src's address on the device
+static bool copy_experts_supported(const ggml_tensor * src, const ggml_tensor * dst, const ggml_tensor * ids,
+        const ggml_tensor * slots, const ggml_tensor * slot_of, void ** host) {
     const int     dim         = ggml_n_dims(src) - 1;
     const int64_t n_expert    = src->ne[dim];
     const size_t  expert_size = src->nb[dim];
-    const size_t  pad         = std::min<size_t>(expert_size, 512);
 
     if (ids->type != GGML_TYPE_I32 || !ggml_are_same_shape(src, dst) || !ggml_is_contiguous(src) || !ggml_is_contiguous(dst) ||
         n_expert > 65535) {
@@ -81,24 +88,28 @@ bool ggml_cuda_copy_experts(ggml_backend_cuda_context & ctx, const ggml_tensor *
             slots->nb[ggml_n_dims(slots) - 1] != expert_size)) {
         return false;
     }
-
-    void * host = nullptr;
-    if (cudaHostGetDevicePointer(&host, src->data, 0) != cudaSuccess) {
+    if (cudaHostGetDevicePointer(host, src->data, 0) != cudaSuccess) {
         (void) cudaGetLastError();
         return false;
     }
+    return true;
+}
 
-    ggml_cuda_set_device(ctx.device);
-    cudaStream_t stream = ctx.stream();
+// queues the marking of the used experts into `used` and their copy on `stream`
+static void copy_experts_queue(const void * host, const ggml_tensor * src, ggml_tensor * dst, const ggml_tensor * ids,
+        const ggml_tensor * slots, const ggml_tensor * slot_of, int32_t * used, int max_blocks, cudaStream_t stream) {
+    const int     dim         = ggml_n_dims(src) - 1;
+    const int64_t n_expert    = src->ne[dim];
+    const size_t  expert_size = src->nb[dim];
+    const size_t  pad         = std::min<size_t>(expert_size, 512);
 
-    ggml_cuda_pool_alloc<int32_t> used(ctx.pool(), n_expert);
-    CUDA_CHECK(cudaMemsetAsync(used.get(), 0, n_expert*sizeof(int32_t), stream));
+    CUDA_CHECK(cudaMemsetAsync(used, 0, n_expert*sizeof(int32_t), stream));
 
     const int64_t n_ids = ggml_nelements(ids);
     if (n_ids > 0) {
         const int n_blocks = (int) ((n_ids + CUDA_EXPERT_COPY_BLOCK_SIZE - 1) / CUDA_EXPERT_COPY_BLOCK_SIZE);
         k_mark_used_experts<<<n_blocks, CUDA_EXPERT_COPY_BLOCK_SIZE, 0, stream>>>(
-            (const char *) ids->data, ids->ne[0], n_ids, ids->nb[0], ids->nb[1], used.get(), n_expert);
+            (const char *) ids->data, ids->ne[0], n_ids, ids->nb[0], ids->nb[1], used, n_expert);
     }
 
     const void *    slots_d   = slots != nullptr ? slots->data : nullptr;
@@ -107,14 +118,105 @@ bool ggml_cuda_copy_experts(ggml_backend_cuda_context & ctx, const ggml_tensor *
     // the widest word that divides every address and length
     const uintptr_t a = (uintptr_t) host | (uintptr_t) dst->data | (uintptr_t) slots_d | expert_size | pad;
     if (a % 16 == 0) {
-        copy_used_experts_cuda<int4>(host, slots_d, slot_of_d, dst->data, used.get(), n_expert, expert_size, pad, stream);
+        copy_used_experts_cuda<int4>(host, slots_d, slot_of_d, dst->data, used, n_expert, expert_size, pad, max_blocks, stream);
     } else if (a % 8 == 0) {
-        copy_used_experts_cuda<int2>(host, slots_d, slot_of_d, dst->data, used.get(), n_expert, expert_size, pad, stream);
+        copy_used_experts_cuda<int2>(host, slots_d, slot_of_d, dst->data, used, n_expert, expert_size, pad, max_blocks, stream);
     } else if (a % 4 == 0) {
-        copy_used_experts_cuda<int>(host, slots_d, slot_of_d, dst->data, used.get(), n_expert, expert_size, pad, stream);
+        copy_used_experts_cuda<int>(host, slots_d, slot_of_d, dst->data, used, n_expert, expert_size, pad, max_blocks, stream);
     } else {
-        copy_used_experts_cuda<char>(host, slots_d, slot_of_d, dst->data, used.get(), n_expert, expert_size, pad, stream);
+        copy_used_experts_cuda<char>(host, slots_d, slot_of_d, dst->data, used, n_expert, expert_size, pad, max_blocks, stream);
     }
     CUDA_CHECK(cudaGetLastError());
+}
+
+bool ggml_cuda_copy_experts(ggml_backend_cuda_context & ctx, const ggml_tensor * src, ggml_tensor * dst, const ggml_tensor * ids,
+        const ggml_tensor * slots, const ggml_tensor * slot_of) {
+    void * host = nullptr;
+    if (!copy_experts_supported(src, dst, ids, slots, slot_of, &host)) {
+        return false;
+    }
+
+    ggml_cuda_set_device(ctx.device);
+    ggml_cuda_pool_alloc<int32_t> used(ctx.pool(), src->ne[ggml_n_dims(src) - 1]);
+    copy_experts_queue(host, src, dst, ids, slots, slot_of, used.get(), CUDA_EXPERT_COPY_MAX_BLOCKS, ctx.stream());
     return true;
+}
+
+// the second stream of a context and what orders it against the context's stream
+struct cuda_expert_copy_ahead {
+    cudaStream_t stream = nullptr;
+    cudaEvent_t  queued = nullptr; // the context's stream reached the copy
+    cudaEvent_t  done   = nullptr; // the last copy queued is done
+    int32_t *    used   = nullptr; // the experts the copy uses (the pool follows one stream only)
+    int64_t      n_used = 0;
+};
+
+static std::mutex g_ahead_mutex;
+static std::unordered_map<const ggml_backend_cuda_context *, cuda_expert_copy_ahead> g_ahead;
+
+static int env_int(const char * name, int def) {
+    const char * v = getenv(name);
+    return v != nullptr ? atoi(v) : def;
+}
+
+bool ggml_cuda_copy_experts_ahead(ggml_backend_cuda_context & ctx, const ggml_tensor * src, ggml_tensor * dst, const ggml_tensor * ids,
+        const ggml_tensor * slots, const ggml_tensor * slot_of) {
+    void * host = nullptr;
+    if (!copy_experts_supported(src, dst, ids, slots, slot_of, &host)) {
+        return false;
+    }
+
+    ggml_cuda_set_device(ctx.device);
+    const int64_t n_expert = src->ne[ggml_n_dims(src) - 1];
+
+    std::lock_guard<std::mutex> lock(g_ahead_mutex);
+    cuda_expert_copy_ahead & a = g_ahead[&ctx];
+    if (a.stream == nullptr) {
+        // the highest priority: a block of the copy starts as soon as one of the compute kernel's ends
+        // (GGML_CUDA_EXPERT_COPY_AHEAD_PRIORITY=0: the default priority)
+        int lowest = 0, highest = 0;
+        CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
+        const int priority = env_int("GGML_CUDA_EXPERT_COPY_AHEAD_PRIORITY", 1) != 0 ? highest : 0;
+        CUDA_CHECK(cudaStreamCreateWithPriority(&a.stream, cudaStreamNonBlocking, priority));
+        CUDA_CHECK(cudaEventCreateWithFlags(&a.queued, cudaEventDisableTiming));
+        CUDA_CHECK(cudaEventCreateWithFlags(&a.done,   cudaEventDisableTiming));
+    }
+    if (a.n_used < n_expert) {
+        CUDA_CHECK(cudaStreamSynchronize(a.stream));
+        CUDA_CHECK(cudaFree(a.used));
+        CUDA_CHECK(cudaMalloc((void **) &a.used, n_expert*sizeof(int32_t)));
+        a.n_used = n_expert;
+    }
+
+    CUDA_CHECK(cudaEventRecord(a.queued, ctx.stream()));
+    CUDA_CHECK(cudaStreamWaitEvent(a.stream, a.queued, 0));
+    static const int max_blocks = std::max(1, env_int("GGML_CUDA_EXPERT_COPY_AHEAD_BLOCKS", CUDA_EXPERT_COPY_AHEAD_MAX_BLOCKS));
+    copy_experts_queue(host, src, dst, ids, slots, slot_of, a.used, max_blocks, a.stream);
+    CUDA_CHECK(cudaEventRecord(a.done, a.stream));
+    return true;
+}
+
+void ggml_cuda_copy_experts_join(ggml_backend_cuda_context & ctx) {
+    std::lock_guard<std::mutex> lock(g_ahead_mutex);
+    const auto it = g_ahead.find(&ctx);
+    if (it != g_ahead.end()) {
+        ggml_cuda_set_device(ctx.device);
+        CUDA_CHECK(cudaStreamWaitEvent(ctx.stream(), it->second.done, 0));
+    }
+}
+
+void ggml_cuda_copy_experts_free(const ggml_backend_cuda_context & ctx) {
+    std::lock_guard<std::mutex> lock(g_ahead_mutex);
+    const auto it = g_ahead.find(&ctx);
+    if (it == g_ahead.end()) {
+        return;
+    }
+    ggml_cuda_set_device(ctx.device);
+    cuda_expert_copy_ahead & a = it->second;
+    CUDA_CHECK(cudaStreamSynchronize(a.stream));
+    CUDA_CHECK(cudaFree(a.used));
+    CUDA_CHECK(cudaEventDestroy(a.queued));
+    CUDA_CHECK(cudaEventDestroy(a.done));
+    CUDA_CHECK(cudaStreamDestroy(a.stream));
+    g_ahead.erase(it);
 }

@@ -10,3 +10,11 @@
 // host memory over the bus. Returns false, having queued nothing, where src cannot be read this way.
 bool ggml_cuda_copy_experts(ggml_backend_cuda_context & ctx, const ggml_tensor * src, ggml_tensor * dst, const ggml_tensor * ids,
         const ggml_tensor * slots, const ggml_tensor * slot_of);
+
+// The same copy queued on a second stream of ctx, behind the work queued so far on ctx's stream, so that it
+// runs while ctx computes what is queued next; ggml_cuda_copy_experts_join makes ctx's stream wait for the
+// last copy queued ahead. ggml_cuda_copy_experts_free releases the second stream when ctx is freed.
+bool ggml_cuda_copy_experts_ahead(ggml_backend_cuda_context & ctx, const ggml_tensor * src, ggml_tensor * dst, const ggml_tensor * ids,
+        const ggml_tensor * slots, const ggml_tensor * slot_of);
+void ggml_cuda_copy_experts_join(ggml_backend_cuda_context & ctx);
+void ggml_cuda_copy_experts_free(const ggml_backend_cuda_context & ctx);
