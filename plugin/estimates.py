@@ -73,6 +73,14 @@ def compute_buffer_bytes(info: ModelInfo, ubatch: int = DEFAULT_UBATCH) -> int:
     return 4 * ubatch * per_token
 
 
+def expert_copy_ahead_bytes(info: ModelInfo) -> int:
+    """What the compute buffer holds beyond stock's when the expert cache is on and experts stay in
+    RAM: for a prompt batch the scheduler copies a layer's up and down weights while the split before
+    computes (native patch 0024), so two copies of an expert weight are live where stock holds one.
+    The largest expert weight (3-D) of any MoE layer."""
+    return max((t.n_bytes for layer in info.layers for t in layer.tensors.values() if len(t.shape) == 3), default=0)
+
+
 def bytes_per_slot(info: ModelInfo) -> int:
     """One expert of every MoE layer."""
     return sum(layer.bytes_per_expert for layer in info.layers)

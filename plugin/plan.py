@@ -39,6 +39,7 @@ from moeplug.estimates import (
     bytes_per_slot,
     choose_load_mode,
     compute_buffer_bytes,
+    expert_copy_ahead_bytes,
     kv_cache_bytes,
     stock_ncmoe,
     whole_layers_first,
@@ -252,6 +253,14 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
     else:
         others = non_expert + kv + compute + margin
         room = vram_budget - others - draft.total if expert_room is None else expert_room - draft.total
+        if profile and 0 <= room < trunk.expert_bytes:
+            # experts stay in RAM and the cache holds slots: the scheduler copies a prompt batch's
+            # experts ahead, a second weight copy in the compute buffer that neither estimate counts
+            # (llama.cpp's, need, is asked about stock's path; without a profile: stock's placement, no cache)
+            ahead = expert_copy_ahead_bytes(trunk)
+            base["compute_bytes"] = compute + ahead
+            others += ahead
+            room -= ahead
         if room < 0:
             raise MoeplugError(_no_room(vram_budget, others if expert_room is None else vram_budget - expert_room,
                                         draft, spec, ctx))

@@ -18,7 +18,8 @@ from moeplug.allocate import (LayerCost, _curve, _layer_counts, allocate, hit_cu
                               uniform_hits)
 from moeplug.errors import MoeplugError
 from moeplug.model_inspect import inspect_model
-from moeplug.estimates import CUDA_POOL_HEADROOM, SAFETY_MARGIN, compute_buffer_bytes, kv_cache_bytes, stock_ncmoe
+from moeplug.estimates import (CUDA_POOL_HEADROOM, SAFETY_MARGIN, compute_buffer_bytes, expert_copy_ahead_bytes, kv_cache_bytes,
+                               stock_ncmoe)
 from moeplug.plan import _layer_costs, make_plan
 from moeplug.server_flags import experts_in_ram_args, placement_args
 from moeplug.sizes import parse_size
@@ -96,6 +97,29 @@ def test_plan_with_profile_spends_the_budget_on_slots(patched_build, fixture_mod
         assert experts_in_ram(plan.server_args, info) == expert_tensors(info, ram)
         assert "--moe-cache-slots" not in plan.server_args  # no partly resident layer: nothing for the cache
         assert plan.modelled_host_ms <= plan.stock_modelled_host_ms
+
+
+def test_the_copy_ahead_is_counted_where_experts_stay_in_ram(patched_build, fixture_models, tmp_path: Path) -> None:
+    """With the cache on and experts in RAM a prompt batch's up and down weights are copied while the
+    split before computes (patch 0024): the compute buffer holds a second expert weight, and the
+    plan counts the largest one on top of either estimate; with every expert in VRAM, or without a
+    profile (no cache), none."""
+    model = fixture_models["gpt-oss"]
+    profile = make_profile(patched_build, model, tmp_path / "p.profile.gguf", 8)
+    info = inspect_model(model)
+    largest = max(t.n_bytes for layer in info.layers for name, t in layer.tensors.items()
+                  if name.endswith("_exps.weight"))
+    assert expert_copy_ahead_bytes(info) == largest
+    base = compute_buffer_bytes(info) + CUDA_POOL_HEADROOM
+    budget = fixed_bytes(info, 2048) + info.expert_bytes // 2
+    assert make_plan(info, 2048, budget, profile).compute_bytes == base + largest
+    assert make_plan(info, 2048, budget).compute_bytes == base
+    assert make_plan(info, 2048, fixed_bytes(info, 2048) + 2 * info.expert_bytes, profile).compute_bytes == base
+    # llama.cpp's own estimate (fit_estimate.gpu_need) is of stock's path: the copy comes on top of it too
+    from moeplug.fit_estimate import CUDA_CONTEXT_RESERVE, DeviceNeed
+    need = DeviceNeed("CUDA0", model=64 * MIB, context=8 * MIB, compute=32 * MIB)
+    with_need = make_plan(info, 2048, need.total + CUDA_CONTEXT_RESERVE + info.expert_bytes // 2, profile, need=need)
+    assert with_need.compute_bytes == 32 * MIB + largest
 
 
 def test_placement_args_give_the_cache_only_partly_resident_layers(fixture_models, tmp_path: Path) -> None:
