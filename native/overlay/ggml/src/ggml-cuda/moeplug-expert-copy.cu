@@ -151,8 +151,10 @@ struct cuda_expert_copy_ahead {
     int64_t      n_used = 0;
 };
 
-static std::mutex g_ahead_mutex;
-static std::unordered_map<const ggml_backend_cuda_context *, cuda_expert_copy_ahead> g_ahead;
+// never destroyed: a backend may be freed after static destructors have run
+static std::mutex & g_ahead_mutex = *new std::mutex();
+static std::unordered_map<const ggml_backend_cuda_context *, cuda_expert_copy_ahead> & g_ahead =
+    *new std::unordered_map<const ggml_backend_cuda_context *, cuda_expert_copy_ahead>();
 
 static int env_int(const char * name, int def) {
     const char * v = getenv(name);
