@@ -75,7 +75,7 @@ def compute_buffer_bytes(info: ModelInfo, ubatch: int = DEFAULT_UBATCH) -> int:
 
 def expert_copy_ahead_bytes(info: ModelInfo) -> int:
     """What the compute buffer holds beyond stock's when the expert cache is on and experts stay in
-    RAM: for a prompt batch the scheduler copies a layer's up and down weights while the split before
+    RAM: for a prompt batch the scheduler copies a layer's gate and down weights while the split before
     computes (native patch 0024), so two copies of an expert weight are live where stock holds one.
     The largest expert weight (3-D) of any MoE layer."""
     return max((t.n_bytes for layer in info.layers for t in layer.tensors.values() if len(t.shape) == 3), default=0)

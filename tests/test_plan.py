@@ -100,7 +100,7 @@ def test_plan_with_profile_spends_the_budget_on_slots(patched_build, fixture_mod
 
 
 def test_the_copy_ahead_is_counted_where_experts_stay_in_ram(patched_build, fixture_models, tmp_path: Path) -> None:
-    """With the cache on and experts in RAM a prompt batch's up and down weights are copied while the
+    """With the cache on and experts in RAM a prompt batch's gate and down weights are copied while the
     split before computes (patch 0024): the compute buffer holds a second expert weight, and the
     plan counts the largest one on top of either estimate; with every expert in VRAM, or without a
     profile (no cache), none."""
