@@ -239,6 +239,7 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
                     **(base | cpu | {"load_mode": "mmap", "expert_vram_bytes": 0}))
 
     split_args: list[str] = []
+    ahead = 0  # the second weight copy the cache's prompt batches hold (one GPU)
     if isinstance(vram_budget, list):
         split = plan_split(info, trunk, ctx, vram_budget, costs, profile is not None, spec)
         room, slots = split.room, split.slots_per_layer
@@ -257,7 +258,7 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
             # experts stay in RAM and the cache holds slots: the scheduler copies a prompt batch's
             # experts ahead, a second weight copy in the compute buffer that neither estimate counts
             # (llama.cpp's, need, is asked about stock's path; without a profile: stock's placement, no cache)
-            ahead = expert_copy_ahead_bytes(trunk)
+            ahead = min(expert_copy_ahead_bytes(trunk), room)  # less room than that: no slot, no cache
             base["compute_bytes"] = compute + ahead
             others += ahead
             room -= ahead
@@ -265,7 +266,7 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
             raise MoeplugError(_no_room(vram_budget, others if expert_room is None else vram_budget - expert_room,
                                         draft, spec, ctx))
         slots = allocate(costs, room) if profile else whole_layers_first(trunk, room)
-    ncmoe = stock_ncmoe(trunk, room)  # two GPUs: stock's placement for their rooms pooled
+    ncmoe = stock_ncmoe(trunk, room + ahead)  # stock has no second copy; two GPUs: their rooms pooled
     stock_slots = [info.n_expert if layer.block >= ncmoe else 0 for layer in trunk.layers]
     s = summary(slots, room)
     args = ["-c", str(ctx), "-ngl", "99", *split_args, "-fit", "off", *lm_args]

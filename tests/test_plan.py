@@ -112,8 +112,12 @@ def test_the_copy_ahead_is_counted_where_experts_stay_in_ram(patched_build, fixt
     assert expert_copy_ahead_bytes(info) == largest
     base = compute_buffer_bytes(info) + CUDA_POOL_HEADROOM
     budget = fixed_bytes(info, 2048) + info.expert_bytes // 2
-    assert make_plan(info, 2048, budget, profile).compute_bytes == base + largest
+    plan = make_plan(info, 2048, budget, profile)
+    assert plan.compute_bytes == base + largest
+    assert plan.stock_ncmoe == stock_ncmoe(info, info.expert_bytes // 2)  # stock holds no second copy
     assert make_plan(info, 2048, budget).compute_bytes == base
+    # room for less than the copy: no slot (every expert on the CPU), no error
+    assert sum(make_plan(info, 2048, fixed_bytes(info, 2048) + largest // 2, profile).slots_per_layer) == 0
     assert make_plan(info, 2048, fixed_bytes(info, 2048) + 2 * info.expert_bytes, profile).compute_bytes == base
     # llama.cpp's own estimate (fit_estimate.gpu_need) is of stock's path: the copy comes on top of it too
     from moeplug.fit_estimate import CUDA_CONTEXT_RESERVE, DeviceNeed
