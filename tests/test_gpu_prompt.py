@@ -1,6 +1,7 @@
 """Prompt batches with the expert slot cache on a GPU (skipped without one): the slots in VRAM, the
 other experts in pinned RAM, a batch of 32 tokens or more runs the stock pass and the GPU copies
-each expert it uses from its slot or over the bus (patches 0021-0023). Its logits must be bitwise
+each expert it uses from its slot or over the bus (patches 0021-0023; a layer's gate and down experts
+on a second stream while the matmul before computes, 0024-0025). Its logits must be bitwise
 those of the same placement without the cache, where the scheduler copies every used expert from
 RAM: the same offload, the same kernels, the same bytes.
 
