@@ -32,6 +32,8 @@ from moeplug.server import HOST, Server, server_argv, start_server, url_of
 ENGAGED_RE = re.compile(r"moe-cache: (\d+) layers x (?:(\d+)-)?(\d+) slots(?: \((\d+) in all, (\d+) whole layers\))?, "
                         r"([\d.]+) MiB uploaded to (\S+(?:, \S+)*) in ([\d.]+) s")
 NOT_ENGAGED_RE = re.compile(r"moe-cache: not engaged, running without it: (.*)")
+# and, where the device computes some misses (--moe-cache-stream), ", L layers stream P% of their misses"
+STREAM_RE = re.compile(r"moe-cache: \d+ layers x .*, (\d+) layers stream (\d+)% of their misses")
 BUFFER_RE = re.compile(r"(\S+) (model|KV|compute) buffer size =\s+([\d.]+) MiB")
 
 
@@ -47,6 +49,8 @@ class CacheStatus:
     device: str = ""  # "CUDA0", or "CUDA0, CUDA1" where the slots live on several
     seconds: float = 0.0
     reason: str = ""
+    streamed_layers: int = 0  # layers whose GPU computes some misses from host memory
+    stream_percent: int = 0  # the share of their misses it computes
 
 
 def parse_cache_line(log: str) -> CacheStatus | None:
@@ -57,7 +61,9 @@ def parse_cache_line(log: str) -> CacheStatus | None:
         least = int(m[2]) if m[2] else most
         total = int(m[4]) if m[4] else layers * most
         whole = int(m[5]) if m[5] else 0
-        return CacheStatus(True, layers, most, least, total, whole, float(m[6]), m[7], float(m[8]))
+        s = STREAM_RE.search(log)
+        return CacheStatus(True, layers, most, least, total, whole, float(m[6]), m[7], float(m[8]),
+                           streamed_layers=int(s[1]) if s else 0, stream_percent=int(s[2]) if s else 0)
     m = NOT_ENGAGED_RE.search(log)
     if m:
         return CacheStatus(False, reason=m[1].strip())

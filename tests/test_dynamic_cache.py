@@ -126,15 +126,16 @@ def test_dynamic_slots_follow_the_prompt_exactly(patched_build, model, files, tm
         assert run["outputs"] == stock["outputs"]
 
 
-def test_dynamic_policy_is_bitwise_stock_mid_batch(patched_build, model, files) -> None:
+@pytest.mark.parametrize("stream", ["0", "0.4"])
+def test_dynamic_policy_is_bitwise_stock_mid_batch(patched_build, model, files, stream: str) -> None:
     """test-moe-cache on one sequence whose hot experts change at token 80 (inside the prompt): 100
     prompt tokens in ubatches of 7 and 64, 64 greedy tokens, logits bitwise equal with and without
-    the dynamic cache."""
+    the dynamic cache; with --moe-cache-stream the streamed set follows the swaps too."""
     env = {**os.environ, "LLAMA_MOE_CACHE_DEVICE": "CPU"}
     for ubatch in (7, 64):
         r = subprocess.run([str(patched_build.binary("test-moe-cache")), "-m", str(model), "--moe-cache-profile",
                             str(files["profile_a"]), "--moe-cache-slots", str(SLOTS), "--moe-cache-max-batch", "512",
-                            "--moe-cache-policy", "dynamic", "--moe-cache-half-life", "16",
+                            "--moe-cache-policy", "dynamic", "--moe-cache-half-life", "16", "--moe-cache-stream", stream,
                             "--moe-route-replay", str(files["ab"]), "-ub", str(ubatch), "-n", "64", "-t", "2"],
                            capture_output=True, text=True, timeout=600, env=env)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]

@@ -90,6 +90,21 @@ def test_cache_without_resident_experts_is_bitwise_stock(patched_build, cache_mo
     assert_bitwise(r, 3)
 
 
+@pytest.mark.parametrize("name", ["qwen3moe", "gpt-oss", "qwen3moe-q4_k-scales"])
+@pytest.mark.parametrize("share", ["0.5", "1"])
+def test_streamed_misses_are_bitwise_stock(patched_build, cache_models, profiles, slots_on_cpu, name: str,
+                                           share: str) -> None:
+    """--moe-cache-stream: a third pass computes the hottest misses (with the slots on the CPU it runs
+    there too, on the source weights and full copies of the biases and scales); every logit stays
+    stock's, bitwise, and the log names the layers that stream."""
+    r = run_cache_test(patched_build, cache_models[name], profiles[name], 3, ubatch=7,
+                       extra=("--moe-cache-stream", share))
+    assert_bitwise(r, 3)
+    cache = parse_cache_line(r.stderr)
+    assert cache and (cache.streamed_layers, cache.stream_percent) == (cache.layers, round(100 * float(share))), \
+        r.stderr[-2000:]
+
+
 def per_layer(pattern: str, n_layers: int) -> str:
     """'whole first': a whole layer, layers left out, a partial one; 'partial first': then whole ones"""
     counts = [N_EXPERT] + [0] * (n_layers - 2) + [3] if pattern == "whole first" else [1] + [N_EXPERT] * (n_layers - 1)
@@ -160,6 +175,23 @@ def test_two_pass_graph_is_built(patched_build, cache_models, profiles, slots_on
     out = graph_of(patched_build, cache_models["qwen3moe"], profiles["qwen3moe"], f"{N_EXPERT},3,0")
     assert "blk.0.ffn_down_exps.weight.slots" in out and "ffn_moe_ids_src-0" not in out
     assert "ffn_moe_experts_merged-1" in out and "blk.2.ffn_down_exps.weight.slots" not in out
+    assert "ffn_moe_ids_str" not in out
+
+
+def test_streamed_pass_is_built(patched_build, cache_models, profiles, slots_on_cpu,
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """LLAMA_MOE_CACHE_STREAM (the experiments' override of --moe-cache-stream) adds the third pass
+    and its sum to each partly resident layer, and gpt-oss's expert biases get full copies."""
+    monkeypatch.setenv("LLAMA_MOE_CACHE_STREAM", "0.5")
+    out = graph_of(patched_build, cache_models["gpt-oss"], profiles["gpt-oss"], "3")
+    for name in ("ffn_moe_ids_str-0", "ffn_moe_experts_str-0", "ffn_moe_experts_dev-0", "ffn_moe_experts_merged-0",
+                 "blk.0.ffn_up_exps.bias.mirror"):
+        assert name in out, name
+    monkeypatch.setenv("LLAMA_MOE_CACHE_STREAM", "2")
+    r = subprocess.run([str(patched_build.binary("llama-eval-callback")), "-m", str(cache_models["gpt-oss"]),
+                        "--moe-cache-profile", str(profiles["gpt-oss"]), "--moe-cache-slots", "3", "-p", "hi",
+                        "-n", "1", "-t", "2"], capture_output=True, text=True, timeout=300)
+    assert NOT_ENGAGED + "LLAMA_MOE_CACHE_STREAM=2: give the share" in r.stderr, r.stderr[-2000:]
 
 
 def test_every_moe_architecture_mock_is_bitwise(patched_build) -> None:
@@ -261,6 +293,14 @@ def test_malformed_slot_list_is_a_usage_error(patched_build, cache_models, profi
                         "--moe-cache-profile", str(profiles["qwen3moe"]), "--moe-cache-slots", "3,x"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "--moe-cache-slots 3,x: give N or one N per layer" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("share", ["1.5", "-0.1", "half"])
+def test_stream_share_out_of_range_is_a_usage_error(patched_build, cache_models, profiles, share: str) -> None:
+    r = subprocess.run([str(patched_build.binary("llama-server")), "-m", str(cache_models["qwen3moe"]),
+                        "--moe-cache-profile", str(profiles["qwen3moe"]), "--moe-cache-stream", share],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "give a share from 0 to 1" in r.stderr, r.stderr[-2000:]
 
 
 def test_no_gpu_layer_means_no_cache(patched_build, cache_models, profiles, tmp_path: Path,

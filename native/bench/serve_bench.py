@@ -426,6 +426,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-weights", default="",
                     help="moeplug rows per planner prefill weight (prompt tokens per generated token), e.g. 0,1 "
                          "(default: the planner's)")
+    ap.add_argument("--stream-shares", default="",
+                    help="moeplug rows per --moe-cache-stream share (of each layer's misses, the GPU computes the "
+                         "hottest carrying this share from host memory), e.g. 0,0.4 (default: the plan's)")
     ap.add_argument("--policies", default="", help="moeplug rows per slot policy, e.g. static,dynamic (default: the "
                     "plan's own choice, one row); a policy+record row also records live routing counts "
                     "(--moe-cache-record), to measure what recording costs beside the same policy without it")
@@ -465,6 +468,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--prefill-weights: {a.prefill_weights!r}: give numbers, e.g. 0,1")
     if any(w is not None and w < 0 for w in weights):
         ap.error("--prefill-weights: each weight must be 0 or more")
+    try:
+        shares = [float(s) for s in a.stream_shares.split(",") if s.strip()] or [None]
+    except ValueError:
+        ap.error(f"--stream-shares: {a.stream_shares!r}: give numbers, e.g. 0,0.4")
+    if any(s is not None and not 0.0 <= s <= 1.0 for s in shares):
+        ap.error("--stream-shares: each share from 0 to 1")
     if any(p.removesuffix("+record") not in ("auto", "static", "dynamic") for p in policies):
         ap.error(f"--policies: {a.policies!r}: each of auto, static, dynamic, optionally with +record")
     if a.spec is None and (a.spec_accept is not None or a.spec_baseline or a.spec_draft_max is not None):
@@ -537,9 +546,9 @@ def main(argv: list[str] | None = None) -> int:
         for group, profile, extra, mine_bin, stock_bin, stock_id in groups:
             if not group:
                 continue
-            variants = [(p, w) for p in policies for w in weights]
+            variants = [(p, w, s) for p in policies for w in weights for s in shares]
             plans = [plan_for(info, a.ctx, budget, profile, slots_on_cpu=False, fit_tool=fit_tool,
-                              policy=p.removesuffix("+record"), spec=spec, prefill_weight=w) for p, w in variants]
+                              policy=p.removesuffix("+record"), spec=spec, prefill_weight=w) for p, w, _ in variants]
             load = ["-lm", "none"] if plans[0].load_mode == "pinned" else []
             stock_args = ["-c", str(a.ctx), "--fit", "on", "-fitt", fitt, *load, *common, *extra]
             theirs = Config(label, "stock", stock_bin, stock_id,
@@ -550,14 +559,16 @@ def main(argv: list[str] | None = None) -> int:
             if spec and a.spec_baseline:
                 baseline = Config(label, "stock", stock_bin, stock_id, stock_args, group, desc="--fit, no speculation")
                 configs.append(baseline)
-            for plan, (policy, weight) in zip(plans, variants):
+            for plan, (policy, weight, share) in zip(plans, variants):
                 record = ["--moe-cache-record"] if policy.endswith("+record") else []
+                stream = ["--moe-cache-stream", f"{share:g}"] if share is not None else []
                 desc = describe_slots(plan.slots_per_layer, info.n_expert)
                 desc += f", {plan.cache_policy}{'+record' if record else ''}" if len(policies) > 1 else ""
                 desc += f", prefill weight {weight:g}" if len(weights) > 1 else ""
+                desc += f", stream {share:g}" if len(shares) > 1 else ""
                 desc += f", {spec.kind}" if spec else ""
                 mine = Config(label, "moeplug", mine_bin, patched.build_id,
-                              [*plan.server_args, *record, *spec_args, *common, *extra], group, slots_env, desc)
+                              [*plan.server_args, *record, *stream, *spec_args, *common, *extra], group, slots_env, desc)
                 print(f"# {label} {'+'.join(group)}: moeplug {' '.join(mine.server_args)} | stock "
                       f"{' '.join(theirs.server_args)}", file=sys.stderr)
                 configs.append(mine)

@@ -334,7 +334,7 @@ std::vector<common_moeplug_cache_choice> common_moeplug_cache_choose(
 
 bool common_moeplug_cache_enable(llama_model * model, const std::string & model_path, const std::string & profile_path,
         const std::string & slots, int32_t max_batch, int32_t margin_mib, bool count,
-        const std::string & policy, float half_life, int32_t uploads) {
+        const std::string & policy, float half_life, int32_t uploads, float stream) {
     llama_moeplug_cache_result result = {};
     const bool dynamic = policy == "dynamic";
     try {
@@ -363,6 +363,7 @@ bool common_moeplug_cache_enable(llama_model * model, const std::string & model_
         mp.policy     = dynamic ? LLAMA_MOEPLUG_CACHE_POLICY_DYNAMIC : LLAMA_MOEPLUG_CACHE_POLICY_STATIC;
         mp.half_life  = half_life;
         mp.max_uploads = uploads;
+        mp.stream_share = stream;
         if (!llama_model_moeplug_cache_init(model, &mp, &result)) {
             throw std::runtime_error(result.reason);
         }
@@ -383,9 +384,12 @@ bool common_moeplug_cache_enable(llama_model * model, const std::string & model_
     // prompt batches of the partly resident layers: one pass, the device copying their experts from the slots
     const std::string prompt_desc = result.n_layers_copied == 0 ? "" :
         string_format(", prompt batches in one pass on %d layers", result.n_layers_copied);
-    LOG_INF("moe-cache: %d layers x %s, %.2f MiB uploaded to %s in %.2f s, %s%s\n",
+    // misses of some layers computed by the device from host memory, beside the CPU
+    const std::string stream_desc = result.n_layers_streamed == 0 ? "" :
+        string_format(", %d layers stream %.0f%% of their misses", result.n_layers_streamed, 100.0 * result.stream_share);
+    LOG_INF("moe-cache: %d layers x %s, %.2f MiB uploaded to %s in %.2f s, %s%s%s\n",
         result.n_layers, slots_desc.c_str(), result.n_bytes / (1024.0 * 1024.0), result.device, result.t_upload_s,
-        policy_desc.c_str(), prompt_desc.c_str());
+        policy_desc.c_str(), prompt_desc.c_str(), stream_desc.c_str());
     return true;
 }
 
@@ -403,7 +407,8 @@ bool common_moeplug_cache_init(llama_model * model, const common_params & params
         } else {
             engaged = common_moeplug_cache_enable(model, params.model.path, src.profile, src.slots,
                 params.moeplug_cache_max_batch, params.moeplug_cache_margin_mib, params.endpoint_metrics,
-                params.moeplug_cache_policy, params.moeplug_cache_half_life, params.moeplug_cache_uploads);
+                params.moeplug_cache_policy, params.moeplug_cache_half_life, params.moeplug_cache_uploads,
+                params.moeplug_cache_stream);
         }
     }
     if (params.moeplug_cache_record) {

@@ -30,15 +30,49 @@ ggml_tensor * llama_moeplug_cache_layer::slot(const ggml_tensor * src) const {
 }
 
 void llama_moeplug_cache_layer::write_maps() const {
-    std::vector<int32_t> src(n_expert);     // the expert, or -1 when resident
+    std::vector<int32_t> src(n_expert);     // the expert, or -1 when resident or streamed
     std::vector<int32_t> clamped(n_expert); // its slot, or 0
+    std::vector<int32_t> str(n_expert);     // the expert when streamed and not resident, or -1
     for (int32_t e = 0; e < n_expert; ++e) {
-        src[e]     = slot_of[e] >= 0 ? -1 : e;
+        const bool on_device = stream && streamed[e] && slot_of[e] < 0;
+        src[e]     = slot_of[e] >= 0 || on_device ? -1 : e;
         clamped[e] = std::max(slot_of[e], 0);
+        str[e]     = on_device ? e : -1;
     }
     ggml_backend_tensor_set(map_src,          src.data(),     0, ggml_nbytes(map_src));
     ggml_backend_tensor_set(map_slot,         slot_of.data(), 0, ggml_nbytes(map_slot));
     ggml_backend_tensor_set(map_slot_clamped, clamped.data(), 0, ggml_nbytes(map_slot_clamped));
+    if (map_str != nullptr) {
+        ggml_backend_tensor_set(map_str, str.data(), 0, ggml_nbytes(map_str));
+    }
+}
+
+void llama_moeplug_cache_layer::choose_streamed(float share) {
+    streamed.assign(n_expert, 0);
+    if (!stream) {
+        return;
+    }
+    std::vector<int32_t> missed;
+    double total = 0.0;
+    for (int32_t e = 0; e < n_expert; ++e) {
+        if (slot_of[e] < 0) {
+            missed.push_back(e);
+            total += score[e];
+        }
+    }
+    std::stable_sort(missed.begin(), missed.end(), [&](int32_t a, int32_t b) { return score[a] > score[b]; });
+    // an expert is streamed while the mass taken, half of it included, stays within the share
+    const bool by_count = total <= 0.0;
+    const double want = share * (by_count ? (double) missed.size() : total);
+    double taken = 0.0;
+    for (int32_t e : missed) {
+        const double w = by_count ? 1.0 : score[e];
+        if (taken + 0.5*w > want) {
+            break;
+        }
+        streamed[e] = 1;
+        taken += w;
+    }
 }
 
 bool llama_moeplug_whole_tensors_only(const ggml_tensor * t) {
@@ -117,6 +151,12 @@ void llama_moeplug_cache_init_sched(const llama_moeplug_cache * cache, ggml_back
         return;
     }
     ggml_backend_sched_set_device_expert_copy(sched, true);
+    bool stream = false;
+    for (const auto & [down, layer] : cache->layers) {
+        stream = stream || layer->stream;
+    }
+    // the CPU computes its misses while the device computes the streamed ones
+    ggml_backend_sched_set_host_overlap(sched, stream);
     for (const auto & [down, layer] : cache->layers) {
         if (!layer->device_copy) {
             continue;
@@ -130,8 +170,13 @@ void llama_moeplug_cache_init_sched(const llama_moeplug_cache * cache, ggml_back
 }
 
 uint32_t llama_moeplug_cache::n_extra_nodes() const {
-    // and a copy of the selections of every recorded layer
-    return MOEPLUG_CACHE_EXTRA_NODES_PER_LAYER * (uint32_t) layers.size() + 2 * (uint32_t) recorded.size();
+    // a third pass and the CPU's copies where the device computes some misses; and a copy of the selections of
+    // every recorded layer
+    uint32_t n = 0;
+    for (const auto & [down, layer] : layers) {
+        n += (layer->stream ? 2 : 1) * MOEPLUG_CACHE_EXTRA_NODES_PER_LAYER;
+    }
+    return n + 2 * (uint32_t) recorded.size();
 }
 
 namespace {
@@ -148,6 +193,36 @@ void moe_set_skip_neg_ids(ggml_tensor * t, const std::unordered_set<const ggml_t
     }
     for (int i = 0; i < GGML_MAX_SRC; ++i) {
         moe_set_skip_neg_ids(t->src[i], inputs, seen);
+    }
+}
+
+// the backend of sched on dev, or nullptr
+ggml_backend_t moe_sched_backend(ggml_backend_sched_t sched, ggml_backend_dev_t dev) {
+    if (sched == nullptr || dev == nullptr) {
+        return nullptr;
+    }
+    for (int i = 0; i < ggml_backend_sched_get_n_backends(sched); ++i) {
+        ggml_backend_t b = ggml_backend_sched_get_backend(sched, i);
+        if (ggml_backend_get_device(b) == dev) {
+            return b;
+        }
+    }
+    return nullptr;
+}
+
+// runs every node between t and the pass's inputs on backend, where it supports the node (the weights in host
+// memory then become inputs the scheduler copies, only the experts the ids use)
+void moe_set_backend(ggml_backend_sched_t sched, ggml_backend_t backend, ggml_tensor * t,
+        const std::unordered_set<const ggml_tensor *> & inputs, std::unordered_set<const ggml_tensor *> & seen) {
+    if (t == nullptr || t->op == GGML_OP_NONE || inputs.count(t) || !seen.insert(t).second) {
+        return;
+    }
+    const bool view = t->op == GGML_OP_VIEW || t->op == GGML_OP_RESHAPE || t->op == GGML_OP_PERMUTE || t->op == GGML_OP_TRANSPOSE;
+    if (!view && ggml_backend_supports_op(backend, t)) {
+        ggml_backend_sched_set_tensor_backend(sched, t, backend);
+    }
+    for (int i = 0; i < GGML_MAX_SRC; ++i) {
+        moe_set_backend(sched, backend, t->src[i], inputs, seen);
     }
 }
 
@@ -261,27 +336,87 @@ ggml_tensor * llama_moeplug_cache::build_experts(
     ggml_tensor * ids_slot   = remap(cache->map_slot, "ffn_moe_ids_slot");
     ggml_tensor * ids_slot_s = has_scales ? remap(cache->map_slot_clamped, "ffn_moe_ids_slot_clamped") : nullptr;
 
-    // the experts that are not resident, on the source weights; scale rows by the real ids
-    ggml_tensor * e_src = g.build_moe_experts(cur, ids_src, selected_experts, w, type_op, il);
-    {
+    // one pass: the experts the ids name (a negative id contributes an exact zero) on weights ew; on `backend`
+    // where given
+    auto pass = [&](ggml_tensor * x, ggml_tensor * ids, ggml_tensor * ids_s, const llm_moe_experts & ew, const char * name,
+            ggml_backend_t backend) {
+        ggml_tensor * e = g.build_moe_experts(x, ids, ids_s, ew, type_op, il);
         std::unordered_set<const ggml_tensor *> seen;
-        moe_set_skip_neg_ids(e_src, { cur, ids_src, selected_experts }, seen);
+        moe_set_skip_neg_ids(e, { x, ids, ids_s }, seen);
+        if (backend != nullptr) {
+            seen.clear();
+            moe_set_backend(g.sched, backend, e, { x, ids, ids_s }, seen);
+        }
+        g.cb(e, name, il);
+        return e;
+    };
+
+    if (!cache->stream) {
+        // the experts that are not resident, on the source weights (scale rows by the real ids), and the resident
+        // ones on their slots
+        ggml_tensor * e_src = pass(cur, ids_src, selected_experts, w, "ffn_moe_experts_src", nullptr);
+        ggml_build_forward_expand(gf, e_src);
+        ggml_tensor * e_slot = pass(cur, ids_slot, ids_slot_s, ws, "ffn_moe_experts_slot", nullptr);
+        ggml_build_forward_expand(gf, e_slot);
+
+        // each (expert, token) is exactly zero in one of the two: the sum is the stock value
+        ggml_tensor * experts = ggml_add(ctx0, e_slot, e_src);
+        g.cb(experts, "ffn_moe_experts_merged", il);
+
+        return experts;
     }
-    g.cb(e_src, "ffn_moe_experts_src", il);
+
+    // three passes: the streamed misses on the device, the resident experts on their slots, the other misses on
+    // the CPU. The CPU's inputs are copied to the host first, so that the device's passes are queued before the
+    // CPU computes and run beside it (ggml_backend_sched_set_host_overlap); with slots on the CPU every pass runs there
+    ggml_backend_t dev_backend = moe_sched_backend(g.sched, cache->dev);
+    ggml_tensor * ids_str  = remap(cache->map_str, "ffn_moe_ids_str");
+    ggml_tensor * cur_h    = cur;
+    ggml_tensor * ids_h    = ids_src;
+    ggml_tensor * sel_h    = selected_experts;
+    if (dev_backend != nullptr && ggml_backend_dev_type(cache->dev) != GGML_BACKEND_DEVICE_TYPE_CPU && g.backend_cpu != nullptr) {
+        auto to_host = [&](ggml_tensor * t, const char * name) {
+            ggml_tensor * h = ggml_cont(ctx0, t);
+            g.cb(h, name, il);
+            ggml_backend_sched_set_tensor_backend(g.sched, h, g.backend_cpu);
+            ggml_build_forward_expand(gf, h);
+            return h;
+        };
+        cur_h = to_host(cur, "ffn_moe_cur_host");
+        ids_h = to_host(ids_src, "ffn_moe_ids_src_host");
+        sel_h = has_scales ? to_host(selected_experts, "ffn_moe_selected_host") : selected_experts;
+    }
+
+    // the streamed misses: the source weights, copied to the device by the scheduler (only the experts in ids_str),
+    // and the device's full copies of the small tensors
+    llm_moe_experts wm = w;
+    for (ggml_tensor ** t : { &wm.up_b, &wm.up_s, &wm.gate_b, &wm.gate_s, &wm.gate_up_b, &wm.down_b, &wm.down_s }) {
+        if (*t != nullptr) {
+            const auto it = cache->mirrors.find(*t);
+            GGML_ASSERT(it != cache->mirrors.end());
+            *t = it->second;
+        }
+    }
+    ggml_tensor * e_str = pass(cur, ids_str, selected_experts, wm, "ffn_moe_experts_str", dev_backend);
+    ggml_build_forward_expand(gf, e_str);
+
+    ggml_tensor * e_slot = pass(cur, ids_slot, ids_slot_s, ws, "ffn_moe_experts_slot", nullptr);
+    ggml_tensor * e_dev = ggml_add(ctx0, e_slot, e_str);
+    g.cb(e_dev, "ffn_moe_experts_dev", il);
+    if (dev_backend != nullptr) {
+        ggml_backend_sched_set_tensor_backend(g.sched, e_dev, dev_backend);
+    }
+    ggml_build_forward_expand(gf, e_dev);
+
+    ggml_tensor * e_src = pass(cur_h, ids_h, sel_h, w, "ffn_moe_experts_src", nullptr);
     ggml_build_forward_expand(gf, e_src);
 
-    // the resident experts, on their slots
-    ggml_tensor * e_slot = g.build_moe_experts(cur, ids_slot, ids_slot_s, ws, type_op, il);
-    {
-        std::unordered_set<const ggml_tensor *> seen;
-        moe_set_skip_neg_ids(e_slot, { cur, ids_slot, ids_slot_s }, seen);
-    }
-    g.cb(e_slot, "ffn_moe_experts_slot", il);
-    ggml_build_forward_expand(gf, e_slot);
-
-    // each (expert, token) is exactly zero in one of the two: the sum is the stock value
-    ggml_tensor * experts = ggml_add(ctx0, e_slot, e_src);
+    // each (expert, token) is exactly zero in all but one of the three: the sum is the stock value
+    ggml_tensor * experts = ggml_add(ctx0, e_dev, e_src);
     g.cb(experts, "ffn_moe_experts_merged", il);
+    if (dev_backend != nullptr) {
+        ggml_backend_sched_set_tensor_backend(g.sched, experts, dev_backend);
+    }
 
     return experts;
 }
@@ -536,6 +671,19 @@ bool llama_moeplug_cache_build(llama_model & model, const llama_moeplug_cache_pa
     cache->half_life   = params.half_life   > 0.0f ? params.half_life   : MOEPLUG_CACHE_HALF_LIFE_DEFAULT;
     cache->max_uploads = params.max_uploads > 0    ? params.max_uploads : MOEPLUG_CACHE_UPLOADS_DEFAULT;
     cache->model_files.assign(params.model_files, params.model_files + params.n_model_files);
+    if (!(params.stream_share >= 0.0f && params.stream_share <= 1.0f)) {
+        throw std::runtime_error(format("stream share %g: it must be from 0 to 1", (double) params.stream_share));
+    }
+    cache->stream_share = params.stream_share;
+    if (const char * v = getenv("LLAMA_MOE_CACHE_STREAM")) { // overrides the caller (llama-bench, experiments)
+        char * end = nullptr;
+        const float share = strtof(v, &end);
+        if (end == v || *end != '\0' || !(share >= 0.0f && share <= 1.0f)) {
+            throw std::runtime_error(format("LLAMA_MOE_CACHE_STREAM=%s: give the share of a layer's misses the device computes, 0 to 1", v));
+        }
+        cache->stream_share = share;
+    }
+    const bool no_resident = moe_debug_no_resident();
 
     // one context per buffer type: the slots, and the maps beside them
     std::map<ggml_backend_buffer_type_t, ggml_context *> ctx_of;
@@ -572,6 +720,12 @@ bool llama_moeplug_cache_build(llama_model & model, const llama_moeplug_cache_pa
             layer->bytes_per_expert += src->nb[moe_expert_dim(src)];
         }
 
+        // the device computes some misses where it copies experts from host memory itself (slots on the CPU: the
+        // third pass runs on the CPU too, the same result)
+        const bool full = !no_resident && (int64_t) plan.experts.size() == layer->n_expert;
+        layer->stream = cache->stream_share > 0.0f && !full && !no_resident &&
+            (moe_is_cpu_dev(plan.dev) || moe_device_copies(model, plan));
+
         for (size_t i = 0; i < plan.sources.size(); ++i) {
             const ggml_tensor * src = plan.sources[i];
             ggml_tensor * t = moe_new_slot_tensor(ctx_for(plan.bufts[i]), src, (int64_t) plan.experts.size());
@@ -579,11 +733,20 @@ bool llama_moeplug_cache_build(llama_model & model, const llama_moeplug_cache_pa
             const size_t n = ggml_backend_buft_get_alloc_size(plan.bufts[i], t);
             bytes_on[plan.dev]          += n;
             bytes_per_slot_on[plan.dev] += n / t->ne[moe_expert_dim(t)];
+            if (layer->stream && ggml_n_dims(src) < 3) {
+                ggml_tensor * m = ggml_dup_tensor(ctx_for(plan.bufts[i]), src);
+                ggml_format_name(m, "%s.mirror", src->name);
+                layer->mirrors[src] = m;
+                bytes_on[plan.dev] += ggml_backend_buft_get_alloc_size(plan.bufts[i], m);
+            }
         }
         ggml_context * ctx_map = ctx_for(ggml_backend_dev_buffer_type(plan.dev));
         layer->map_src          = moe_new_map(ctx_map, layer->n_expert, "moe_map_src", plan.il);
         layer->map_slot         = moe_new_map(ctx_map, layer->n_expert, "moe_map_slot", plan.il);
         layer->map_slot_clamped = moe_new_map(ctx_map, layer->n_expert, "moe_map_slot_clamped", plan.il);
+        if (layer->stream) {
+            layer->map_str = moe_new_map(ctx_map, layer->n_expert, "moe_map_str", plan.il);
+        }
         cache->layers[plan.down] = std::move(layer);
     }
 
@@ -615,7 +778,6 @@ bool llama_moeplug_cache_build(llama_model & model, const llama_moeplug_cache_pa
         cache->bufs.emplace_back(buf);
     }
 
-    const bool no_resident = moe_debug_no_resident();
     for (auto & [down, layer] : cache->layers) {
         layer->full = !no_resident && (int64_t) layer->experts.size() == layer->n_expert;
     }
@@ -626,12 +788,23 @@ bool llama_moeplug_cache_build(llama_model & model, const llama_moeplug_cache_pa
         llama_moeplug_cache_layer & layer = *cache->layers.at(plan.down);
         layer.device_copy = !layer.full && !no_resident && moe_device_copies(model, plan);
         result.n_layers_copied += layer.device_copy;
+        result.n_layers_streamed += layer.stream;
+        result.stream_share = cache->stream_share;
     }
     uint64_t n_bytes = 0;
     for (auto & [down, layer] : cache->layers) {
         for (auto & [src, dst] : layer->slots) {
             moe_fill_slot(*cache, *layer, dst, src);
             n_bytes += ggml_nbytes(dst);
+        }
+        for (auto & [src, dst] : layer->mirrors) {
+            const size_t slice = src->nb[moe_expert_dim(src)];
+            std::vector<uint8_t> bytes(ggml_nbytes(dst));
+            for (int64_t e = 0; e < layer->n_expert; ++e) {
+                llama_moeplug_read_expert(*cache, src, (int32_t) e, bytes.data() + e*slice);
+            }
+            ggml_backend_tensor_set(dst, bytes.data(), 0, bytes.size());
+            n_bytes += bytes.size();
         }
 
         layer->slot_of.assign(layer->n_expert, -1);
@@ -640,6 +813,7 @@ bool llama_moeplug_cache_build(llama_model & model, const llama_moeplug_cache_pa
                 layer->slot_of[layer->experts[s]] = (int32_t) s;
             }
         }
+        layer->choose_streamed(cache->stream_share);
         layer->write_maps();
     }
 

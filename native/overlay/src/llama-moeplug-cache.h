@@ -76,6 +76,15 @@ struct llama_moeplug_cache_layer {
     ggml_tensor * map_slot         = nullptr; // I32 [1, n_expert]: its slot, or -1 when not resident
     ggml_tensor * map_slot_clamped = nullptr; // I32 [1, n_expert]: its slot, or 0 (per-expert scale rows)
 
+    // misses the device computes (LLAMA_MOE_CACHE_STREAM): batches that run the two passes run a third, on the
+    // device, for the experts with streamed[e] set and no slot, the device copying each from host memory (as it
+    // does for prompt batches) while the CPU computes the other misses; map_src leaves them out
+    bool                 stream  = false;
+    std::vector<char>    streamed;
+    ggml_tensor *        map_str = nullptr; // I32 [1, n_expert]: the expert when streamed and not resident, or -1
+    // full device copies of the layer's small expert tensors (biases, scales), which the streamed pass reads
+    std::unordered_map<const ggml_tensor *, ggml_tensor *> mirrors;
+
     mutable std::atomic<bool> warned { false }; // the layer already logged why a graph ran it stock
 
     // runtime counters (when counting is on): expert selections in two-pass batches, and how many
@@ -103,8 +112,12 @@ struct llama_moeplug_cache_layer {
     // the slot copy of a source tensor; nullptr for nullptr and for a tensor without a copy
     ggml_tensor * slot(const ggml_tensor * src) const;
 
-    // map_src, map_slot and map_slot_clamped from slot_of (while no graph runs)
+    // map_src, map_slot, map_slot_clamped and map_str from slot_of and streamed (while no graph runs)
     void write_maps() const;
+
+    // streamed: the experts without a slot, hottest (score) first, that carry about `share` of the selections of
+    // the experts without a slot (by count where no score is known)
+    void choose_streamed(float share);
 };
 
 // the router's selections of one MoE layer, prompt and generated tokens apart (--moe-cache-record)
@@ -128,6 +141,7 @@ struct llama_moeplug_cache {
     bool    record    = false; // count every MoE layer's selections per expert (--moe-cache-record)
     float   half_life = MOEPLUG_CACHE_HALF_LIFE_DEFAULT;
     int32_t max_uploads = MOEPLUG_CACHE_UPLOADS_DEFAULT;
+    float   stream_share = 0.0f; // of a layer's misses, computed by the device from host memory (0: none)
 
     // dynamic policy: a backend of the slots' device whose queue is not the graphs' one, and where
     // the sources of buffers that cannot be read back are in the files

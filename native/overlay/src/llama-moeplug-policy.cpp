@@ -205,6 +205,7 @@ void moe_dynamic_step(llama_moeplug_cache & cache, const std::vector<moe_observe
     std::sort(changed.begin(), changed.end());
     changed.erase(std::unique(changed.begin(), changed.end()), changed.end());
     for (llama_moeplug_cache_layer * layer : changed) {
+        layer->choose_streamed(cache.stream_share);
         layer->write_maps();
     }
 }

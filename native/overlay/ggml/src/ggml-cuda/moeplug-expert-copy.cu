@@ -6,9 +6,12 @@
 #define CUDA_EXPERT_COPY_BLOCK_SIZE       256
 #define CUDA_EXPERT_COPY_UNROLL           4
 #define CUDA_EXPERT_COPY_MAX_BLOCKS       64 // per expert
-// per expert, beside compute: the bus, not the SMs, bounds the copy, and the fewer blocks, the less
-// they take from the kernels they run beside (GGML_CUDA_EXPERT_COPY_AHEAD_BLOCKS overrides)
-#define CUDA_EXPERT_COPY_AHEAD_MAX_BLOCKS 2
+// beside compute: the bus, not the SMs, bounds the copy, and the fewer blocks, the less they take from the
+// kernels they run beside. A copy ahead gets about this many blocks in all, spread over the experts its ids can
+// select, and at least the minimum per expert: 2 for a prompt batch, which selects most experts, 16 for a decoded
+// token's 4 (GGML_CUDA_EXPERT_COPY_AHEAD_BLOCKS: a fixed number per expert)
+#define CUDA_EXPERT_COPY_AHEAD_BLOCKS     64
+#define CUDA_EXPERT_COPY_AHEAD_MIN_BLOCKS 2
 
 static __global__ void k_mark_used_experts(
         const char * __restrict__ ids, int64_t ne0, int64_t n, size_t nb0, size_t nb1,
@@ -192,7 +195,10 @@ bool ggml_cuda_copy_experts_ahead(ggml_backend_cuda_context & ctx, const ggml_te
 
     CUDA_CHECK(cudaEventRecord(a.queued, ctx.stream()));
     CUDA_CHECK(cudaStreamWaitEvent(a.stream, a.queued, 0));
-    static const int max_blocks = std::max(1, env_int("GGML_CUDA_EXPERT_COPY_AHEAD_BLOCKS", CUDA_EXPERT_COPY_AHEAD_MAX_BLOCKS));
+    static const int fixed_blocks = env_int("GGML_CUDA_EXPERT_COPY_AHEAD_BLOCKS", 0);
+    const int64_t n_selectable = std::max<int64_t>(1, std::min<int64_t>(n_expert, ggml_nelements(ids)));
+    const int max_blocks = fixed_blocks > 0 ? fixed_blocks :
+        (int) std::max<int64_t>(CUDA_EXPERT_COPY_AHEAD_MIN_BLOCKS, CUDA_EXPERT_COPY_AHEAD_BLOCKS / n_selectable);
     copy_experts_queue(host, src, dst, ids, slots, slot_of, a.used, max_blocks, a.stream);
     CUDA_CHECK(cudaEventRecord(a.done, a.stream));
     return true;
