@@ -77,8 +77,15 @@ def expert_copy_ahead_bytes(info: ModelInfo) -> int:
     """What the compute buffer holds beyond stock's when the expert cache is on and experts stay in
     RAM: for a prompt batch the scheduler copies a layer's gate and down weights while the split before
     computes (native patch 0024), so two copies of an expert weight are live where stock holds one.
-    The largest expert weight (3-D) of any MoE layer."""
-    return max((t.n_bytes for layer in info.layers for t in layer.tensors.values() if len(t.shape) == 3), default=0)
+    The largest expert weight (3-D) of any MoE layer; twice that where the experts have biases
+    (gpt-oss): each expert matmul is followed by a bias add, a split of its own, and the copy, queued
+    at the layer's previous expert split (patch 0026), stays live across it. Calibrated on the H200:
+    the gpt-oss-20b shape's server at 25% held 5896 MiB with one weight counted (134.5 MiB) against a
+    5796 MiB budget (native/BENCHMARKS.md, fourteenth session); the Qwen3 shape, without biases,
+    held about stock's with one (thirteenth)."""
+    largest = max((t.n_bytes for layer in info.layers for t in layer.tensors.values() if len(t.shape) == 3), default=0)
+    biased = any(key.endswith("_exps.bias") for layer in info.layers for key in layer.tensors)
+    return 2 * largest if biased else largest
 
 
 def bytes_per_slot(info: ModelInfo) -> int:

@@ -102,13 +102,17 @@ def test_plan_with_profile_spends_the_budget_on_slots(patched_build, fixture_mod
 def test_the_copy_ahead_is_counted_where_experts_stay_in_ram(patched_build, fixture_models, tmp_path: Path) -> None:
     """With the cache on and experts in RAM a prompt batch's gate and down weights are copied while the
     split before computes (patch 0024): the compute buffer holds a second expert weight, and the
-    plan counts the largest one on top of either estimate; with every expert in VRAM, or without a
-    profile (no cache), none."""
+    plan counts the largest one on top of either estimate (two where the experts have biases, as
+    gpt-oss's do: the copy stays live across the bias add, patch 0026); with every expert in VRAM, or
+    without a profile (no cache), none."""
+    q3 = inspect_model(fixture_models["qwen3moe"])
+    assert expert_copy_ahead_bytes(q3) == max(t.n_bytes for layer in q3.layers for t in layer.tensors.values())
     model = fixture_models["gpt-oss"]
     profile = make_profile(patched_build, model, tmp_path / "p.profile.gguf", 8)
     info = inspect_model(model)
-    largest = max(t.n_bytes for layer in info.layers for name, t in layer.tensors.items()
-                  if name.endswith("_exps.weight"))
+    largest = 2 * max(t.n_bytes for layer in info.layers for name, t in layer.tensors.items()
+                      if name.endswith("_exps.weight"))
+    assert any(name.endswith("_exps.bias") for name in info.layers[0].tensors)
     assert expert_copy_ahead_bytes(info) == largest
     base = compute_buffer_bytes(info) + CUDA_POOL_HEADROOM
     budget = fixed_bytes(info, 2048) + info.expert_bytes // 2
