@@ -73,7 +73,7 @@ def compute_buffer_bytes(info: ModelInfo, ubatch: int = DEFAULT_UBATCH) -> int:
     return 4 * ubatch * per_token
 
 
-def expert_copy_ahead_bytes(info: ModelInfo) -> int:
+def expert_copy_ahead_bytes(info: ModelInfo, layers: list[MoeLayer] | None = None) -> int:
     """What the compute buffer holds beyond stock's when the expert cache is on and experts stay in
     RAM: for a prompt batch the scheduler copies a layer's gate and down weights while the split before
     computes (native patch 0024), so two copies of an expert weight are live where stock holds one.
@@ -82,9 +82,11 @@ def expert_copy_ahead_bytes(info: ModelInfo) -> int:
     at the layer's previous expert split (patch 0026), stays live across it. Calibrated on the H200:
     the gpt-oss-20b shape's server at 25% held 5896 MiB with one weight counted (134.5 MiB) against a
     5796 MiB budget (native/BENCHMARKS.md, fourteenth session); the Qwen3 shape, without biases,
-    held about stock's with one (thirteenth)."""
-    largest = max((t.n_bytes for layer in info.layers for t in layer.tensors.values() if len(t.shape) == 3), default=0)
-    biased = any(key.endswith("_exps.bias") for layer in info.layers for key in layer.tensors)
+    held about stock's with one (thirteenth). layers: those whose prompt batches copy ahead (default:
+    every MoE layer)."""
+    layers = info.layers if layers is None else layers
+    largest = max((t.n_bytes for layer in layers for t in layer.tensors.values() if len(t.shape) == 3), default=0)
+    biased = any(key.endswith("_exps.bias") for layer in layers for key in layer.tensors)
     return 2 * largest if biased else largest
 
 

@@ -56,6 +56,7 @@ from moeplug.estimates import (
     CUDA_POOL_HEADROOM,
     SAFETY_MARGIN,
     compute_buffer_bytes,
+    expert_copy_ahead_bytes,
     kv_cache_bytes_per_block,
     whole_layers_first,
 )
@@ -213,6 +214,13 @@ def plan_split(info: ModelInfo, trunk: ModelInfo, ctx: int, budgets: list[int], 
             over = -min(rooms)
             least_over = over if least_over is None else min(least_over, over)
             continue
+        # prompt batches go to the first GPU, whose cache copies their experts ahead there (plan.py): a second
+        # weight copy in its compute buffer where its layers keep experts in RAM
+        first = [layer for layer in trunk.layers if layer.block in set(block_sets[0])]
+        if profiled and rooms[0] < sum(layer.expert_bytes for layer in first):
+            ahead = min(expert_copy_ahead_bytes(trunk, first), rooms[0])
+            devices[0].compute_bytes += ahead
+            rooms[0] -= ahead
         slots = [0] * len(trunk.layers)
         seconds = 0.0
         for d, dev in enumerate(devices):

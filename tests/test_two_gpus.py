@@ -21,7 +21,8 @@ import pytest
 
 from helpers import fixture_spec, make_profile, run_cli
 from moeplug.errors import MoeplugError
-from moeplug.estimates import CUDA_POOL_HEADROOM, SAFETY_MARGIN, compute_buffer_bytes, kv_cache_bytes, nextn_layers
+from moeplug.estimates import (CUDA_POOL_HEADROOM, SAFETY_MARGIN, compute_buffer_bytes, expert_copy_ahead_bytes,
+                                kv_cache_bytes, nextn_layers)
 from moeplug.gpu import GpuInfo, one_budget_note, vram_budgets
 from moeplug.model_inspect import inspect_model
 from moeplug.allocate import allocate
@@ -178,6 +179,11 @@ def check_within_budgets(plan: Plan, info, ctx: int, budgets: list[int], draft=N
             assert n == info.n_expert  # a whole layer, counted in the draft's weights
         else:
             used[devices[layer.block]] += n * layer.bytes_per_expert
+    # with a profile, the first GPU's prompt batches copy experts ahead where its layers keep experts in RAM
+    first = [layer for layer in info.layers if devices[layer.block] == 0 and layer.block not in nextn]
+    slots_of = dict(zip((layer.block for layer in info.layers), plan.slots_per_layer))
+    if plan.profile and any(slots_of[layer.block] < info.n_expert for layer in first):
+        used[0] += expert_copy_ahead_bytes(info, first)
     assert plan.devices is not None
     assert [d["draft_weights_bytes"] + d["draft_kv_cache_bytes"] + d["draft_compute_bytes"]
             for d in plan.devices] == drafted
