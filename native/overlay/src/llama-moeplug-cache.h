@@ -3,7 +3,8 @@
 // Expert slot cache (moeplug): for MoE layers whose experts stay in host memory, copies of the
 // hottest experts ("slots") live on the layer's device. build_moe_ffn then runs two passes, the
 // resident experts on the slots and the others on the source tensors, each giving exact zeros
-// for the experts it does not own, and adds them before the routing weights. Every expert is
+// for the experts it does not own, and adds them before the routing weights (three with
+// --moe-cache-stream: some misses on the device, copied from host memory). Every expert is
 // computed by the same kernels as without the cache; only which backend computes it changes.
 //
 // The code is ours and lives in this file and its .cpp; upstream files only call into it. Every
@@ -15,7 +16,7 @@
 //                          process_ubatch(): llama_moeplug_cache_after_compute() after a graph (0011)
 //                          sched_reserve(): llama_moeplug_cache_init_sched() for each new scheduler (0023)
 //   src/llama-graph.cpp    build_moe_ffn(): llama_moeplug_cache::build_experts()          (0005)
-//   src/llama-ext.h        the C API: llama_model_moeplug_cache_init/_stats, _record_*    (0005, 0011, 0023)
+//   src/llama-ext.h        the C API: llama_model_moeplug_cache_init/_stats, _record_*    (0005, 0011, 0023, 0028)
 //   src/CMakeLists.txt     this file's .cpp in libllama                                   (0005)
 // common/moeplug-cache.{h,cpp} read profiles and call the C API from common_init (0006).
 
@@ -76,7 +77,7 @@ struct llama_moeplug_cache_layer {
     ggml_tensor * map_slot         = nullptr; // I32 [1, n_expert]: its slot, or -1 when not resident
     ggml_tensor * map_slot_clamped = nullptr; // I32 [1, n_expert]: its slot, or 0 (per-expert scale rows)
 
-    // misses the device computes (LLAMA_MOE_CACHE_STREAM): batches that run the two passes run a third, on the
+    // misses the device computes (--moe-cache-stream): batches that run the two passes run a third, on the
     // device, for the experts with streamed[e] set and no slot, the device copying each from host memory (as it
     // does for prompt batches) while the CPU computes the other misses; map_src leaves them out
     bool                 stream  = false;
