@@ -16,6 +16,7 @@ from moeplug.options import JOBS, TOKENS, add_backend, add_prefill_weight, add_j
 from moeplug.output import Output, human_bytes, table
 from moeplug.plan import Plan, describe_slots
 from moeplug.server import HOST
+from moeplug.sizes import MIB
 
 
 def plan_text(p: Plan) -> str:
@@ -167,8 +168,21 @@ def status_text(snap: Any) -> str:
         cache = f"{c['layers']}x{c['slots']} on {c['device']}" if c.get("engaged") else ("off" if not c else "not engaged")
         counters = s.cache_counters.to_json() if s.cache_counters else None
         state = s.state if s.model_present else f"{s.state}, model file gone"
-        rows.append([s.name, s.record.url, s.record.pid, state, cache, _hit_rate_text(counters), s.record.log])
-    return table(["name", "url", "pid", "state", "expert cache", "measured hit rate", "log"], rows, "llrllrl")
+        rows.append([s.name, s.record.url, s.record.pid, state, cache, _hit_rate_text(counters), _vram_text(s),
+                     s.record.log])
+    return table(["name", "url", "pid", "state", "expert cache", "measured hit rate", "VRAM of budget", "log"], rows,
+                 "llrllrrl")
+
+
+def _vram_text(s: Any) -> str:
+    """What the server holds on the GPU against its plan's budget ("-": no NVIDIA GPU sees it)."""
+    if s.vram_bytes is None:
+        return "-"
+    used = f"{s.vram_bytes / MIB:.0f} MiB"
+    if not s.vram_budget_bytes:
+        return used
+    over = s.vram_bytes - s.vram_budget_bytes
+    return f"{used} of {s.vram_budget_bytes / MIB:.0f}" + (f" ({over / MIB:.0f} over)" if over > 0 else "")
 
 
 def cmd_status(args: argparse.Namespace) -> int:

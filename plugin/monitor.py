@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moeplug.gpu import GpuInfo, gpus
+from moeplug.gpu import GpuInfo, gpus, process_vram_bytes
 from moeplug.install import InstalledModel, list_installed
 from moeplug.metrics import CacheCounters, fetch_metrics_page, parse_cache_counters
 from moeplug.serving import ServerRecord, read_records
@@ -153,6 +153,12 @@ class ServerSnapshot:
     plan: dict[str, Any] | None = None  # the plan the server runs, when known
     layers: list[LayerSlots] = field(default_factory=list)
     profile: ProfileSummary | None = None  # with_profile only (the dashboard's plan panel)
+    vram_bytes: int | None = None  # what the server process holds on every GPU (NVML), None without one
+
+    @property
+    def vram_budget_bytes(self) -> int | None:
+        """The budget its plan was made for (two GPUs: their sum), when known."""
+        return (self.plan or {}).get("vram_budget_bytes")
 
     @property
     def name(self) -> str:
@@ -191,6 +197,7 @@ class ServerSnapshot:
             "ctx_used": self.ctx_used, "n_ctx": self.n_ctx,
             "cpu_bytes_per_token": self.cpu_bytes_per_token,
             "layers": [layer.to_json() for layer in self.layers],
+            "vram_bytes": self.vram_bytes, "vram_budget_bytes": self.vram_budget_bytes,
         }
 
 
@@ -291,7 +298,7 @@ def server_snapshot(record: ServerRecord, installed: dict[str, InstalledModel] |
     return ServerSnapshot(record=record, alive=alive, healthy=bool(h and h.get("status") == "ok"),
                           uptime_s=(now or time.time()) - record.started, cache_counters=counters, metrics=metrics,
                           ctx_used=ctx_used, n_ctx=n_ctx, plan=plan, layers=layers,
-                          profile=profile)
+                          profile=profile, vram_bytes=process_vram_bytes(record.pid) if alive else None)
 
 
 def snapshot(with_gpus: bool = True, with_profiles: bool = False) -> Snapshot:

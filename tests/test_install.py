@@ -53,6 +53,8 @@ def test_install_demo_serve_complete_stop(home: dict[str, str]) -> None:
         status = json.loads(moeplug(home, "status", "--json").stdout)["servers"]
         assert [(s["name"], s["alive"], s["healthy"]) for s in status] == [("demo", True, True)]
         assert status[0]["cache_counters"] is None  # served without --metrics
+        # NVML's per-process figure: a CPU build's server holds nothing on any GPU
+        assert status[0]["vram_bytes"] is None and status[0]["vram_budget_bytes"] is None  # a CPU plan
         listed = json.loads(moeplug(home, "list", "--json").stdout)["models"]
         assert [m["name"] for m in listed] == ["demo"] and Path(listed[0]["profile"]).exists()
     finally:
@@ -75,10 +77,33 @@ def test_install_demo_serve_complete_stop(home: dict[str, str]) -> None:
         assert sum(v["hits"] for v in counters["layers"].values()) == counters["hits"]
         human = moeplug(home, "status").stdout
         assert "measured hit rate" in human and f"{counters['hit_rate']:.1%} of " in human
+        assert "VRAM of budget" in human
         r2 = moeplug(home, "serve", "demo")
         assert r2.returncode == 1 and "already served" in r2.stderr
     finally:
         moeplug(home, "stop", "--all")
+
+
+def test_status_shows_vram_against_the_budget() -> None:
+    """`moeplug status` puts what NVML says a server holds beside its plan's budget, and says by how
+    much it is over; "-" where no NVIDIA GPU lists the process."""
+    from dataclasses import replace
+
+    from moeplug.install_cli import status_text
+    from moeplug.monitor import ServerSnapshot, Snapshot
+    from moeplug.serving import ServerRecord
+    from moeplug.sizes import MIB
+
+    record = ServerRecord(name="m", model="/nowhere/m.gguf", pid=1, port=8080, log="/tmp/l", args=["llama-server"],
+                          started=0.0, build_id="b")
+    over = ServerSnapshot(record=record, alive=True, healthy=True, uptime_s=1.0,
+                          plan={"vram_budget_bytes": 5796 * MIB}, vram_bytes=5896 * MIB)
+    servers = [over, replace(over, vram_bytes=5672 * MIB), replace(over, vram_bytes=None), replace(over, plan=None)]
+    lines = status_text(Snapshot(taken_at=0.0, servers=servers, gpus=[])).splitlines()
+    assert "VRAM of budget" in lines[0]
+    assert "5896 MiB of 5796 (100 over)" in lines[2] and "5672 MiB of 5796 " in lines[3] + " "
+    assert "over" not in lines[3] and " - " in lines[4] and "5896 MiB " in lines[5] and " of " not in lines[5]
+    assert over.to_json()["vram_bytes"] == 5896 * MIB and over.to_json()["vram_budget_bytes"] == 5796 * MIB
 
 
 def test_human_output_says_how_to_query(home: dict[str, str]) -> None:
