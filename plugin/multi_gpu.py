@@ -216,7 +216,8 @@ def plan_split(info: ModelInfo, trunk: ModelInfo, ctx: int, budgets: list[int], 
             continue
         # prompt batches go to the first GPU, whose cache copies their experts ahead there (plan.py): a second
         # weight copy in its compute buffer where its layers keep experts in RAM
-        first = [layer for layer in trunk.layers if layer.block in set(block_sets[0])]
+        on_first = set(block_sets[0])
+        first = [layer for layer in trunk.layers if layer.block in on_first]
         if profiled and rooms[0] < sum(layer.expert_bytes for layer in first):
             ahead = min(expert_copy_ahead_bytes(trunk, first), rooms[0])
             devices[0].compute_bytes += ahead

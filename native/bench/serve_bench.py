@@ -462,18 +462,19 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         ap.error(str(exc))
     policies = [p.strip() for p in a.policies.split(",") if p.strip()] or ["auto"]
-    try:
-        weights = [float(w) for w in a.prefill_weights.split(",") if w.strip()] or [None]
-    except ValueError:
-        ap.error(f"--prefill-weights: {a.prefill_weights!r}: give numbers, e.g. 0,1")
-    if any(w is not None and w < 0 for w in weights):
-        ap.error("--prefill-weights: each weight must be 0 or more")
-    try:
-        shares = [float(s) for s in a.stream_shares.split(",") if s.strip()] or [None]
-    except ValueError:
-        ap.error(f"--stream-shares: {a.stream_shares!r}: give numbers, e.g. 0,0.4")
-    if any(s is not None and not 0.0 <= s <= 1.0 for s in shares):
-        ap.error("--stream-shares: each share from 0 to 1")
+
+    def numbers(flag: str, text: str, example: str, ok: Any, rule: str) -> list[float | None]:
+        """a comma-separated list of numbers each ok() accepts ([None], the plan's own, when empty)"""
+        try:
+            values: list[float | None] = [float(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            ap.error(f"{flag}: {text!r}: give numbers, e.g. {example}")
+        if not all(ok(v) for v in values):
+            ap.error(f"{flag}: {rule}")
+        return values or [None]
+
+    weights = numbers("--prefill-weights", a.prefill_weights, "0,1", lambda w: w >= 0, "each weight must be 0 or more")
+    shares = numbers("--stream-shares", a.stream_shares, "0,0.4", lambda s: 0.0 <= s <= 1.0, "each share from 0 to 1")
     if any(p.removesuffix("+record") not in ("auto", "static", "dynamic") for p in policies):
         ap.error(f"--policies: {a.policies!r}: each of auto, static, dynamic, optionally with +record")
     if a.spec is None and (a.spec_accept is not None or a.spec_baseline or a.spec_draft_max is not None):
