@@ -44,6 +44,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -84,9 +85,11 @@ class Config:
     samples: dict[tuple[str, int], list[tuple[float, float]]] = field(default_factory=dict)
     vram: list[int | None] = field(default_factory=list)  # NVML, per round
     log_vram_mib: list[float] = field(default_factory=list)  # CUDA buffers the log names, and the cache's slots
+    buffers: dict[str, dict[str, float]] = field(default_factory=dict)  # kind -> device -> MiB, as the log names them
     hits: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # workload -> (hits, selections) per round
     drafts: dict[str, list[int]] = field(default_factory=dict)  # workload -> [drafted, accepted] over every round
     errors: list[str] = field(default_factory=list)
+    plan: dict[str, Any] | None = None  # a moeplug row's plan (Plan.to_json()): its VRAM figures beside NVML's
 
 
 def parse_budgets(text: str) -> list[tuple[str, float | list[float], bool]]:
@@ -213,8 +216,10 @@ def run_config(cfg: Config, model: Path, ctx: int, prompts: dict[str, list], n_p
                 cfg.hits.setdefault(w, []).append((after.hits - before.hits, after.selections - before.selections))
         cfg.vram.append(process_vram_bytes(srv.pid))
         cache = srv.cache or {}
+        on_gpu = re.compile(r"CUDA\d+$")  # not CUDA_Host, the pinned host buffers
+        cfg.buffers = srv.buffers
         cfg.log_vram_mib.append(sum(mib for kind in srv.buffers.values() for dev, mib in kind.items()
-                                    if dev.startswith("CUDA"))
+                                    if on_gpu.match(dev))
                                 + (cache.get("mib_uploaded", 0.0) if str(cache.get("device", "")).startswith("CUDA")
                                    else 0.0))
     finally:
@@ -569,7 +574,8 @@ def main(argv: list[str] | None = None) -> int:
                 desc += f", stream {share:g}" if len(shares) > 1 else ""
                 desc += f", {spec.kind}" if spec else ""
                 mine = Config(label, "moeplug", mine_bin, patched.build_id,
-                              [*plan.server_args, *record, *stream, *spec_args, *common, *extra], group, slots_env, desc)
+                              [*plan.server_args, *record, *stream, *spec_args, *common, *extra], group, slots_env, desc,
+                              plan=plan.to_json())
                 print(f"# {label} {'+'.join(group)}: moeplug {' '.join(mine.server_args)} | stock "
                       f"{' '.join(theirs.server_args)}", file=sys.stderr)
                 configs.append(mine)
