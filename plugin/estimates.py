@@ -66,7 +66,7 @@ def compute_buffer_bytes(info: ModelInfo, ubatch: int = DEFAULT_UBATCH) -> int:
     expert activations. An estimate on the high side of what llama-server logs as its compute
     buffer size (checked in tests/test_plan.py)."""
     md, arch = info.metadata, info.arch
-    n_vocab = len(md.get("tokenizer.ggml.tokens") or []) or 32000
+    n_vocab = vocab_size(info)
     n_embd = scalar_or_max(md.get(f"{arch}.embedding_length")) or 0
     n_ff = info.expert_ff or scalar_or_max(md.get(f"{arch}.feed_forward_length")) or 4 * n_embd
     per_token = n_vocab + 4 * n_embd + 3 * info.n_expert_used * n_ff + info.n_expert
@@ -79,15 +79,37 @@ def expert_copy_ahead_bytes(info: ModelInfo, layers: list[MoeLayer] | None = Non
     computes (native patch 0024), so two copies of an expert weight are live where stock holds one.
     The largest expert weight (3-D) of any MoE layer; twice that where the experts have biases
     (gpt-oss): each expert matmul is followed by a bias add, a split of its own, and the copy, queued
-    at the layer's previous expert split (patch 0026), stays live across it. Calibrated on the H200:
-    the gpt-oss-20b shape's server at 25% held 5896 MiB with one weight counted (134.5 MiB) against a
-    5796 MiB budget (native/BENCHMARKS.md, fourteenth session); the Qwen3 shape, without biases,
-    held about stock's with one (thirteenth). layers: those whose prompt batches copy ahead (default:
-    every MoE layer)."""
+    at the layer's previous expert split (patch 0026), stays live across it. On top of moeplug's own
+    compute estimate (no GPU to ask llama.cpp: one GPU, or each of two); beside llama.cpp's, see
+    cache_compute_extra. layers: those whose prompt batches copy ahead (default: every MoE layer)."""
     layers = info.layers if layers is None else layers
-    largest = max((t.n_bytes for layer in layers for t in layer.tensors.values() if len(t.shape) == 3), default=0)
+    largest = largest_expert_weight(layers)
     biased = any(key.endswith("_exps.bias") for layer in layers for key in layer.tensors)
     return 2 * largest if biased else largest
+
+
+def largest_expert_weight(layers: list[MoeLayer]) -> int:
+    """Bytes of the largest expert weight (3-D, every expert of one layer) among these layers."""
+    return max((t.n_bytes for layer in layers for t in layer.tensors.values() if len(t.shape) == 3), default=0)
+
+
+def vocab_size(info: ModelInfo) -> int:
+    return len(info.metadata.get("tokenizer.ggml.tokens") or []) or 32000
+
+
+def logits_bytes(info: ModelInfo, ubatch: int = DEFAULT_UBATCH) -> int:
+    """f32 logits over the whole vocabulary for every token of a ubatch."""
+    return 4 * ubatch * vocab_size(info)
+
+
+def cache_compute_extra(info: ModelInfo, extra: int) -> int:
+    """What the cache adds to llama.cpp's own compute estimate (fit_estimate.gpu_need, asked with
+    every expert in RAM). That figure is sized for a ubatch of logits over the whole vocabulary,
+    which the server never holds while it copies expert weights; the cache's graph measured `extra`
+    above it (fit_estimate.CACHE_COMPUTE_EXTRA) where a weight copy and the copies ahead stay below
+    those logits (both benchmark shapes), and gets whatever they outgrow them by where they do not."""
+    copies = largest_expert_weight(info.layers) + expert_copy_ahead_bytes(info)
+    return max(extra, copies - logits_bytes(info))
 
 
 def bytes_per_slot(info: ModelInfo) -> int:

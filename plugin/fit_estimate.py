@@ -17,9 +17,15 @@ from pathlib import Path
 
 from moeplug.sizes import MIB
 
-# the CUDA runtime's own memory in a llama-server process (context, kernels, cuBLAS workspace),
-# which no ggml buffer counts: NVML's count of a server process minus its buffers' (H200, CUDA 12)
-CUDA_CONTEXT_RESERVE = 512 * MIB
+# the CUDA runtime's own memory in a llama-server process (context, kernels, cuBLAS workspace, the
+# pool's temporaries), which no ggml buffer counts: NVML's count of a server process less the CUDA
+# buffers its log names, 701-732 MiB over ten servers on the H200 (CUDA 12; stock and moeplug, the
+# Qwen3 and gpt-oss shapes; native/BENCHMARKS.md, fifteenth session), rounded up
+CUDA_CONTEXT_RESERVE = 736 * MIB
+# what the expert cache's graph adds to the compute buffer beyond llama-fit-params' figure where the
+# latter is dominated by a whole ubatch of logits (estimates.cache_compute_extra): the servers logged
+# 449 against 416 MiB (gpt-oss shape) and 356 against 316 (Qwen3 shape), at every budget measured
+CACHE_COMPUTE_EXTRA = 48 * MIB
 
 
 @dataclass(frozen=True)

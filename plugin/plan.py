@@ -32,11 +32,12 @@ import numpy as np
 
 from moeplug.allocate import PREFILL_WEIGHT, LayerCost, allocate, hit_curves, modelled_seconds, prefill_uploads
 from moeplug.errors import MoeplugError
-from moeplug.fit_estimate import CUDA_CONTEXT_RESERVE, DeviceNeed
+from moeplug.fit_estimate import CACHE_COMPUTE_EXTRA, CUDA_CONTEXT_RESERVE, DeviceNeed
 from moeplug.estimates import (
     CUDA_POOL_HEADROOM,
     SAFETY_MARGIN,
     bytes_per_slot,
+    cache_compute_extra,
     choose_load_mode,
     compute_buffer_bytes,
     expert_copy_ahead_bytes,
@@ -256,9 +257,12 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
         room = vram_budget - others - draft.total if expert_room is None else expert_room - draft.total
         if profile and 0 <= room < trunk.expert_bytes:
             # experts stay in RAM and the cache holds slots: the scheduler copies a prompt batch's
-            # experts ahead, a second weight copy in the compute buffer that neither estimate counts
-            # (llama.cpp's, need, is asked about stock's path; without a profile: stock's placement, no cache)
-            ahead = min(expert_copy_ahead_bytes(trunk), room)  # less room than that: no slot, no cache
+            # experts ahead, a second weight copy in the compute buffer that moeplug's estimate does not
+            # count and llama.cpp's (need, asked about stock's path) only partly; without a profile:
+            # stock's placement, no cache
+            ahead = (expert_copy_ahead_bytes(trunk) if need is None
+                     else cache_compute_extra(trunk, CACHE_COMPUTE_EXTRA))
+            ahead = min(ahead, room)  # less room than that: no slot, no cache
             base["compute_bytes"] = compute + ahead
             others += ahead
             room -= ahead

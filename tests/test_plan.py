@@ -18,8 +18,8 @@ from moeplug.allocate import (LayerCost, _curve, _layer_counts, allocate, hit_cu
                               uniform_hits)
 from moeplug.errors import MoeplugError
 from moeplug.model_inspect import inspect_model
-from moeplug.estimates import (CUDA_POOL_HEADROOM, SAFETY_MARGIN, compute_buffer_bytes, expert_copy_ahead_bytes, kv_cache_bytes,
-                               stock_ncmoe)
+from moeplug.estimates import (CUDA_POOL_HEADROOM, SAFETY_MARGIN, cache_compute_extra, compute_buffer_bytes,
+                               expert_copy_ahead_bytes, kv_cache_bytes, logits_bytes, stock_ncmoe)
 from moeplug.plan import _layer_costs, make_plan
 from moeplug.server_flags import experts_in_ram_args, placement_args
 from moeplug.sizes import parse_size
@@ -123,11 +123,17 @@ def test_the_copy_ahead_is_counted_where_experts_stay_in_ram(patched_build, fixt
     # room for less than the copy: no slot (every expert on the CPU), no error
     assert sum(make_plan(info, 2048, fixed_bytes(info, 2048) + largest // 2, profile).slots_per_layer) == 0
     assert make_plan(info, 2048, fixed_bytes(info, 2048) + 2 * info.expert_bytes, profile).compute_bytes == base
-    # llama.cpp's own estimate (fit_estimate.gpu_need) is of stock's path: the copy comes on top of it too
-    from moeplug.fit_estimate import CUDA_CONTEXT_RESERVE, DeviceNeed
+    # llama.cpp's own estimate (fit_estimate.gpu_need) is of stock's path, sized for a ubatch of logits:
+    # the copies come on top of it as far as they outgrow those logits, never less than what the
+    # benchmark shapes measured above it (the fixture's logits outweigh its copies, as theirs do)
+    from moeplug.fit_estimate import CACHE_COMPUTE_EXTRA, CUDA_CONTEXT_RESERVE, DeviceNeed
     need = DeviceNeed("CUDA0", model=64 * MIB, context=8 * MIB, compute=32 * MIB)
     with_need = make_plan(info, 2048, need.total + CUDA_CONTEXT_RESERVE + info.expert_bytes // 2, profile, need=need)
-    assert with_need.compute_bytes == 32 * MIB + largest
+    assert info.expert_bytes // 2 < CACHE_COMPUTE_EXTRA  # the fixture's experts are small: the extra takes the room
+    assert with_need.compute_bytes == 32 * MIB + info.expert_bytes // 2 and with_need.slots_total == 0
+    assert cache_compute_extra(info, 0) == 0 and logits_bytes(info) > largest // 2 + largest
+    few_tokens = replace(info, metadata={**info.metadata, "tokenizer.ggml.tokens": ["t"] * 8})
+    assert cache_compute_extra(few_tokens, 0) == largest // 2 + largest - 4 * 512 * 8
 
 
 def test_placement_args_give_the_cache_only_partly_resident_layers(fixture_models, tmp_path: Path) -> None:

@@ -4,11 +4,14 @@ model propose tokens, the trunk verifies them in batches of several tokens throu
 the greedy tokens equal those of the same server without speculation and of stock llama-server
 (no cache flags), with and without speculation.
 
-On a GPU (MOEPLUG_GPU_BIN=<bin/ of a patched CUDA build>; skipped in CI) the same runs with every
-layer on the GPU but the experts in RAM (`-ngl 99 --cpu-moe`), the cache's slots in VRAM: the cache's
-tokens with speculation must equal its tokens without (llama.cpp's promise for greedy decoding, the
-GPU computing the hits), and stock's likewise. Across the two placements the GPU's kernels and the
-CPU's round differently, so there the tokens are compared within each placement only."""
+On a GPU (MOEPLUG_GPU_BIN=<bin/ of a patched CUDA build>; skipped in CI) every layer runs there, the
+experts in RAM (`-ngl 99 --cpu-moe`). llama.cpp's promise for greedy decoding (speculation does not
+change the tokens) does not hold there for stock itself: a verification batch's CUDA kernels round
+otherwise than a single token's, and on these random-weight models a near tie flips (the H200 showed
+it, native/BENCHMARKS.md, fifteenth session). So the GPU test asserts what does hold: the cache with
+its slots in RAM computes the experts as stock's CPU does, so its tokens equal stock's with and
+without speculation; with the slots in VRAM it engages there and verifies drafts, and the test
+prints where its tokens and stock's part from their runs without speculation."""
 
 from __future__ import annotations
 
@@ -32,19 +35,6 @@ N_PREDICT = 48
 GPU_BIN = os.environ.get("MOEPLUG_GPU_BIN")
 
 
-@pytest.fixture(scope="module", params=["cpu", "gpu"])
-def device(request: pytest.FixtureRequest) -> str:
-    if request.param == "gpu" and not GPU_BIN:
-        pytest.skip("needs MOEPLUG_GPU_BIN, the bin/ of a patched CUDA build")
-    return request.param
-
-
-@pytest.fixture(scope="module")
-def spec_build(device: str, request: pytest.FixtureRequest):
-    """The patched CPU build (built here), or the CUDA build MOEPLUG_GPU_BIN names."""
-    return request.getfixturevalue("patched_build") if device == "cpu" else Prebuilt(Path(GPU_BIN or "."))
-
-
 @pytest.fixture(scope="module")
 def spec_models(fixture_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The hy_v3 synthetic with an MTP block; a draft model of the same vocabulary (hy_v3 with two
@@ -57,21 +47,19 @@ def spec_models(fixture_models: dict[str, Path], tmp_path_factory: pytest.TempPa
 
 
 @pytest.fixture(scope="module")
-def spec_profile(spec_build, spec_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+def spec_profile(patched_build, spec_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real profile of the target, its MTP block included."""
-    return make_profile(spec_build, spec_models["target"],
+    return make_profile(patched_build, spec_models["target"],
                         tmp_path_factory.mktemp("spec-profile") / "target.profile.gguf", 16)
 
 
-def generate(build, model: Path, log: Path, extra: list[str], device: str = "cpu"
+def generate(build, model: Path, log: Path, extra: list[str], env: dict[str, str] | None = None
              ) -> tuple[list[list[int]], list[dict], str]:
-    """Greedy tokens of every prompt from one llama-server run, its timings, and its log (on the GPU:
-    every layer there, the experts in RAM, a draft model's layers on the GPU)."""
+    """Greedy tokens of every prompt from one llama-server run, its timings, and its log (the cache's
+    slots on the CPU unless env says otherwise)."""
     tokens, timings = [], []
-    place = ["-ngl", "99", "--cpu-moe"] + (["-ngld", "99"] if "-md" in extra else []) if device == "gpu" else []
-    env = {"LLAMA_MOE_CACHE_DEVICE": "CPU"} if device == "cpu" else {}
-    with start_server(build.binary("llama-server"), model, log, extra_args=["-np", "1", *place, *extra], ctx=1024,
-                      threads=2, env=env) as srv:
+    with start_server(build.binary("llama-server"), model, log, extra_args=["-np", "1", *extra], ctx=1024,
+                      threads=2, env={"LLAMA_MOE_CACHE_DEVICE": "CPU"} if env is None else env) as srv:
         srv.wait_healthy()
         for prompt in PROMPTS:
             reply = complete(srv.url, prompt, n_predict=N_PREDICT, ignore_eos=True)
@@ -88,33 +76,72 @@ def drafted(timings: list[dict]) -> tuple[int, int]:
     return sum(t.get("draft_n", 0) for t in timings), sum(t.get("draft_n_accepted", 0) for t in timings)
 
 
-@pytest.mark.parametrize("spec", ["mtp", "draft", "self"])
-def test_speculation_through_the_slots_gives_the_tokens_of_stock(spec_build, device, spec_models, spec_profile,
-                                                                tmp_path: Path, spec: str) -> None:
-    """Stock and the cache (3 of 8 experts per layer resident, the MTP block's layer too), each
-    without and with speculation (3 draft tokens a step): four runs, the same greedy tokens (on the
-    GPU: with and without speculation, within each placement); the speculative runs drafted tokens,
-    and the cache engaged on every MoE layer of the target."""
+def speculation_args(spec: str, spec_models: dict[str, Path]) -> list[str]:
+    """3 draft tokens a step from the MTP head or a draft model."""
     speculate = (["--spec-type", "draft-mtp"] if spec == "mtp"
                  else ["-md", str(spec_models[spec]), "--spec-type", "draft-simple"])
-    speculate += ["--spec-draft-n-max", "3"]
+    return speculate + ["--spec-draft-n-max", "3"]
+
+
+def parted_at(tokens: list[list[int]], reference: list[list[int]]) -> list[int | None]:
+    """Per prompt, the first position where tokens and reference differ (None: equal)."""
+    return [next((i for i, (a, b) in enumerate(zip(t, r)) if a != b), None) for t, r in zip(tokens, reference)]
+
+
+@pytest.mark.parametrize("spec", ["mtp", "draft", "self"])
+def test_speculation_through_the_slots_gives_the_tokens_of_stock(patched_build, spec_models, spec_profile,
+                                                                tmp_path: Path, spec: str) -> None:
+    """Stock and the cache (3 of 8 experts per layer resident, the MTP block's layer too), each
+    without and with speculation (3 draft tokens a step): four runs, the same greedy tokens; the
+    speculative runs drafted tokens, and the cache engaged on every MoE layer of the target."""
+    speculate = speculation_args(spec, spec_models)
     runs = {}
     for name, extra in {"stock": [], "stock+spec": speculate, "cache": cache_args(spec_profile, 3),
                         "cache+spec": cache_args(spec_profile, 3) + speculate}.items():
-        runs[name] = generate(spec_build, spec_models["target"], tmp_path / f"{name}.log", extra, device)
+        runs[name] = generate(patched_build, spec_models["target"], tmp_path / f"{name}.log", extra)
 
-    assert all(len(t) == N_PREDICT for t in runs["stock"][0])
+    reference = runs["stock"][0]
+    assert all(len(t) == N_PREDICT for t in reference)
     for name, (tokens, _, log) in runs.items():
-        reference = "cache" if device == "gpu" and name.startswith("cache") else "stock"
-        assert tokens == runs[reference][0], f"{name}: greedy tokens differ from {reference} without speculation"
+        assert tokens == reference, f"{name}: greedy tokens differ from stock without speculation"
     for name in ("stock+spec", "cache+spec"):
         n_drafted, n_accepted = drafted(runs[name][1])
         assert n_drafted > 0, f"{name}: no token was drafted"
-        print(f"{device} {spec} {name}: {n_accepted} of {n_drafted} drafted tokens accepted")
+        print(f"{spec} {name}: {n_accepted} of {n_drafted} drafted tokens accepted")
         if spec == "self":
             assert n_accepted > 0.8 * n_drafted
     for name in ("cache", "cache+spec"):
         cache = parse_cache_line(runs[name][2])
-        where = "CPU" if device == "cpu" else "CUDA0"
-        assert cache and cache.engaged and cache.device == where, runs[name][2][-2000:]
+        assert cache and cache.engaged and cache.device == "CPU", runs[name][2][-2000:]
         assert cache.layers == 3  # blocks 1 and 2 of the trunk and the MTP block
+
+
+@pytest.mark.skipif(not GPU_BIN, reason="needs MOEPLUG_GPU_BIN, the bin/ of a patched CUDA build")
+@pytest.mark.parametrize("spec", ["mtp", "draft", "self"])
+def test_speculation_on_a_gpu_build(spec_models, tmp_path: Path, spec: str) -> None:
+    """The GPU build, every layer on the GPU and the experts in RAM: stock, the cache with its slots
+    in RAM and with them in VRAM, each without and with speculation. In RAM the cache's tokens are
+    stock's, with and without speculation; in VRAM it engages on the GPU and its drafts are verified."""
+    gpu = Prebuilt(Path(GPU_BIN or "."))
+    profile = make_profile(gpu, spec_models["target"], tmp_path / "target.profile.gguf", 16)
+    place = ["-ngl", "99", "--cpu-moe"] + (["-ngld", "99"] if spec != "mtp" else [])
+    speculate = speculation_args(spec, spec_models)
+    in_ram, in_vram = {"LLAMA_MOE_CACHE_DEVICE": "CPU"}, {}
+    runs = {name: generate(gpu, spec_models["target"], tmp_path / f"{name}.log", place + extra, env)
+            for name, extra, env in [("stock", [], in_vram), ("stock+spec", speculate, in_vram),
+                                     ("ram", cache_args(profile, 3), in_ram),
+                                     ("ram+spec", cache_args(profile, 3) + speculate, in_ram),
+                                     ("vram", cache_args(profile, 3), in_vram),
+                                     ("vram+spec", cache_args(profile, 3) + speculate, in_vram)]}
+    for name in ("stock+spec", "vram+spec"):
+        base = name.removesuffix("+spec")
+        print(f"gpu {spec} {name}: drafted/accepted {drafted(runs[name][1])}, parts from {base} at "
+              f"{parted_at(runs[name][0], runs[base][0])} of {N_PREDICT}")
+    assert runs["ram"][0] == runs["stock"][0], "slots in RAM: greedy tokens differ from stock's"
+    assert runs["ram+spec"][0] == runs["stock+spec"][0], "slots in RAM, speculating: tokens differ from stock's"
+    for name, where in (("ram", "CPU"), ("ram+spec", "CPU"), ("vram", "CUDA0"), ("vram+spec", "CUDA0")):
+        cache = parse_cache_line(runs[name][2])
+        assert cache and cache.engaged and cache.device == where and cache.layers == 3, runs[name][2][-2000:]
+    for name in ("stock+spec", "ram+spec", "vram+spec"):
+        assert drafted(runs[name][1])[0] > 0, f"{name}: no token was drafted"
+    assert all(len(t) == N_PREDICT for t in runs["vram+spec"][0])
