@@ -1,7 +1,7 @@
 """The verification cost curve: what speculative decoding can give on top of the expert cache, for
 any acceptance rate and draft length, against stock --fit doing the same.
 
-    python native/bench/spec_curve.py --shape gpt-oss-20b --budgets 25%,50% --ks 1-16 --depths 0,4096 \\
+    python native/bench/spec_curve.py --shape gpt-oss-20b --budgets 25%,50% --ks 1-16 --depths 256,4096 \\
         --trace ../shared/data/traces/gpt-oss-20b/decode-routing-mmlu.npz --train-prompts 0:400 --replay-prompts 400:
 
 Speculation drafts n tokens and the trunk verifies them in one batch of k = n + 1 tokens. What a
@@ -21,6 +21,14 @@ order), for two rows at each budget, run side by side in interleaved rounds:
             trace's training prompts) with the plan's slot policy (`--policy` to force one); with
             the dynamic policy the slots follow the replayed prompts from test to test, as in a
             server
+
+Depth matters to the dynamic policy beyond the KV cache: llama-bench fills the context before each
+timed batch through the same cache, the first d tokens of the prompt the batch continues, so the
+slots have followed that prompt by then, as a server's have by the time it decodes. At depth 0 they
+see only the batches' own few tokens: on the H200 (fifteenth session, gpt-oss-20b shape, 25%)
+moeplug's batches got faster through the run (k = 1 first, 32-40 ms; k = 4 later, 29-35 ms) while
+stock's held steady, and its T(1) of 34 ms was far from the 18.9 ms per token the server decoded
+at on the same plan. So the default depths are 256 and 4096.
 
 From T, for a per-token acceptance rate a (each drafted token accepted with probability a while the
 ones before it were) and a draft of n tokens, a verification step yields
@@ -191,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, help="the model (default /tmp/moeplug-bench/SHAPE-shape.gguf, written)")
     ap.add_argument("--budgets", default="25%,50%", help="VRAM budgets: GiB (8,12) or shares of the expert bytes (25%%)")
     ap.add_argument("--ks", default="1-16", help="batch sizes to time: a range (1-16) or a list (1,2,4,8)")
-    ap.add_argument("--depths", default="0,4096", help="context depths the batches run at")
+    ap.add_argument("--depths", default="256,4096", help="context depths the batches run at (the dynamic slots "
+                    "follow the first d tokens of each batch's prompt; at 0 they have seen none of it)")
     ap.add_argument("--reps", type=int, default=5, help="repetitions of every batch in one llama-bench run")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--policy", default="auto", choices=("auto", "static", "dynamic"),
