@@ -66,7 +66,7 @@ def compute_buffer_bytes(info: ModelInfo, ubatch: int = DEFAULT_UBATCH) -> int:
     expert activations. An estimate on the high side of what llama-server logs as its compute
     buffer size (checked in tests/test_plan.py)."""
     md, arch = info.metadata, info.arch
-    n_vocab = vocab_size(info)
+    n_vocab = max(vocab_size(info), 32000)  # a floor that covers a tiny model's other buffers
     n_embd = scalar_or_max(md.get(f"{arch}.embedding_length")) or 0
     n_ff = info.expert_ff or scalar_or_max(md.get(f"{arch}.feed_forward_length")) or 4 * n_embd
     per_token = n_vocab + 4 * n_embd + 3 * info.n_expert_used * n_ff + info.n_expert
@@ -94,7 +94,13 @@ def largest_expert_weight(layers: list[MoeLayer]) -> int:
 
 
 def vocab_size(info: ModelInfo) -> int:
-    return len(info.metadata.get("tokenizer.ggml.tokens") or []) or 32000
+    """Tokens of the vocabulary: the rows of the token embeddings (model_inspect skips the tokenizer's
+    arrays), else the output matrix's, else {arch}.vocab_size, else 32000."""
+    for name in ("token_embd.weight", "output.weight"):
+        t = next((t for t in info.tensors if t.name == name and len(t.shape) == 2), None)
+        if t is not None:
+            return t.shape[1]
+    return scalar_or_max(info.metadata.get(f"{info.arch}.vocab_size")) or 32000
 
 
 def logits_bytes(info: ModelInfo, ubatch: int = DEFAULT_UBATCH) -> int:

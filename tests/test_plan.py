@@ -19,7 +19,8 @@ from moeplug.allocate import (LayerCost, _curve, _layer_counts, allocate, hit_cu
 from moeplug.errors import MoeplugError
 from moeplug.model_inspect import inspect_model
 from moeplug.estimates import (CUDA_POOL_HEADROOM, SAFETY_MARGIN, cache_compute_extra, compute_buffer_bytes,
-                               expert_copy_ahead_bytes, kv_cache_bytes, logits_bytes, stock_ncmoe)
+                               expert_copy_ahead_bytes, kv_cache_bytes, logits_bytes, stock_ncmoe,
+                               vocab_size)
 from moeplug.plan import _layer_costs, make_plan
 from moeplug.server_flags import experts_in_ram_args, placement_args
 from moeplug.sizes import parse_size
@@ -131,9 +132,11 @@ def test_the_copy_ahead_is_counted_where_experts_stay_in_ram(patched_build, fixt
     with_need = make_plan(info, 2048, need.total + CUDA_CONTEXT_RESERVE + info.expert_bytes // 2, profile, need=need)
     assert info.expert_bytes // 2 < CACHE_COMPUTE_EXTRA  # the fixture's experts are small: the extra takes the room
     assert with_need.compute_bytes == 32 * MIB + info.expert_bytes // 2 and with_need.slots_total == 0
-    assert cache_compute_extra(info, 0) == 0 and logits_bytes(info) > largest // 2 + largest
-    few_tokens = replace(info, metadata={**info.metadata, "tokenizer.ggml.tokens": ["t"] * 8})
-    assert cache_compute_extra(few_tokens, 0) == largest // 2 + largest - 4 * 512 * 8
+    assert vocab_size(info) == 515  # the fixture's: the token embeddings' rows
+    assert cache_compute_extra(info, 0) == largest // 2 + largest - 4 * 512 * 515  # the copies outgrow its logits
+    big_vocab = replace(info, tensors=[replace(t, shape=(t.shape[0], 200_000)) if t.name == "token_embd.weight"
+                                       else t for t in info.tensors])
+    assert cache_compute_extra(big_vocab, 0) == 0 and cache_compute_extra(big_vocab, 7) == 7
 
 
 def test_placement_args_give_the_cache_only_partly_resident_layers(fixture_models, tmp_path: Path) -> None:
