@@ -69,6 +69,9 @@ TABLES = {"text-profiled": "text: the bundled profiling prompts (profiles/*.txt)
           "random": "random token ids"}
 
 
+GPU_DEVICE = re.compile(r"CUDA\d+$")  # a GPU's buffers in the log (CUDA_Host: pinned host memory)
+
+
 @dataclass
 class Config:
     """One server configuration: launched once per round, serving some workloads."""
@@ -216,10 +219,9 @@ def run_config(cfg: Config, model: Path, ctx: int, prompts: dict[str, list], n_p
                 cfg.hits.setdefault(w, []).append((after.hits - before.hits, after.selections - before.selections))
         cfg.vram.append(process_vram_bytes(srv.pid))
         cache = srv.cache or {}
-        on_gpu = re.compile(r"CUDA\d+$")  # not CUDA_Host, the pinned host buffers
         cfg.buffers = srv.buffers
         cfg.log_vram_mib.append(sum(mib for kind in srv.buffers.values() for dev, mib in kind.items()
-                                    if on_gpu.match(dev))
+                                    if GPU_DEVICE.match(dev))
                                 + (cache.get("mib_uploaded", 0.0) if str(cache.get("device", "")).startswith("CUDA")
                                    else 0.0))
     finally:
