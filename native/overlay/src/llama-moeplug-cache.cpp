@@ -720,11 +720,13 @@ bool llama_moeplug_cache_build(llama_model & model, const llama_moeplug_cache_pa
             layer->bytes_per_expert += src->nb[moe_expert_dim(src)];
         }
 
-        // the device computes some misses where it copies experts from host memory itself (slots on the CPU: the
-        // third pass runs on the CPU too, the same result)
+        // prompt batches copy the layer's experts on the device where its backend can; the device computes
+        // some misses where it copies experts from host memory itself (slots on the CPU: the third pass runs
+        // on the CPU too, the same result)
         const bool full = !no_resident && (int64_t) plan.experts.size() == layer->n_expert;
+        layer->device_copy = !full && !no_resident && moe_device_copies(model, plan);
         layer->stream = cache->stream_share > 0.0f && !full && !no_resident &&
-            (moe_is_cpu_dev(plan.dev) || moe_device_copies(model, plan));
+            (moe_is_cpu_dev(plan.dev) || layer->device_copy);
 
         for (size_t i = 0; i < plan.sources.size(); ++i) {
             const ggml_tensor * src = plan.sources[i];
@@ -784,13 +786,11 @@ bool llama_moeplug_cache_build(llama_model & model, const llama_moeplug_cache_pa
     if (const char * v = getenv("GGML_OP_OFFLOAD_MIN_BATCH")) {
         cache->offload_min_batch = std::max(1, atoi(v));
     }
-    for (const auto & plan : plans) {
-        llama_moeplug_cache_layer & layer = *cache->layers.at(plan.down);
-        layer.device_copy = !layer.full && !no_resident && moe_device_copies(model, plan);
-        result.n_layers_copied += layer.device_copy;
-        result.n_layers_streamed += layer.stream;
-        result.stream_share = cache->stream_share;
+    for (const auto & [down, layer] : cache->layers) {
+        result.n_layers_copied   += layer->device_copy;
+        result.n_layers_streamed += layer->stream;
     }
+    result.stream_share = cache->stream_share;
     uint64_t n_bytes = 0;
     for (auto & [down, layer] : cache->layers) {
         for (auto & [src, dst] : layer->slots) {
