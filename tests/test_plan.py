@@ -126,7 +126,7 @@ def test_the_copy_ahead_is_counted_where_experts_stay_in_ram(patched_build, fixt
     assert make_plan(info, 2048, fixed_bytes(info, 2048) + 2 * info.expert_bytes, profile).compute_bytes == base
     # llama.cpp's own estimate (fit_estimate.gpu_need) is of stock's path, sized for a ubatch of logits:
     # the copies come on top of it as far as they outgrow those logits, never less than what the
-    # benchmark shapes measured above it (the fixture's logits outweigh its copies, as theirs do)
+    # benchmark shapes measured above it (their logits outweigh their copies; the fixture's do not)
     from moeplug.fit_estimate import CACHE_COMPUTE_EXTRA, CUDA_CONTEXT_RESERVE, DeviceNeed
     need = DeviceNeed("CUDA0", model=64 * MIB, context=8 * MIB, compute=32 * MIB)
     with_need = make_plan(info, 2048, need.total + CUDA_CONTEXT_RESERVE + info.expert_bytes // 2, profile, need=need)
