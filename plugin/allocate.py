@@ -43,24 +43,29 @@ tokens of one batch are treated as independent draws, which overstates the disti
 little (consecutive tokens route alike) and so, if anything, values the slots of flat layers high.
 
 Prompts cost too. A prompt batch (up to a ubatch of 512 tokens) uploads, for every layer that is
-not whole, the experts its tokens picked that have no slot, and each such layer costs a fixed
-stall besides (its cause not yet found; not the scheduler's waits before the copies, which were
-measured away without effect). On the H200,
-llama-bench pp64 on the Qwen3-30B-A3B shape fitted 0.58 ms per such layer and batch plus the
-experts at 36.8 GB/s, within 2% of four placements (stock --fit, -ncmoe 30, 48 slots in every
-layer scattered or contiguous; native/BENCHMARKS.md, eleventh session), and it explained why
-placement mattered there: the benchmark model's early layers route a 64-token prompt to 94-42
-distinct experts, its later ones to ~25, so keeping the later layers' experts in RAM (as --fit
-does) uploads a third fewer bytes than keeping the first ones there. How many distinct experts a
-prompt batch picks per layer comes from the profile's prompt tokens, split by prompt as above (the
-slots ranked on one half, the batches of the other half counted), and `prefill_weight` says how
-many prompt tokens the workload has per generated token (1 by default; 0 plans for decode only).
+not whole, the experts its tokens picked that have no slot. How fast depends on the path: the
+cache's prompt batches copy the experts on the GPU itself, the later weights of a layer while the
+one before computes (native/DESIGN.md, "Prefill"); stock's scheduler copies from the host, one
+weight after another. Fitted to llama-server's prefill on the H200 (fifteenth session, Qwen3-30B-A3B
+shape, stock --fit and moeplug at 8, 12 and 16 GiB, the four profiled text prompts of 72-339
+tokens, 24 timings; the distinct experts each prompt's batch picks behind each layer's slots counted
+from a profile of those prompts): 38 us per uploaded expert of 2.65 MB on the cache's path (about
+70 GB/s, the copies partly hidden behind compute), 56 us on stock's (about 48 GB/s), within 3.9 ms
+rms of prompts taking 29-102 ms. A fixed stall per layer that is not whole, 0.58 ms fitted to
+llama-bench pp64 on the eleventh session's two-pass path, no longer shows: fitted beside the uploads
+it came out below zero, so the model has none. Those uploads explained why placement mattered:
+the benchmark model's early layers route a 64-token prompt to 94-42 distinct experts, its later ones
+to ~25, so keeping the later layers' experts in RAM (as --fit does) uploads a third fewer bytes than
+keeping the first ones there. How many distinct experts a prompt batch picks per layer comes from
+the profile's prompt tokens, split by prompt as above (the slots ranked on one half, the batches of
+the other half counted), and `prefill_weight` says how many prompt tokens the workload has per
+generated token (1 by default; 0 plans for decode only).
 A profile without prompt tokens (one made from a decode trace) adds no prompt cost.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -74,12 +79,13 @@ CPU_EXPERT_BYTES_PER_S = 63e9
 ROUND_TRIP_S = 60e-6
 SLOT_PASS_S = 20e-6
 TIE_BREAK_S = 1e-12
-# Prompt batches (module docstring): a layer that is not whole stalls the batch this long and
-# uploads the experts it misses at this rate (H200, PCIe 5, pinned weights, llama-bench pp64).
-OFFLOAD_LAYER_S = 0.58e-3
-UPLOAD_BYTES_PER_S = 36.8e9
+# Prompt batches (module docstring): a layer that is not whole uploads the experts it misses at
+# this rate on the cache's path and on stock's (H200, PCIe 5, pinned weights, llama-server prefill).
+UPLOAD_BYTES_PER_S = 70e9
+STOCK_UPLOAD_BYTES_PER_S = 48e9
 PREFILL_WEIGHT = 1.0  # prompt tokens per generated token
 PREFILL_UBATCH = 512  # llama-server's ubatch: a longer prompt uploads once per ubatch
+PREFILL_GUARD_DOUBLINGS = 10  # allocate_against_stock weighs prompts at most 1024 times more
 
 
 @dataclass
@@ -106,21 +112,30 @@ class LayerCost:
         after = np.concatenate([np.cumsum(picked[::-1])[::-1], [0.0]])  # [N]: ranks N.. summed
         return after[n_slots]
 
-    def seconds(self, n_slots: np.ndarray) -> np.ndarray:
+    def seconds(self, n_slots: np.ndarray, stock: bool = False) -> np.ndarray:
         """Modelled host-side time per step (a decoded token, or a verification batch of
-        tokens_per_step tokens) with n_slots resident experts."""
+        tokens_per_step tokens) with n_slots resident experts; stock: prompt batches on stock's path."""
         cpu = self.missed_experts(n_slots) * self.bytes_per_expert / CPU_EXPERT_BYTES_PER_S
-        t = ROUND_TRIP_S + np.where(n_slots > 0, SLOT_PASS_S, 0.0) + cpu + self.prompt_seconds(n_slots)
+        t = ROUND_TRIP_S + np.where(n_slots > 0, SLOT_PASS_S, 0.0) + cpu + self.prompt_seconds(n_slots, stock)
         return np.where(n_slots >= self.n_expert, 0.0, t)
 
-    def prompt_seconds(self, n_slots: np.ndarray) -> np.ndarray:
+    def prompt_seconds(self, n_slots: np.ndarray, stock: bool = False) -> np.ndarray:
         """The layer's share of prompt processing per step, weighted by prompt tokens per generated
-        token: its stalls and uploads per prompt token (module docstring), 0 without prompt data."""
-        if self.prefill is None or self.prefill_weight <= 0:
+        token: its uploads per prompt token (module docstring), 0 without prompt data."""
+        if self.prefill_weight <= 0:
             return np.zeros_like(np.asarray(n_slots), dtype=np.float64)
-        per_token = (self.prefill_batches * OFFLOAD_LAYER_S
-                     + self.prefill[np.minimum(n_slots, self.n_expert)] * self.bytes_per_expert / UPLOAD_BYTES_PER_S)
-        return self.prefill_weight * self.tokens_per_step * per_token
+        return self.prefill_weight * self.tokens_per_step * self.prompt_token_seconds(n_slots, stock)
+
+    def prompt_token_seconds(self, n_slots: np.ndarray, stock: bool = False) -> np.ndarray:
+        """What the layer adds to a prompt batch per prompt token with n_slots resident: the experts
+        it uploads, on the cache's path or stock's (module docstring); 0 for a whole layer or without
+        prompt data."""
+        n_slots = np.asarray(n_slots)
+        if self.prefill is None:
+            return np.zeros_like(n_slots, dtype=np.float64)
+        rate = STOCK_UPLOAD_BYTES_PER_S if stock else UPLOAD_BYTES_PER_S
+        per_token = self.prefill[np.minimum(n_slots, self.n_expert)] * self.bytes_per_expert / rate
+        return np.where(n_slots >= self.n_expert, 0.0, per_token)
 
 
 def uniform_hits(n_expert: int) -> np.ndarray:
@@ -308,5 +323,39 @@ def allocate(layers: list[LayerCost], room: int) -> list[int]:
     return slots_per_layer
 
 
-def modelled_seconds(layers: list[LayerCost], slots_per_layer: list[int]) -> float:
-    return float(sum(layer.seconds(np.array(n)) for layer, n in zip(layers, slots_per_layer)))
+def modelled_seconds(layers: list[LayerCost], slots_per_layer: list[int], stock: bool = False) -> float:
+    """Modelled host-side time per step; stock: prompt batches on stock's path (a placement without
+    the cache)."""
+    return float(sum(layer.seconds(np.array(n), stock) for layer, n in zip(layers, slots_per_layer)))
+
+
+def modelled_prompt_seconds(layers: list[LayerCost], slots_per_layer: list[int], stock: bool = False) -> float:
+    """Modelled time the layers that are not whole add to prompt processing, per prompt token."""
+    return float(sum(layer.prompt_token_seconds(np.array(n), stock) for layer, n in zip(layers, slots_per_layer)))
+
+
+def allocate_against_stock(layers: list[LayerCost], room: int, stock_slots: list[int]) -> tuple[list[int], float]:
+    """The slots for `room` (allocate()), or stock's placement where that is modelled no slower:
+    stock_slots, the whole layers --fit keeps with the bytes the cache would spend on room and its
+    copies ahead, run without the cache. Prompt batches may not get slower than stock's: where the
+    slots allocate() spreads would make them so, the prompt weight is doubled until they do not (at
+    most 2^PREFILL_GUARD_DOUBLINGS times), and where no weight keeps them, stock's placement is the
+    plan. Returns the slots and the factor the prompt weight took (1: none needed).
+
+    Why: decode and prefill trade where a budget leaves few layers in RAM. Slots spread over more
+    layers than stock keeps in RAM save decode time, but each of those layers uploads the experts
+    a prompt picks without a slot, and an unfamiliar prompt picks many (Qwen3 shape, 16 GiB, six
+    partly resident layers against stock's three in RAM: unseen text prefill 0.93x of stock, one
+    prompt 0.81x, for decode 1.03x; native/BENCHMARKS.md, fifteenth session). A prompt is answered
+    after its prefill: moeplug does not buy decode speed with it."""
+    slots, factor = allocate(layers, room), 1.0
+    if any(layer.prefill is not None for layer in layers) and all(layer.prefill_weight > 0 for layer in layers):
+        limit = modelled_prompt_seconds(layers, stock_slots, stock=True) * (1.0 + 1e-9)
+        while modelled_prompt_seconds(layers, slots) > limit and factor < 2.0 ** PREFILL_GUARD_DOUBLINGS:
+            factor *= 2.0
+            slots = allocate([replace(layer, prefill_weight=layer.prefill_weight * factor) for layer in layers], room)
+        if modelled_prompt_seconds(layers, slots) > limit:
+            return list(stock_slots), factor
+    if modelled_seconds(layers, stock_slots, stock=True) <= modelled_seconds(layers, slots):
+        return list(stock_slots), factor
+    return slots, factor

@@ -30,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from moeplug.allocate import PREFILL_WEIGHT, LayerCost, allocate, hit_curves, modelled_seconds, prefill_uploads
+from moeplug.allocate import (PREFILL_WEIGHT, LayerCost, allocate_against_stock, hit_curves, modelled_prompt_seconds,
+                              modelled_seconds, prefill_uploads)
 from moeplug.errors import MoeplugError
 from moeplug.fit_estimate import CACHE_COMPUTE_EXTRA, CUDA_CONTEXT_RESERVE, DeviceNeed
 from moeplug.estimates import (
@@ -93,7 +94,7 @@ class Plan:
     predicted_hit_rate: float | None
     stock_ncmoe: int | None
     modelled_host_ms: float | None  # host-side time per decoded token, prompts weighted (allocate.py's model)
-    stock_modelled_host_ms: float | None  # the same for stock -ncmoe at this budget
+    stock_modelled_host_ms: float | None  # the same for stock --fit's placement at this budget (the first layers whole)
     load_mode: str
     profile: str | None
     server_args: list[str] = field(default_factory=list)
@@ -116,6 +117,12 @@ class Plan:
     tokens_per_step: int = 1
     # prompt tokens per generated token the slots were spread for (allocate.py: prompt batches)
     prefill_weight: float = PREFILL_WEIGHT
+    # what the layers not whole add to a prompt batch per prompt token (allocate.py's model), for these
+    # slots and for stock's placement; None without prompt tokens in the profile
+    modelled_prompt_us: float | None = None
+    stock_modelled_prompt_us: float | None = None
+    # how many times more prompt batches were weighed to keep them at stock's (allocate_against_stock)
+    prefill_guard: float = 1.0
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -241,6 +248,7 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
 
     split_args: list[str] = []
     ahead = 0  # the second weight copy the cache's prompt batches hold (one GPU)
+    prompt_factor = 1.0  # how much more prompt batches were weighed to keep them at stock's (allocate.py)
     if isinstance(vram_budget, list):
         split = plan_split(info, trunk, ctx, vram_budget, costs, profile is not None, spec)
         room, slots = split.room, split.slots_per_layer
@@ -252,6 +260,7 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
                             tensor_split=split.tensor_split, vram_source="estimate")
         split_args = ["-sm", "layer", "--tensor-split", ",".join(map(str, split.tensor_split))]
         vram_budget = sum(vram_budget)
+        stock_slots = whole_layers_first(trunk, room)  # their rooms pooled
     else:
         others = non_expert + kv + compute + margin
         room = vram_budget - others - draft.total if expert_room is None else expert_room - draft.total
@@ -269,9 +278,14 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
         if room < 0:
             raise MoeplugError(_no_room(vram_budget, others if expert_room is None else vram_budget - expert_room,
                                         draft, spec, ctx))
-        slots = allocate(costs, room) if profile else whole_layers_first(trunk, room)
-    ncmoe = stock_ncmoe(trunk, room + ahead)  # stock has no second copy; two GPUs: their rooms pooled
-    stock_slots = [info.n_expert if layer.block >= ncmoe else 0 for layer in trunk.layers]
+        stock_slots = whole_layers_first(trunk, room + ahead)  # --fit's placement; stock has no second copy
+        slots, prompt_factor = (allocate_against_stock(costs, room, stock_slots) if profile
+                                else (whole_layers_first(trunk, room), 1.0))
+        if ahead and not any(0 < n < info.n_expert for n in slots):
+            # no partly resident layer: no cache, so no copies ahead; their bytes hold whole layers
+            slots, room, ahead = stock_slots, room + ahead, 0
+            base["compute_bytes"] = compute
+    ncmoe = stock_ncmoe(trunk, room + ahead)  # two GPUs: their rooms pooled
     s = summary(slots, room)
     args = ["-c", str(ctx), "-ngl", "99", *split_args, "-fit", "off", *lm_args]
     notes = list(load_notes) + spec_notes
@@ -299,17 +313,31 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
         elif not profile:
             notes.append(f"no profile to choose slots: stock placement, {whole} whole layer{'s' if whole != 1 else ''} "
                          f"on the GPU, the experts of the last {n_trunk - whole} in RAM")
+        elif whole and not partial:
+            notes.append(f"stock's placement, {whole} whole layer{'s' if whole != 1 else ''} on the GPU and the "
+                         f"experts of the last {n_trunk - whole} in RAM, no cache: slots spread over more layers "
+                         f"were modelled no faster{', or slower to prefill' if prompt_factor > 1 else ''} "
+                         f"(plan.py, allocate_against_stock)")
         elif whole:
             notes.append(f"{whole} whole layer{'s' if whole != 1 else ''} resident (no CPU pass): the profile's "
                          f"hit curves make {'them' if whole != 1 else 'it'} worth more than spreading the slots")
-            if "--moe-cache-slots" not in args:
-                notes.append("no partly resident layer: stock's placement, nothing for the cache to hold")
+    if prompt_factor > 1 and any(0 < n < info.n_expert for n in slots):
+        notes.append(f"prompt batches weighed {prompt_factor:g}x the prompt tokens per generated token planned for, "
+                     f"so that they stay at stock's modelled cost ({1e6 * modelled_prompt_seconds(costs, slots):.1f} "
+                     f"against {1e6 * modelled_prompt_seconds(costs, stock_slots, stock=True):.1f} us per prompt "
+                     f"token): fewer "
+                     f"partly resident layers, less decode gain")
     if spec is not None and k > 1 and profile is not None:
         notes += _speculation_note(costs, slots, k)
     args += spec.server_args(gpu=True) if spec else []
+    prompts = profile is not None and any(c.prefill is not None for c in costs)
+    cache = "--moe-cache-slots" in args  # without it, prompt batches take stock's path
     return Plan(backend="cuda", vram_budget_bytes=vram_budget, stock_ncmoe=ncmoe,
-                modelled_host_ms=1e3 * modelled_seconds(costs, slots),
-                stock_modelled_host_ms=1e3 * modelled_seconds(costs, stock_slots), server_args=args,
+                modelled_host_ms=1e3 * modelled_seconds(costs, slots, stock=not cache),
+                stock_modelled_host_ms=1e3 * modelled_seconds(costs, stock_slots, stock=True), server_args=args,
+                modelled_prompt_us=1e6 * modelled_prompt_seconds(costs, slots, stock=not cache) if prompts else None,
+                stock_modelled_prompt_us=1e6 * modelled_prompt_seconds(costs, stock_slots, stock=True) if prompts else None,
+                prefill_guard=prompt_factor,
                 warnings=_fit_warnings(s["fit_fraction"], s["predicted_hit_rate"]), notes=notes, **(base | s))
 
 

@@ -100,42 +100,71 @@ def test_plan_with_profile_spends_the_budget_on_slots(patched_build, fixture_mod
         assert plan.modelled_host_ms <= plan.stock_modelled_host_ms
 
 
-def test_the_copy_ahead_is_counted_where_experts_stay_in_ram(patched_build, fixture_models, tmp_path: Path) -> None:
+def big_expert_model(tmp_path: Path, arch: str = "gpt-oss") -> tuple[Path, Profile]:
+    """Two MoE layers of 16 experts of 6 MiB (the fixtures' are 0.2 MiB: a CPU round trip outweighs
+    any slot there) and a profile of a skewed router, four experts taking nearly all selections: a
+    budget of 1.5 layers' experts is best spent on slots in both layers."""
+    from moeplug.synth import ModelSpec, make_model
+
+    path = make_model(ModelSpec(arch=arch, layers=2, experts=16, used=2, embd=512, expert_ff=2048, dtype="f16",
+                                seed=5), tmp_path / f"{arch}-big-experts.gguf")[0]
+    counts = np.array([[4000, 3000, 2000, 1000] + [5] * 12] * 2, dtype=np.int64)
+    prof = Profile(fingerprint=None, tensors=[f"blk.{i}.ffn_down_exps.weight" for i in range(2)],  # type: ignore[arg-type]
+                   counts_prefill=counts * 0, counts_decode=counts, sources=[])
+    return path, prof
+
+
+def test_the_copy_ahead_is_counted_where_experts_stay_in_ram(fixture_models, tmp_path: Path) -> None:
     """With the cache on and experts in RAM a prompt batch's gate and down weights are copied while the
     split before computes (patch 0024): the compute buffer holds a second expert weight, and the
     plan counts the largest one on top of either estimate (two where the experts have biases, as
-    gpt-oss's do: the copy stays live across the bias add, patch 0026); with every expert in VRAM, or
-    without a profile (no cache), none."""
+    gpt-oss's do: the copy stays live across the bias add, patch 0026); with every expert in VRAM,
+    without a profile, or where no layer is partly resident (no cache), none."""
     q3 = inspect_model(fixture_models["qwen3moe"])
     assert expert_copy_ahead_bytes(q3) == max(t.n_bytes for layer in q3.layers for t in layer.tensors.values())
-    model = fixture_models["gpt-oss"]
-    profile = make_profile(patched_build, model, tmp_path / "p.profile.gguf", 8)
+    model, profile = big_expert_model(tmp_path)
     info = inspect_model(model)
     largest = 2 * max(t.n_bytes for layer in info.layers for name, t in layer.tensors.items()
                       if name.endswith("_exps.weight"))
     assert any(name.endswith("_exps.bias") for name in info.layers[0].tensors)
     assert expert_copy_ahead_bytes(info) == largest
     base = compute_buffer_bytes(info) + CUDA_POOL_HEADROOM
-    budget = fixed_bytes(info, 2048) + info.expert_bytes // 2
-    plan = make_plan(info, 2048, budget, profile)
-    assert plan.compute_bytes == base + largest
-    assert plan.stock_ncmoe == stock_ncmoe(info, info.expert_bytes // 2)  # stock holds no second copy
+    budget = fixed_bytes(info, 2048) + 3 * info.expert_bytes // 4
+    plan = make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile)
+    assert all(0 < n < info.n_expert for n in plan.slots_per_layer), plan.slots_per_layer
+    assert plan.compute_bytes == base + largest and plan.expert_vram_bytes <= 3 * info.expert_bytes // 4 - largest
+    assert plan.stock_ncmoe == stock_ncmoe(info, 3 * info.expert_bytes // 4)  # stock holds no second copy
     assert make_plan(info, 2048, budget).compute_bytes == base
-    # room for less than the copy: no slot (every expert on the CPU), no error
-    assert sum(make_plan(info, 2048, fixed_bytes(info, 2048) + largest // 2, profile).slots_per_layer) == 0
-    assert make_plan(info, 2048, fixed_bytes(info, 2048) + 2 * info.expert_bytes, profile).compute_bytes == base
+    # room for less than the copy: no slot, no cache, no copy; stock's placement (every expert on the CPU)
+    tight = make_plan(info, 2048, fixed_bytes(info, 2048) + largest // 2, tmp_path / "p.gguf", profile=profile)
+    assert sum(tight.slots_per_layer) == 0 and tight.compute_bytes == base
+    full = make_plan(info, 2048, fixed_bytes(info, 2048) + 2 * info.expert_bytes, tmp_path / "p.gguf", profile=profile)
+    assert full.compute_bytes == base
     # llama.cpp's own estimate (fit_estimate.gpu_need) is of stock's path, sized for a ubatch of logits:
     # the copies come on top of it as far as they outgrow those logits, never less than what the
     # benchmark shapes measured above it (their logits outweigh their copies; the fixture's do not)
     from moeplug.fit_estimate import CACHE_COMPUTE_EXTRA, CUDA_CONTEXT_RESERVE, DeviceNeed
     need = DeviceNeed("CUDA0", model=64 * MIB, context=8 * MIB, compute=32 * MIB)
-    with_need = make_plan(info, 2048, need.total + CUDA_CONTEXT_RESERVE + info.expert_bytes // 2, profile, need=need)
-    assert info.expert_bytes // 2 < CACHE_COMPUTE_EXTRA  # the fixture's experts are small: the extra takes the room
-    assert with_need.compute_bytes == 32 * MIB + info.expert_bytes // 2 and with_need.slots_total == 0
-    assert vocab_size(info) == 515  # the fixture's: the token embeddings' rows
-    assert cache_compute_extra(info, 0) == largest // 2 + largest - 4 * 512 * 515  # the copies outgrow its logits
-    big_vocab = replace(info, tensors=[replace(t, shape=(t.shape[0], 200_000)) if t.name == "token_embd.weight"
-                                       else t for t in info.tensors])
+    with_need = make_plan(info, 2048, need.total + CUDA_CONTEXT_RESERVE + 3 * info.expert_bytes // 4,
+                          tmp_path / "p.gguf", profile=profile, need=need)
+    extra = cache_compute_extra(info, CACHE_COMPUTE_EXTRA)
+    assert extra == max(CACHE_COMPUTE_EXTRA, largest // 2 + largest - logits_bytes(info))
+    assert with_need.compute_bytes == 32 * MIB + extra and with_need.slots_total > 0
+    # the fixture's experts are small beside the extra: it would take the room, so stock's placement
+    fixture = inspect_model(fixture_models["gpt-oss"])
+    small = make_plan(fixture, 2048, need.total + CUDA_CONTEXT_RESERVE + fixture.expert_bytes // 2,
+                      tmp_path / "p.gguf", profile=replace(profile, tensors=[f"blk.{i}.ffn_down_exps.weight"
+                                                                            for i in range(len(fixture.layers))],
+                                                           counts_decode=np.ones((len(fixture.layers), 8), np.int64),
+                                                           counts_prefill=np.zeros((len(fixture.layers), 8), np.int64)),
+                      need=need)
+    assert fixture.expert_bytes // 2 < CACHE_COMPUTE_EXTRA
+    assert small.compute_bytes == 32 * MIB and "--moe-cache-slots" not in small.server_args
+    largest = expert_copy_ahead_bytes(fixture)
+    assert vocab_size(fixture) == 515  # the fixture's: the token embeddings' rows
+    assert cache_compute_extra(fixture, 0) == largest // 2 + largest - 4 * 512 * 515  # the copies outgrow its logits
+    big_vocab = replace(fixture, tensors=[replace(t, shape=(t.shape[0], 200_000)) if t.name == "token_embd.weight"
+                                          else t for t in fixture.tensors])
     assert cache_compute_extra(big_vocab, 0) == 0 and cache_compute_extra(big_vocab, 7) == 7
 
 
@@ -270,6 +299,48 @@ def test_a_prompt_heavy_workload_moves_slots_to_the_diverse_layer() -> None:
     assert sum(prompts) == 128 and prompts[0] > decode[0] + 32, prompts
     assert modelled_seconds([layer(100, 4.0), layer(25, 4.0)], prompts) < \
         modelled_seconds([layer(100, 4.0), layer(25, 4.0)], decode)
+
+
+def test_prompt_batches_stay_at_stock_s_cost() -> None:
+    """48 skewed layers whose prompt batches of 64 tokens pick 40 distinct experts each. Where the
+    slots (ranked on generated tokens) hold none of those, room for 44.3 layers' experts (stock
+    keeps 45 whole with the copies' bytes too) spread over five layers would upload more per prompt
+    than stock's three in RAM, though the cache's copies are faster: the plan keeps prompt batches
+    at stock's modelled cost with fewer layers not whole, while planning for decode alone spreads.
+    Where the slots hold them, the slots spread with room for 20 layers and prompt batches are
+    faster than stock's. And where stock's placement is modelled no slower (a flat router, small
+    experts), it is the plan."""
+    from moeplug.allocate import allocate_against_stock, modelled_prompt_seconds
+
+    zipf = 1 / np.arange(1, 129) ** 1.1
+    hits = np.concatenate([[0.0], np.cumsum(zipf / zipf.sum())])
+    n = np.arange(129)
+    per_expert = 2_654_208
+    elsewhere = np.where(n < 128, 40 / 64, 0.0)  # uploads per prompt token with n slots
+    hottest = np.maximum(40 - n, 0) / 64
+
+    def layers(weight: float, uploads: np.ndarray) -> list[LayerCost]:
+        return [LayerCost(per_expert, 128, 8, hits, prefill=uploads.astype(np.float64), prefill_batches=1 / 64,
+                          prefill_weight=weight) for _ in range(48)]
+
+    def stock(whole: int) -> list[int]:
+        return [128] * whole + [0] * (48 - whole)
+
+    room = int(44.3 * 128) * per_expert
+    decode_only, factor = allocate_against_stock(layers(0.0, elsewhere), room, stock(45))
+    assert factor == 1 and sum(0 < k < 128 for k in decode_only) == 5  # decode alone: spread
+    costs = layers(1.0, elsewhere)
+    assert modelled_prompt_seconds(costs, decode_only) > modelled_prompt_seconds(costs, stock(45), stock=True)
+    got, factor = allocate_against_stock(costs, room, stock(45))
+    assert factor > 1 and sum(k < 128 for k in got) < 5, (factor, got)
+    assert modelled_prompt_seconds(costs, got) <= modelled_prompt_seconds(costs, stock(45), stock=True)
+    wide = layers(1.0, hottest)
+    got, factor = allocate_against_stock(wide, 20 * 128 * per_expert, stock(20))
+    assert factor == 1 and sum(0 < k < 128 for k in got) > 20
+    assert modelled_prompt_seconds(wide, got) < modelled_prompt_seconds(wide, stock(20), stock=True)
+    flat = [LayerCost(64_000, 128, 8, uniform_hits(128)) for _ in range(48)]
+    got, _ = allocate_against_stock(flat, int(20.5 * 128) * 64_000, stock(21))
+    assert got == stock(21)
 
 
 def test_prompt_cost_prints_the_planner_s_prompt_model(patched_build, fixture_models, tmp_path: Path) -> None:

@@ -7,8 +7,8 @@ per prompt, in batches of llama-server's ubatch), then for a placement of whole 
 the rest in RAM (what stock --fit keeps at the budget: `--stock-whole N` whole layers) and for
 the planner's plan at each prefill weight: the layers that are not whole, the experts a 64-token
 prompt uploads, and the modelled time per prompt token and per generated token (plugin/allocate.py:
-a stall per layer that is not whole, the uploads at the fitted rate; the decode model as
-calibrated). The eleventh session's diagnosis of the Qwen3-30B-A3B shape's prefill used it
+the uploads at the rate fitted to the cache's path, or to stock's for the stock row; the decode
+model as calibrated). The eleventh session's diagnosis of the Qwen3-30B-A3B shape's prefill used it
 (native/BENCHMARKS.md).
 """
 
@@ -56,11 +56,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{tokens_per_batch:.0f} prompt tokens per batch on average")
     print("distinct experts per prompt batch, by layer: " + " ".join(f"{d:.0f}" for d in distinct))
 
-    def modelled(slots: list[int]) -> tuple[int, float, float, float]:
+    def modelled(slots: list[int], stock: bool) -> tuple[int, float, float, float]:
         not_whole = [i for i, n in enumerate(slots) if n < info.n_expert]
         up = sum(per_token[i][slots[i]] for i in not_whole) * 64
-        prompt = sum(float(costs[i].prompt_seconds(np.array(slots[i]))) for i in not_whole)
-        decode = sum(float(costs[i].seconds(np.array(slots[i]))) for i in not_whole) - prompt
+        prompt = sum(float(costs[i].prompt_seconds(np.array(slots[i]), stock)) for i in not_whole)
+        decode = sum(float(costs[i].seconds(np.array(slots[i]), stock)) for i in not_whole) - prompt
         return len(not_whole), up, prompt, decode
 
     plans = {f"planner, prefill weight {w:g}": make_plan(info, a.ctx, budget, a.profile, prefill_weight=w).slots_per_layer
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n| placement | layers not whole | experts uploaded per 64 prompt tokens | prompt us/token | decode us/token |")
     print("|---|---:|---:|---:|---:|")
     for name, slots in rows.items():
-        n, up, prompt, decode = modelled(slots)
+        n, up, prompt, decode = modelled(slots, "stock" in name)
         print(f"| {name} | {n} | {up:.0f} | {prompt * 1e6:.0f} | {decode * 1e6:.0f} |")
     return 0
 
