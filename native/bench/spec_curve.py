@@ -145,26 +145,26 @@ def run_row(binary: Path, model: Path, row: Row, ks: list[int], depths: list[int
 
 def curve_table(pairs: list[tuple[Row, Row]], ks: list[int], depths: list[int]) -> list[dict]:
     print("\n### time of one verification batch (ms), moeplug vs stock --fit\n")
-    print("| budget | depth | " + " | ".join(f"k={k}" for k in ks) + " |")
-    print("|---|---:|" + "---:|" * len(ks))
+    print("| budget | moeplug | depth | " + " | ".join(f"k={k}" for k in ks) + " |")
+    print("|---|---|---:|" + "---:|" * len(ks))
     out = []
     for mine, stock in pairs:
         for d in depths:
             m, s = mine.batch_s(d), stock.batch_s(d)
             cells = [f"{m[k] * 1e3:.2f} / {s[k] * 1e3:.2f} ({s[k] / m[k]:.2f}x)" if k in m and k in s else "-"
                      for k in ks]
-            print(f"| {mine.budget} | {d} | " + " | ".join(cells) + " |")
-            out.append({"budget": mine.budget, "depth": d, "moeplug_ms": {k: v * 1e3 for k, v in m.items()},
-                        "stock_ms": {k: v * 1e3 for k, v in s.items()}})
+            print(f"| {mine.budget} | {mine.desc} | {d} | " + " | ".join(cells) + " |")
+            out.append({"budget": mine.budget, "moeplug": mine.desc, "depth": d,
+                        "moeplug_ms": {k: v * 1e3 for k, v in m.items()}, "stock_ms": {k: v * 1e3 for k, v in s.items()}})
     print("\nCells: moeplug ms / stock ms (stock / moeplug: above 1.00x moeplug's batch is faster).")
     return out
 
 
 def speedup_table(pairs: list[tuple[Row, Row]], depths: list[int], draft_s: float) -> list[dict]:
     print(f"\n### expected decode with speculation (draft cost {draft_s * 1e3:.2f} ms per token)\n")
-    print("| budget | depth | acceptance | stock, no spec t/s | stock + spec t/s (n) | moeplug + spec t/s (n) "
+    print("| budget | moeplug | depth | acceptance | stock, no spec t/s | stock + spec t/s (n) | moeplug + spec t/s (n) "
           "| vs stock without | vs stock with |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     out = []
     for mine, stock in pairs:
         for d in depths:
@@ -176,9 +176,9 @@ def speedup_table(pairs: list[tuple[Row, Row]], depths: list[int], draft_s: floa
                 bm, bs = best_draft(m, a, draft_s), best_draft(s, a, draft_s)
                 if not bm or not bs:
                     continue
-                print(f"| {mine.budget} | {d} | {a:.1f} | {base:.1f} | {bs[1]:.1f} ({bs[0]}) | {bm[1]:.1f} ({bm[0]}) "
+                print(f"| {mine.budget} | {mine.desc} | {d} | {a:.1f} | {base:.1f} | {bs[1]:.1f} ({bs[0]}) | {bm[1]:.1f} ({bm[0]}) "
                       f"| {bm[1] / base:.2f}x | {bm[1] / bs[1]:.2f}x |")
-                out.append({"budget": mine.budget, "depth": d, "acceptance": a, "stock_tps": base,
+                out.append({"budget": mine.budget, "moeplug": mine.desc, "depth": d, "acceptance": a, "stock_tps": base,
                             "stock_spec_tps": bs[1], "stock_spec_n": bs[0], "moeplug_spec_tps": bm[1],
                             "moeplug_spec_n": bm[0]})
     print("\nn: the draft length of 1-8 with the highest expected rate for that side; "
@@ -206,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default="auto", choices=("auto", "static", "dynamic"),
                     help="moeplug's slot policy (auto: the plan's choice)")
     ap.add_argument("--draft-ms", type=float, default=0.0, help="drafter time per drafted token, milliseconds")
+    ap.add_argument("--stream-shares", default="",
+                    help="moeplug rows per --moe-cache-stream share (of each layer's misses, the GPU computes the "
+                         "hottest experts' share beside the CPU), e.g. 0,0.5; default: one row, the plan's flags")
     ap.add_argument("--threads", "-t", type=int, help="threads (default: llama.cpp's)")
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="npz trace or replay file")
     ap.add_argument("--train-prompts", default="0:400", help="trace prompts moeplug's profile is made of")
@@ -225,6 +228,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(exc))
     if a.reps < 1 or a.rounds < 1 or a.draft_ms < 0 or any(d < 0 for d in depths):
         ap.error("--reps and --rounds must be at least 1, --draft-ms and --depths not negative")
+    try:
+        shares = [float(v) for v in a.stream_shares.split(",") if v.strip()] or [None]
+    except ValueError:
+        ap.error(f"--stream-shares: {a.stream_shares!r}: give numbers, e.g. 0,0.5")
+    if not all(v is None or 0.0 <= v <= 1.0 for v in shares):
+        ap.error("--stream-shares: each share from 0 to 1")
 
     t0 = time.time()
     patched = build_of(a.prebuilt_moeplug, False, a.backend, a.jobs)
@@ -240,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     free = free_vram_or_say("VRAM budgets (running as a CPU smoke test: slots in RAM, no VRAM)")
     slots_env = dict(SLOTS_ON_CPU_ENV) if free is None else {}
     ctx = max(depths) + max(ks)
+    load = ["-lm", "none"] if free is not None else []  # pinned weights, as both servers load them on a GPU
     need = gpu_need(patched.binary("llama-fit-params"), model, ctx) if free is not None else None
 
     rows: list[Row] = []
@@ -250,13 +260,18 @@ def main(argv: list[str] | None = None) -> int:
         fitt = fit_targets(budget, free)
         plan = plan_for(info, ctx, budget, profile_path, slots_on_cpu=False,
                         fit_tool=patched.binary("llama-fit-params"), policy=a.policy)
-        args = ["-ngl", "99", *placement_args(info, plan.slots_per_layer, profile, profile_path, plan.cache_policy)]
-        mine = Row(label, "moeplug", args, slots_env,
-                   f"{describe_slots(plan.slots_per_layer, info.n_expert)}, {plan.cache_policy}")
-        stock = Row(label, "stock", ["-fitt", fitt], desc="--fit")
-        print(f"# {label}: moeplug {' '.join(mine.args)} | stock {' '.join(stock.args)}", file=sys.stderr)
-        rows += [mine, stock]
-        pairs.append((mine, stock))
+        args = ["-ngl", "99", *load, *placement_args(info, plan.slots_per_layer, profile, profile_path,
+                                                     plan.cache_policy)]
+        stock = Row(label, "stock", ["-fitt", fitt, *load], desc="--fit")
+        for share in shares:
+            stream = ["--moe-cache-stream", f"{share:g}"] if share is not None else []
+            mine = Row(label, "moeplug", args + stream, slots_env,
+                       f"{describe_slots(plan.slots_per_layer, info.n_expert)}, {plan.cache_policy}"
+                       + (f", stream {share:g}" if share is not None else ""))
+            print(f"# {label}: moeplug {' '.join(mine.args)} | stock {' '.join(stock.args)}", file=sys.stderr)
+            rows.append(mine)
+            pairs.append((mine, stock))
+        rows.append(stock)
 
     interleaved_rounds(rows, a.rounds, lambda row: run_row(bench_bin, model, row, ks, depths, a.reps, replay, a.threads),
                        t0 + a.time_limit if a.time_limit else None, "llama-bench runs")
