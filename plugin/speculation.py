@@ -22,7 +22,12 @@ it). Then the draft context's KV cache: llama.cpp sizes it at the target's conte
 target), f16 K and V (`-ctkd/-ctvd` default), over every layer of a draft model or over the
 NextN blocks only for MTP. Then its compute buffer: one ubatch through the draft graph (the CPU
 build allocates the logits of the whole ubatch there, although the draft outputs one row per
-sequence), and headroom for its own CUDA pool.
+sequence), and headroom for its own CUDA pool. Where llama-fit-params measured a draft model (a
+GPU), its compute figure is mostly that ubatch of logits over the whole vocabulary (393 of 416 MiB
+for the gpt-oss-20b shape's 1-block draft), which the CUDA server does not hold on the GPU: the
+draft context there logged 91 MiB of compute and held about 112 MiB more that no buffer names
+(NVML less the logged buffers, against the trunk alone; fifteenth session, native/BENCHMARKS.md).
+So the plan takes llama.cpp's figure less those logits, plus DRAFT_CONTEXT_EXTRA for the rest.
 
 The trunk's verification batches are k = draft_max + 1 tokens, which the planner's cost model
 takes as tokens_per_step (allocate.py). N-gram drafts come only where the text repeats itself, so
@@ -36,15 +41,19 @@ from pathlib import Path
 from typing import Any
 
 from moeplug.errors import EXIT_USAGE, MoeplugError
-from moeplug.estimates import CUDA_POOL_HEADROOM, compute_buffer_bytes, kv_cache_bytes, nextn_layers
+from moeplug.estimates import CUDA_POOL_HEADROOM, compute_buffer_bytes, kv_cache_bytes, logits_bytes, nextn_layers
 from moeplug.fit_estimate import DeviceNeed
 from moeplug.model_inspect import ModelInfo, inspect_model
+from moeplug.sizes import MIB
 
 KINDS = ("draft", "mtp", "ngram")
 DEFAULT_DRAFT_MAX = 3  # llama.cpp common.h: common_params_speculative_draft::n_max
 DEFAULT_NGRAM_MAX = 48  # llama.cpp common.h: common_params_speculative_ngram_map::size_m
 MAX_DRAFT = 1024  # llama.cpp's own bound on n-gram sizes
 DRAFT_POOL_HEADROOM = CUDA_POOL_HEADROOM // 4
+# a draft context on the GPU beyond llama.cpp's compute figure less its logits (module docstring):
+# 91 MiB logged less 23 MiB of the figure, and 112 MiB outside any buffer, measured on one draft
+DRAFT_CONTEXT_EXTRA = 192 * MIB
 
 
 @dataclass(frozen=True)
@@ -188,7 +197,8 @@ def spec_need(info: ModelInfo, spec: Speculation | None, ctx: int, measured: Dev
             raise MoeplugError(f"--spec mtp: {info.path} has no MTP (NextN) block "
                                f"({info.arch}.nextn_predict_layers is not set or its blocks hold no tensor)")
         return SpecNeed(nextn_weight_bytes(info), kv_cache_bytes(info, ctx, mtp=True), draft_compute_bytes(info))
-    if measured is not None:
-        return SpecNeed(measured.model, measured.context, measured.compute + DRAFT_POOL_HEADROOM)
     draft = read_draft(spec)
+    if measured is not None:
+        return SpecNeed(measured.model, measured.context,
+                        max(measured.compute - logits_bytes(draft), 0) + DRAFT_CONTEXT_EXTRA)
     return SpecNeed(draft_weight_bytes(draft), kv_cache_bytes(draft, ctx), draft_compute_bytes(draft))

@@ -268,16 +268,23 @@ def test_install_keeps_the_speculation_for_serve(patched_build, fixture_models, 
 
 
 def test_llama_cpp_s_estimate_of_the_draft_replaces_moeplug_s(fixture_models, draft: Path) -> None:
-    """Where llama-fit-params measured the draft alone (a GPU), its weights, context and compute
-    buffer are what the plan takes off the budget, plus the draft context's own CUDA pool."""
+    """Where llama-fit-params measured the draft alone (a GPU), its weights and context are what the
+    plan takes off the budget; of its compute figure, not the ubatch of logits over the vocabulary
+    that the CUDA server does not hold, and what the draft context measured beyond it instead."""
+    from moeplug.estimates import logits_bytes
     from moeplug.fit_estimate import DeviceNeed
+    from moeplug.speculation import DRAFT_CONTEXT_EXTRA
 
     info, ctx = inspect_model(fixture_models["qwen3moe"]), 2048
     spec = Speculation("draft", str(draft))
+    logits = logits_bytes(inspect_model(draft, dense_ok=True))
+    assert 0 < logits < 7 * MIB
     measured = DeviceNeed("CUDA0", 3 * MIB, 5 * MIB, 7 * MIB)
     plan = make_plan(info, ctx, 1 << 40, spec=spec, draft_need=measured)
     assert (plan.draft_weights_bytes, plan.draft_kv_cache_bytes, plan.draft_compute_bytes) == \
-        (3 * MIB, 5 * MIB, 7 * MIB + CUDA_POOL_HEADROOM // 4)
+        (3 * MIB, 5 * MIB, 7 * MIB - logits + DRAFT_CONTEXT_EXTRA)
+    small = make_plan(info, ctx, 1 << 40, spec=spec, draft_need=DeviceNeed("CUDA0", 3 * MIB, 5 * MIB, logits // 2))
+    assert small.draft_compute_bytes == DRAFT_CONTEXT_EXTRA  # never below what the context measured
 
 
 def test_the_plan_says_what_acceptance_pays_for_a_verification_batch(patched_build, fixture_models, draft: Path,
