@@ -49,7 +49,8 @@ def test_parse_ks() -> None:
 @pytest.mark.native
 def test_spec_curve_on_the_cpu_build(patched_build, tmp_path: Path) -> None:
     """The tables and the JSON agree: every expected rate is E(a, n) over the measured time of
-    the batch of n + 1 tokens, and each side's draft length is the best of 1-8."""
+    the batch of n + 1 tokens, and each side's draft length is the best of 1-8; a moeplug row per
+    stream share, each against the one stock row."""
     spec = ModelSpec(arch="gpt-oss", layers=24, experts=32, used=4, embd=64, expert_ff=64, heads=4, heads_kv=2,
                      head_dim=16, dtype="f16", expert_dtype="mxfp4", seed=11)
     model = make_model(spec, tmp_path / "goss.gguf")[0]
@@ -57,7 +58,7 @@ def test_spec_curve_on_the_cpu_build(patched_build, tmp_path: Path) -> None:
     out = tmp_path / "curve.json"
     cmd = [sys.executable, str(BENCH / "spec_curve.py"), "--model", str(model), "--budgets", "25%", "--ks", "1-4",
            "--depths", "0,64", "--reps", "2", "--rounds", "1", "-t", "2", "--trace", str(tmp_path / "trace.npz"),
-           "--train-prompts", "0:8", "--replay-prompts", "8:", "--draft-ms", "0.5",
+           "--train-prompts", "0:8", "--replay-prompts", "8:", "--draft-ms", "0.5", "--stream-shares", "0,0.5",
            "--prebuilt-moeplug", str(patched_build.binary("llama-bench").parent), "--json", str(out)]
     env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
@@ -65,11 +66,14 @@ def test_spec_curve_on_the_cpu_build(patched_build, tmp_path: Path) -> None:
     assert "### time of one verification batch (ms)" in r.stdout
     assert "### expected decode with speculation (draft cost 0.50 ms per token)" in r.stdout
     doc = json.loads(out.read_text())
-    assert {(c["depth"], len(c["moeplug_ms"]), len(c["stock_ms"])) for c in doc["curve"]} == {(0, 4, 4), (64, 4, 4)}
+    assert sorted((c["moeplug"].rsplit(", ", 1)[1], c["depth"], len(c["moeplug_ms"]), len(c["stock_ms"]))
+                  for c in doc["curve"]) == [("stream 0", 0, 4, 4), ("stream 0", 64, 4, 4),
+                                             ("stream 0.5", 0, 4, 4), ("stream 0.5", 64, 4, 4)]
+    assert [r["env"].get("LLAMA_MOE_CACHE_STREAM") for r in doc["rows"]] == ["0", "0.5", None]
     rows = doc["speculation"]
-    assert len(rows) == 2 * len(spec_curve.ACCEPTANCE)
+    assert len(rows) == 4 * len(spec_curve.ACCEPTANCE)
     for row in rows:
-        curve = next(c for c in doc["curve"] if c["depth"] == row["depth"])
+        curve = next(c for c in doc["curve"] if c["depth"] == row["depth"] and c["moeplug"] == row["moeplug"])
         for side, n_key, tps_key in (("moeplug_ms", "moeplug_spec_n", "moeplug_spec_tps"),
                                      ("stock_ms", "stock_spec_n", "stock_spec_tps")):
             ms = {int(k): v for k, v in curve[side].items()}

@@ -264,11 +264,13 @@ def main(argv: list[str] | None = None) -> int:
                                                      plan.cache_policy)]
         stock = Row(label, "stock", ["-fitt", fitt, *load], desc="--fit")
         for share in shares:
-            stream = ["--moe-cache-stream", f"{share:g}"] if share is not None else []
-            mine = Row(label, "moeplug", args + stream, slots_env,
+            # llama-bench takes the share from the environment (LLAMA_MOE_CACHE_STREAM), not a flag
+            stream = {"LLAMA_MOE_CACHE_STREAM": f"{share:g}"} if share is not None else {}
+            mine = Row(label, "moeplug", args, {**slots_env, **stream},
                        f"{describe_slots(plan.slots_per_layer, info.n_expert)}, {plan.cache_policy}"
                        + (f", stream {share:g}" if share is not None else ""))
-            print(f"# {label}: moeplug {' '.join(mine.args)} | stock {' '.join(stock.args)}", file=sys.stderr)
+            print(f"# {label}: moeplug {' '.join(f'{k}={v}' for k, v in stream.items())} {' '.join(mine.args)} | "
+                  f"stock {' '.join(stock.args)}", file=sys.stderr)
             rows.append(mine)
             pairs.append((mine, stock))
         rows.append(stock)
