@@ -88,6 +88,13 @@ def expert_copy_ahead_bytes(info: ModelInfo, layers: list[MoeLayer] | None = Non
     return 2 * largest if biased else largest
 
 
+def expert_side_bytes(layers: list[MoeLayer]) -> int:
+    """Bytes of the experts' small tensors beside their weights (biases, scales: 2-D, one row per
+    expert) in these layers: where the GPU computes some misses (--moe-cache-stream), it reads them
+    from full copies in VRAM, so that no small host copy syncs it with the CPU mid-layer."""
+    return sum(t.n_bytes for layer in layers for t in layer.tensors.values() if len(t.shape) < 3)
+
+
 def largest_expert_weight(layers: list[MoeLayer]) -> int:
     """Bytes of the largest expert weight (3-D, every expert of one layer) among these layers."""
     return max((t.n_bytes for layer in layers for t in layer.tensors.values() if len(t.shape) == 3), default=0)

@@ -42,6 +42,7 @@ from moeplug.estimates import (
     choose_load_mode,
     compute_buffer_bytes,
     expert_copy_ahead_bytes,
+    expert_side_bytes,
     kv_cache_bytes,
     stock_ncmoe,
     whole_layers_first,
@@ -55,6 +56,11 @@ from moeplug.speculation import SpecNeed, Speculation, nextn_blocks, nextn_weigh
 from moeplug.sizes import GIB
 
 WARN_FIT = 0.20
+# With speculation, the GPU computes the hottest experts carrying this share of each partly resident
+# layer's misses while the CPU computes the rest (--moe-cache-stream): a verification batch reads a
+# missed expert once for all its tokens, so the copy pays. gpt-oss-20b shape at 25%, a 1-block draft,
+# 3 drafted tokens at acceptance 0.7: 58.5 t/s against 43.8 without (BENCHMARKS.md, sixteenth session).
+SPEC_STREAM_SHARE = 0.5
 WARN_FIT_STRONG = 0.15
 
 
@@ -248,6 +254,8 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
 
     split_args: list[str] = []
     ahead = 0  # the second weight copy the cache's prompt batches hold (one GPU)
+    # verification batches of a draft or MTP head: the GPU computes part of the misses (one GPU, pinned weights)
+    streams = spec is not None and k > 1 and load_mode == "pinned" and not isinstance(vram_budget, list)
     prompt_factor = 1.0  # how much more prompt batches were weighed to keep them at stock's (allocate.py)
     if isinstance(vram_budget, list):
         split = plan_split(info, trunk, ctx, vram_budget, costs, profile is not None, spec)
@@ -271,6 +279,8 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
             # stock's placement, no cache
             ahead = (expert_copy_ahead_bytes(trunk) if need is None
                      else cache_compute_extra(trunk, CACHE_COMPUTE_EXTRA))
+            if streams:  # the biases and scales the streamed misses read, in VRAM (at most every layer's)
+                ahead += expert_side_bytes(trunk.layers)
             ahead = min(ahead, room)  # less room than that: no slot, no cache
             base["compute_bytes"] = compute + ahead
             others += ahead
@@ -329,6 +339,11 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
                      f"partly resident layers, less decode gain")
     if spec is not None and k > 1 and profile is not None:
         notes += _speculation_note(costs, slots, k)
+    if streams and "--moe-cache-slots" in args:
+        args += ["--moe-cache-stream", f"{SPEC_STREAM_SHARE:g}"]
+        notes.append(f"speculation: the GPU computes the hottest experts carrying {SPEC_STREAM_SHARE:.0%} of each "
+                     f"partly resident layer's misses from RAM while the CPU computes the rest "
+                     f"(--moe-cache-stream {SPEC_STREAM_SHARE:g})")
     args += spec.server_args(gpu=True) if spec else []
     prompts = profile is not None and any(c.prefill is not None for c in costs)
     cache = "--moe-cache-slots" in args  # without it, prompt batches take stock's path

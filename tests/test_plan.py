@@ -168,6 +168,39 @@ def test_the_copy_ahead_is_counted_where_experts_stay_in_ram(fixture_models, tmp
     assert cache_compute_extra(big_vocab, 0) == 0 and cache_compute_extra(big_vocab, 7) == 7
 
 
+def test_speculation_streams_half_the_misses_to_the_gpu(fixture_models, tmp_path: Path) -> None:
+    """With a draft (verification batches of 4) and pinned weights, a plan that keeps partly
+    resident layers has the GPU compute the hottest half of their misses (--moe-cache-stream 0.5),
+    and counts the biases the streamed misses read in VRAM; without speculation, with mmap, or
+    without a partly resident layer, no stream."""
+    from moeplug.estimates import expert_side_bytes
+    from moeplug.plan import SPEC_STREAM_SHARE
+    from moeplug.sizes import GIB
+    from moeplug.speculation import Speculation, spec_need
+
+    model, profile = big_expert_model(tmp_path)
+    info = inspect_model(model)
+    spec = Speculation("draft", str(fixture_models["qwen3moe"]))
+    draft = spec_need(info, spec, 2048).total
+    budget = fixed_bytes(info, 2048) + draft + 3 * info.expert_bytes // 4
+    args = dict(profile=profile, ram_available=64 * GIB)
+    streamed = make_plan(info, 2048, budget, tmp_path / "p.gguf", spec=spec, **args)
+    assert all(0 < n < info.n_expert for n in streamed.slots_per_layer), streamed.slots_per_layer
+    flags = streamed.server_args
+    assert flags[flags.index("--moe-cache-stream") + 1] == f"{SPEC_STREAM_SHARE:g}" == "0.5"
+    assert any("--moe-cache-stream 0.5" in n for n in streamed.notes)
+    side = expert_side_bytes(info.layers)
+    assert side > 0 and any(name.endswith("_exps.bias") for name in info.layers[0].tensors)
+    assert streamed.compute_bytes == compute_buffer_bytes(info) + CUDA_POOL_HEADROOM + expert_copy_ahead_bytes(info) + side
+    plain = make_plan(info, 2048, budget - draft, tmp_path / "p.gguf", **args)
+    assert "--moe-cache-stream" not in plain.server_args
+    mmap = make_plan(info, 2048, budget, tmp_path / "p.gguf", spec=spec, profile=profile)
+    assert mmap.load_mode == "mmap" and "--moe-cache-stream" not in mmap.server_args
+    whole = make_plan(info, 2048, fixed_bytes(info, 2048) + draft + 2 * info.expert_bytes, tmp_path / "p.gguf",
+                      spec=spec, **args)
+    assert "--moe-cache-stream" not in whole.server_args
+
+
 def test_placement_args_give_the_cache_only_partly_resident_layers(fixture_models, tmp_path: Path) -> None:
     """Whole layers get no slots (they load onto the GPU), partly resident and RAM layers keep their
     experts in RAM, and the slot counts follow the profile's layer order."""
