@@ -35,6 +35,7 @@ def plan_text(p: Plan) -> str:
         ["modelled host time per token" if p.tokens_per_step == 1 else
          f"modelled host time per batch of {p.tokens_per_step}", _host_ms(p)],
         ["prompt tokens per generated token", f"{p.prefill_weight:g} (planned for)"],
+        ["modelled prompt uploads per prompt token", _prompt_us(p)],
         ["load mode", p.load_mode],
     ]
     lines = [table(["plan", ""], rows, "lr")] + ([devices_text(p)] if p.devices else [])
@@ -75,7 +76,14 @@ def _draft_rows(p: Plan) -> list[list[str]]:
 def _host_ms(p: Plan) -> str:
     if p.modelled_host_ms is None:
         return "-"
-    return f"{p.modelled_host_ms:.2f} ms (stock -ncmoe: {p.stock_modelled_host_ms:.2f} ms)"
+    return f"{p.modelled_host_ms:.2f} ms (stock --fit's placement: {p.stock_modelled_host_ms:.2f} ms)"
+
+
+def _prompt_us(p: Plan) -> str:
+    if p.modelled_prompt_us is None or p.stock_modelled_prompt_us is None:
+        return "-"
+    guard = f"; prompts weighed {p.prefill_guard:g}x to keep stock's" if p.prefill_guard > 1 else ""
+    return f"{p.modelled_prompt_us:.1f} us (stock --fit's placement: {p.stock_modelled_prompt_us:.1f} us{guard})"
 
 
 def served_text(name: str, srv: Any) -> str:

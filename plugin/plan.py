@@ -58,8 +58,9 @@ from moeplug.sizes import GIB
 WARN_FIT = 0.20
 # With speculation, the GPU computes the hottest experts carrying this share of each partly resident
 # layer's misses while the CPU computes the rest (--moe-cache-stream): a verification batch reads a
-# missed expert once for all its tokens, so the copy pays. gpt-oss-20b shape at 25%, a 1-block draft,
-# 3 drafted tokens at acceptance 0.7: 58.5 t/s against 43.8 without (BENCHMARKS.md, sixteenth session).
+# missed expert once for all its tokens, so the copy can pay. gpt-oss-20b shape at 25%, a 1-block draft,
+# 3 drafted tokens at acceptance 0.7: 58.5 t/s against 43.8 without, two rounds in one call; a fresh
+# call's one round with it gave 44.9, no control row (BENCHMARKS.md, sixteenth session).
 SPEC_STREAM_SHARE = 0.5
 WARN_FIT_STRONG = 0.15
 

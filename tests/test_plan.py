@@ -512,6 +512,11 @@ def test_cli_plan_prefill_weight(patched_build, fixture_models, tmp_path: Path) 
         return sum(float(c.prompt_seconds(np.array(n))) for c, n in zip(costs, slots) if n < info.n_expert)
 
     assert prompt(docs["8"]["slots_per_layer"]) <= prompt(docs["0"]["slots_per_layer"])
+    # the plan's prompt side, never modelled slower than stock's placement (allocate_against_stock)
+    assert docs["0"]["modelled_prompt_us"] is None and docs["8"]["modelled_prompt_us"] is not None  # 0: decode only
+    assert docs["8"]["modelled_prompt_us"] <= docs["8"]["stock_modelled_prompt_us"] * (1 + 1e-9)
+    text = run_cli("plan", str(model), "--vram-budget", budget, "--ctx", "2048", "--profile", str(profile)).stdout
+    assert f"{docs['8']['stock_modelled_prompt_us']:.1f} us" in text.split("modelled prompt uploads per prompt token")[1]
     for bad in ("-1", "1001", "x"):
         r = run_cli("plan", str(model), "--prefill-weight", bad)
         assert r.returncode == 2 and "--prefill-weight" in r.stderr and len(r.stderr.strip().splitlines()) == 1
