@@ -56,13 +56,13 @@ from moeplug.speculation import SpecNeed, Speculation, nextn_blocks, nextn_weigh
 from moeplug.sizes import GIB
 
 WARN_FIT = 0.20
+WARN_FIT_STRONG = 0.15
 # With speculation, the GPU computes the hottest experts carrying this share of each partly resident
 # layer's misses while the CPU computes the rest (--moe-cache-stream): a verification batch reads a
 # missed expert once for all its tokens, so the copy can pay. gpt-oss-20b shape at 25%, a 1-block draft,
 # 3 drafted tokens at acceptance 0.7: 58.5 t/s against 43.8 without, two rounds in one call; a fresh
 # call's one round with it gave 44.9, no control row (BENCHMARKS.md, sixteenth session).
 SPEC_STREAM_SHARE = 0.5
-WARN_FIT_STRONG = 0.15
 
 
 def _layer_costs(info: ModelInfo, profile: Profile | None, tokens_per_step: int = 1,
@@ -328,7 +328,7 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
             notes.append(f"stock's placement, {whole} whole layer{'s' if whole != 1 else ''} on the GPU and the "
                          f"experts of the last {n_trunk - whole} in RAM, no cache: slots spread over more layers "
                          f"were modelled no faster{', or slower to prefill' if prompt_factor > 1 else ''} "
-                         f"(plan.py, allocate_against_stock)")
+                         f"(allocate.py, allocate_against_stock)")
         elif whole:
             notes.append(f"{whole} whole layer{'s' if whole != 1 else ''} resident (no CPU pass): the profile's "
                          f"hit curves make {'them' if whole != 1 else 'it'} worth more than spreading the slots")
@@ -336,8 +336,7 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
         notes.append(f"prompt batches weighed {prompt_factor:g}x the prompt tokens per generated token planned for, "
                      f"so that they stay at stock's modelled cost ({1e6 * modelled_prompt_seconds(costs, slots):.1f} "
                      f"against {1e6 * modelled_prompt_seconds(costs, stock_slots, stock=True):.1f} us per prompt "
-                     f"token): fewer "
-                     f"partly resident layers, less decode gain")
+                     f"token): fewer partly resident layers, less decode gain")
     if spec is not None and k > 1 and profile is not None:
         notes += _speculation_note(costs, slots, k)
     if streams and "--moe-cache-slots" in args:

@@ -98,6 +98,7 @@ def test_plan_with_profile_spends_the_budget_on_slots(patched_build, fixture_mod
         assert experts_in_ram(plan.server_args, info) == expert_tensors(info, ram)
         assert "--moe-cache-slots" not in plan.server_args  # no partly resident layer: nothing for the cache
         assert plan.modelled_host_ms <= plan.stock_modelled_host_ms
+        assert any(n.startswith("stock's placement") and "no cache" in n for n in plan.notes), plan.notes
 
 
 def big_expert_model(tmp_path: Path, arch: str = "gpt-oss") -> tuple[Path, Profile]:
