@@ -62,6 +62,12 @@ def check_table(stdout: str, doc: dict, workload: str) -> None:
         assert row[key]["ratio_median"] == pytest.approx(statistics.median(per))
         assert row[key]["ratio_lowest"] == pytest.approx(min(per))
         assert f"{row[key]['ratio_median']:.2f}x (lowest {row[key]['ratio_lowest']:.2f}x)" in rows[0]
+        for side, cfg in (("moeplug", mine), ("stock", stock)):  # each server's own round-to-round spread
+            own = [min(x[test] for x in v) / max(x[test] for x in v)
+                   for k, v in cfg["samples"].items() if k.startswith(workload + "/")]
+            assert row["spread"][side][key] == pytest.approx(min(own)) and 0 < min(own) <= 1
+    assert f"round to round, one prompt's slowest over its fastest, lowest: prefill moeplug " \
+           f"{row['spread']['moeplug']['prefill']:.2f}x" in section
     assert row["vram_mib"] == {"moeplug": "null", "stock": "null"}  # no GPU: NVML holds nothing
 
 

@@ -240,6 +240,16 @@ def ratios(mine: Config, stock: Config, workload: str, test: int) -> list[float]
     return [a[i] / b[i] for i in sorted(a) if i in b and b[i] > 0]
 
 
+def spread(cfg: Config, workload: str, test: int) -> float | None:
+    """How far one server's own rounds part: over the prompts it ran in two rounds or more, the
+    lowest of a prompt's slowest t/s over its fastest (None with one round). A per-prompt ratio
+    against the other side is a median of as many samples, so this is the floor it can fall to
+    from noise alone."""
+    parts = [min(x[test] for x in v) / max(x[test] for x in v) for (w, _), v in cfg.samples.items()
+             if w == workload and len(v) > 1 and max(x[test] for x in v) > 0]
+    return min(parts) if parts else None
+
+
 def ratio_summary(r: list[float]) -> dict[str, float | None]:
     """The median and the lowest of per-prompt ratios (None for none)."""
     return {"ratio_median": statistics.median(r) if r else None, "ratio_lowest": min(r) if r else None}
@@ -272,6 +282,8 @@ def table_rows(pairs: list[tuple[Config, Config]], workload: str) -> list[dict[s
             r = ratios(mine, stock, workload, test)
             row[key] = {"moeplug_tps": median(list(per_prompt(mine, workload, test).values())),
                         "stock_tps": median(list(per_prompt(stock, workload, test).values())), **ratio_summary(r)}
+        row["spread"] = {side: {key: spread(cfg, workload, test) for test, key in ((0, "prefill"), (1, "decode"))}
+                         for side, cfg in (("moeplug", mine), ("stock", stock))}
         row["vram_mib"] = {"moeplug": _mib(mine), "stock": _mib(stock)}
         row["hit_rate"] = hit_rate(mine, workload)
         row["drafts"] = {"moeplug": mine.drafts.get(workload), "stock": stock.drafts.get(workload)}
@@ -299,6 +311,13 @@ def print_table(workload: str, rows: list[dict[str, Any]]) -> None:
               f"| {r['vram_mib']['moeplug']} / {r['vram_mib']['stock']} | {hit} |")
         for e in r["errors"]:
             print(f"\n(failed: {e})")
+    for r in rows:
+        sp = r["spread"]
+        if sp["stock"]["prefill"] is not None and sp["moeplug"]["prefill"] is not None:
+            print(f"\n{r['budget']}, {r['moeplug']} vs stock {r['stock']}: round to round, one prompt's slowest over "
+                  f"its fastest, lowest: prefill moeplug {sp['moeplug']['prefill']:.2f}x, stock "
+                  f"{sp['stock']['prefill']:.2f}x; decode moeplug {sp['moeplug']['decode']:.2f}x, stock "
+                  f"{sp['stock']['decode']:.2f}x")
     for r in rows:
         d = r["drafts"]
         if d["moeplug"] or d["stock"]:
