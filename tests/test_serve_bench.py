@@ -72,9 +72,14 @@ def check_table(stdout: str, doc: dict, workload: str) -> None:
 
 
 def test_serve_bench_text_and_random(patched_build, stock_build, bench_model: Path, tmp_path: Path) -> None:
-    stdout, doc = run_bench(patched_build, stock_build, bench_model, tmp_path, "--workloads", "text,random")
+    stdout, doc = run_bench(patched_build, stock_build, bench_model, tmp_path, "--workloads", "text,random",
+                            "--warmup", "2")
     for workload in ("text-profiled", "text-unseen", "random"):
         check_table(stdout, doc, workload)
+    # every launch answered two warm-up requests before the measured ones, which they are not among
+    assert [c["warmed"] for c in doc["configs"]] == [2 * 2] * len(doc["configs"])
+    bad = subprocess.run([sys.executable, str(SERVE_BENCH), "--warmup", "-1"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--warmup from 0 to 16" in bad.stderr and "Traceback" not in bad.stderr
     stock = next(c for c in doc["configs"] if c["side"] == "stock")
     mine = next(c for c in doc["configs"] if c["side"] == "moeplug")
     assert stock["binary"] == str(stock_build.binary("llama-server"))

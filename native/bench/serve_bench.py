@@ -11,7 +11,11 @@ GPU) and
 each server configuration, one llama-server is launched per round through moeplug's own library
 (`moeplug.install.plan_for` -> `Plan.server_args` -> `moeplug.serving.launch_verified`, exactly what
 `moeplug serve` runs, with --metrics), the workload's prompts are sent one by one to
-`/completion` (greedy, no prompt cache, `ignore_eos`), and it is stopped again:
+`/completion` (greedy, no prompt cache, `ignore_eos`), and it is stopped again. Before them, after
+the launch's context probe (one prompt batch, no decoding), `--warmup N` unmeasured requests (default
+1: 32 random tokens, 16 generated) take the first decoding steps on both sides alike: the first
+measured prompt used to pay them (in the sixteenth session it decoded about 20% slower than the
+rest on moeplug's side, 4-15% on stock's):
 
   moeplug   the plan's flags on the patched build (a profile of the bundled text prompts for the
             text and random workloads; for the replay workload, a profile of the trace's training
@@ -22,8 +26,8 @@ each server configuration, one llama-server is launched per round through moeplu
 Workloads: `text` (the bundled profiling prompts, profiles/*.txt, and prompts/unseen.txt, which
 profiling never sees: code in other languages, prose, German, French, Chinese, repetitive text),
 `replay` (both servers run `--moe-route-replay` with the same replay file of the held-out
-prompts: every request takes the file's next prompt, the launch's context probe the first one on
-both sides alike; the trace is split by prompt, never by token), `random` (uniformly random token ids). Per prompt: prefill and decode t/s from
+prompts: every request takes the file's next prompt, the launch's context probe and the warm-up
+requests the first ones on both sides alike; the trace is split by prompt, never by token), `random` (uniformly random token ids). Per prompt: prefill and decode t/s from
 llama-server's `timings`; per server run: the VRAM the process holds (NVML; null without a GPU)
 and the slot hit rate from `/metrics`. Rows run interleaved in rounds (bench.interleaved_rounds:
 every other round reversed; `--time-limit S` starts no round that would end later than S seconds
@@ -60,6 +64,7 @@ from bench import GIB, MIB, Prebuilt, free_vram_or_say, interleaved_rounds, medi
 
 HERE = Path(__file__).resolve().parent
 UNSEEN_PROMPTS = HERE / "prompts" / "unseen.txt"
+WARMUP_TOKENS, WARMUP_PREDICT = 32, 16  # a warm-up request's prompt and generated tokens
 DEFAULT_TRACE = HERE.parents[1] / ".." / "shared" / "data" / "traces" / "gpt-oss-20b" / "decode-routing-mmlu.npz"
 REPLAY_FLAG = "--moe-route-replay"
 WORKLOADS = ("text", "replay", "random")
@@ -93,6 +98,7 @@ class Config:
     drafts: dict[str, list[int]] = field(default_factory=dict)  # workload -> [drafted, accepted] over every round
     errors: list[str] = field(default_factory=list)
     plan: dict[str, Any] | None = None  # a moeplug row's plan (Plan.to_json()): its VRAM figures beside NVML's
+    warmed: int = 0  # warm-up requests answered, over every round (not measured)
 
 
 def parse_budgets(text: str) -> list[tuple[str, float | list[float], bool]]:
@@ -181,8 +187,10 @@ def make_prompts(a: argparse.Namespace, n_vocab: int, n_replay: int) -> dict[str
     }
 
 
-def run_config(cfg: Config, model: Path, ctx: int, prompts: dict[str, list], n_predict: int) -> None:
-    """One round of one configuration: launch, every prompt of its workloads, VRAM, stop."""
+def run_config(cfg: Config, model: Path, ctx: int, prompts: dict[str, list], n_predict: int,
+               warmup: list[list[int]] | None = None) -> None:
+    """One round of one configuration: launch, the warm-up requests (not measured), every prompt of
+    its workloads, VRAM, stop."""
     import requests
 
     from moeplug.errors import MoeplugError
@@ -200,6 +208,12 @@ def run_config(cfg: Config, model: Path, ctx: int, prompts: dict[str, list], n_p
         print(f"# {cfg.budget} {cfg.side}: could not serve: {exc}", file=sys.stderr)
         return
     try:
+        for i, prompt in enumerate(warmup or []):
+            try:
+                complete(srv.url, prompt, WARMUP_PREDICT, ignore_eos=True)
+                cfg.warmed += 1
+            except (MoeplugError, requests.RequestException, KeyError, ValueError) as exc:
+                cfg.errors.append(f"warm-up {i}: {type(exc).__name__}: {exc}")
         for w in cfg.workloads:
             before = fetch_cache_counters(srv.port)
             for i, prompt in enumerate(prompts[w]):
@@ -474,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", choices=("cpu", "cuda"), help="builds to make (default: CUDA where there is a GPU)")
     ap.add_argument("--jobs", type=int, default=0)
     ap.add_argument("--seed", type=int, default=7, help="random prompts")
+    ap.add_argument("--warmup", type=int, default=1, help="unmeasured requests after each launch (random tokens; "
+                    "0: measure from the first request)")
     ap.add_argument("--json", type=Path, help="also write every sample and the tables here")
     ap.add_argument("--build-only", action="store_true", help="build, write the model, its profiles and the replay "
                     "file, then stop (a first call on a cold machine)")
@@ -481,8 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     workloads = [w.strip() for w in a.workloads.split(",") if w.strip()]
     if not workloads or any(w not in WORKLOADS for w in workloads):
         ap.error(f"--workloads: choose from {', '.join(WORKLOADS)}")
-    if a.rounds < 1 or a.time_limit < 0:
-        ap.error("--rounds must be at least 1 and --time-limit not negative")
+    if a.rounds < 1 or a.time_limit < 0 or not 0 <= a.warmup <= 16:
+        ap.error("--rounds must be at least 1, --time-limit not negative, --warmup from 0 to 16")
     try:
         budgets = parse_budgets(a.budgets)
     except ValueError as exc:
@@ -604,7 +620,9 @@ def main(argv: list[str] | None = None) -> int:
                 if baseline is not None:
                     pairs.append((mine, baseline))
 
-    interleaved_rounds(configs, a.rounds, lambda cfg: run_config(cfg, model, a.ctx, prompts, a.n_predict),
+    warm_rng = np.random.default_rng(a.seed + 1)
+    warmup = [warm_rng.integers(0, n_vocab, WARMUP_TOKENS).tolist() for _ in range(a.warmup)]
+    interleaved_rounds(configs, a.rounds, lambda cfg: run_config(cfg, model, a.ctx, prompts, a.n_predict, warmup),
                        t0 + a.time_limit if a.time_limit else None, "servers")
     tables = {}
     for w in ("text-profiled", "text-unseen", "replay", "random"):
