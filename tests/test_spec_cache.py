@@ -92,28 +92,34 @@ def parted_at(tokens: list[list[int]], reference: list[list[int]]) -> list[int |
 def test_speculation_through_the_slots_gives_the_tokens_of_stock(patched_build, spec_models, spec_profile,
                                                                 tmp_path: Path, spec: str) -> None:
     """Stock and the cache (3 of 8 experts per layer resident, the MTP block's layer too), each
-    without and with speculation (3 draft tokens a step): four runs, the same greedy tokens; the
-    speculative runs drafted tokens, and the cache engaged on every MoE layer of the target."""
+    without and with speculation (3 draft tokens a step), and the cache with speculation and half of
+    each layer's misses in the streamed pass, as moeplug plans speculation (--moe-cache-stream 0.5):
+    five runs, the same greedy tokens; the speculative runs drafted tokens, and the cache engaged on
+    every MoE layer of the target."""
     speculate = speculation_args(spec, spec_models)
+    stream = ["--moe-cache-stream", "0.5"]
     runs = {}
     for name, extra in {"stock": [], "stock+spec": speculate, "cache": cache_args(spec_profile, 3),
-                        "cache+spec": cache_args(spec_profile, 3) + speculate}.items():
+                        "cache+spec": cache_args(spec_profile, 3) + speculate,
+                        "cache+stream+spec": cache_args(spec_profile, 3) + stream + speculate}.items():
         runs[name] = generate(patched_build, spec_models["target"], tmp_path / f"{name}.log", extra)
 
     reference = runs["stock"][0]
     assert all(len(t) == N_PREDICT for t in reference)
     for name, (tokens, _, log) in runs.items():
         assert tokens == reference, f"{name}: greedy tokens differ from stock without speculation"
-    for name in ("stock+spec", "cache+spec"):
+    for name in ("stock+spec", "cache+spec", "cache+stream+spec"):
         n_drafted, n_accepted = drafted(runs[name][1])
         assert n_drafted > 0, f"{name}: no token was drafted"
         print(f"{spec} {name}: {n_accepted} of {n_drafted} drafted tokens accepted")
         if spec == "self":
             assert n_accepted > 0.8 * n_drafted
-    for name in ("cache", "cache+spec"):
+    for name in ("cache", "cache+spec", "cache+stream+spec"):
         cache = parse_cache_line(runs[name][2])
         assert cache and cache.engaged and cache.device == "CPU", runs[name][2][-2000:]
         assert cache.layers == 3  # blocks 1 and 2 of the trunk and the MTP block
+        assert (cache.streamed_layers, cache.stream_percent) == ((3, 50) if "stream" in name else (0, 0)), \
+            runs[name][2][-2000:]
 
 
 @pytest.mark.skipif(not GPU_BIN, reason="needs MOEPLUG_GPU_BIN, the bin/ of a patched CUDA build")
