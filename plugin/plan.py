@@ -254,7 +254,7 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
                     **(base | cpu | {"load_mode": "mmap", "expert_vram_bytes": 0}))
 
     split_args: list[str] = []
-    ahead = 0  # the second weight copy the cache's prompt batches hold (one GPU)
+    ahead = 0  # what the cache holds in VRAM beyond its slots: the copies ahead, the streamed misses' biases
     # verification batches of a draft or MTP head: the GPU computes part of the misses (one GPU, pinned weights)
     streams = spec is not None and k > 1 and load_mode == "pinned" and not isinstance(vram_budget, list)
     prompt_factor = 1.0  # how much more prompt batches were weighed to keep them at stock's (allocate.py)
@@ -345,7 +345,7 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
                      f"partly resident layer's misses from RAM while the CPU computes the rest "
                      f"(--moe-cache-stream {SPEC_STREAM_SHARE:g})")
     args += spec.server_args(gpu=True) if spec else []
-    prompts = profile is not None and any(c.prefill is not None for c in costs)
+    prompts = any(c.prefill is not None for c in costs)
     cache = "--moe-cache-slots" in args  # without it, prompt batches take stock's path
     return Plan(backend="cuda", vram_budget_bytes=vram_budget, stock_ncmoe=ncmoe,
                 modelled_host_ms=1e3 * modelled_seconds(costs, slots, stock=not cache),

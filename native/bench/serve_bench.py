@@ -436,6 +436,24 @@ def replay_inputs(model: Path, a: argparse.Namespace) -> tuple[Path, Path, int] 
     return prof_path, replay, held_out.n_prompts
 
 
+def number_list(ap: argparse.ArgumentParser, flag: str, text: str, example: str, ok: Any, rule: str
+                ) -> list[float | None]:
+    """A comma-separated list of numbers each ok() accepts ([None], the plan's own, when empty);
+    otherwise ap.error's one line."""
+    try:
+        values: list[float | None] = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"{flag}: {text!r}: give numbers, e.g. {example}")
+    if not all(ok(v) for v in values):
+        ap.error(f"{flag}: {rule}")
+    return values or [None]
+
+
+def stream_shares(ap: argparse.ArgumentParser, text: str) -> list[float | None]:
+    """--stream-shares: a moeplug row per share of each layer's misses the GPU computes ([None]: the plan's)."""
+    return number_list(ap, "--stream-shares", text, "0,0.5", lambda s: 0.0 <= s <= 1.0, "each share from 0 to 1")
+
+
 def main(argv: list[str] | None = None) -> int:
     from moeplug.fit_estimate import gpu_need
     from moeplug.install import SLOTS_ON_CPU_ENV, draft_need_for, plan_for
@@ -504,19 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         ap.error(str(exc))
     policies = [p.strip() for p in a.policies.split(",") if p.strip()] or ["auto"]
-
-    def numbers(flag: str, text: str, example: str, ok: Any, rule: str) -> list[float | None]:
-        """a comma-separated list of numbers each ok() accepts ([None], the plan's own, when empty)"""
-        try:
-            values: list[float | None] = [float(x) for x in text.split(",") if x.strip()]
-        except ValueError:
-            ap.error(f"{flag}: {text!r}: give numbers, e.g. {example}")
-        if not all(ok(v) for v in values):
-            ap.error(f"{flag}: {rule}")
-        return values or [None]
-
-    weights = numbers("--prefill-weights", a.prefill_weights, "0,1", lambda w: w >= 0, "each weight must be 0 or more")
-    shares = numbers("--stream-shares", a.stream_shares, "0,0.4", lambda s: 0.0 <= s <= 1.0, "each share from 0 to 1")
+    weights = number_list(ap, "--prefill-weights", a.prefill_weights, "0,1", lambda w: w >= 0,
+                          "each weight must be 0 or more")
+    shares = stream_shares(ap, a.stream_shares)
     if any(p.removesuffix("+record") not in ("auto", "static", "dynamic") for p in policies):
         ap.error(f"--policies: {a.policies!r}: each of auto, static, dynamic, optionally with +record")
     if a.spec is None and (a.spec_accept is not None or a.spec_baseline or a.spec_draft_max is not None):

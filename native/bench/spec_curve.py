@@ -57,7 +57,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import GIB, free_vram_or_say, interleaved_rounds, median  # noqa: E402
 from serve_bench import (DEFAULT_TRACE, budget_bytes, build_of, fit_targets, parse_budgets, prepare_model,  # noqa: E402
-                         replay_inputs)
+                         replay_inputs, stream_shares)
 
 ACCEPTANCE = (0.5, 0.6, 0.7, 0.8, 0.9)
 DRAFT_LENGTHS = range(1, 9)
@@ -228,12 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(exc))
     if a.reps < 1 or a.rounds < 1 or a.draft_ms < 0 or any(d < 0 for d in depths):
         ap.error("--reps and --rounds must be at least 1, --draft-ms and --depths not negative")
-    try:
-        shares = [float(v) for v in a.stream_shares.split(",") if v.strip()] or [None]
-    except ValueError:
-        ap.error(f"--stream-shares: {a.stream_shares!r}: give numbers, e.g. 0,0.5")
-    if not all(v is None or 0.0 <= v <= 1.0 for v in shares):
-        ap.error("--stream-shares: each share from 0 to 1")
+    shares = stream_shares(ap, a.stream_shares)
 
     t0 = time.time()
     patched = build_of(a.prebuilt_moeplug, False, a.backend, a.jobs)
