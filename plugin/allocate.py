@@ -86,6 +86,19 @@ STOCK_UPLOAD_BYTES_PER_S = 48e9
 PREFILL_WEIGHT = 1.0  # prompt tokens per generated token
 PREFILL_UBATCH = 512  # llama-server's ubatch: a longer prompt uploads once per ubatch
 PREFILL_GUARD_DOUBLINGS = 10  # allocate_against_stock weighs prompts at most 1024 times more
+# Misses on both sides of the link (--moe-cache-stream S, native/DESIGN.md): the GPU computes the hottest
+# missed experts carrying S of a partly resident layer's missed selections from pinned RAM while the
+# CPU computes the rest. Fitted to llama-server decode on the H200 (seventeenth session, gpt-oss-20b
+# shape, trace replay, the planner's slots at 25% and 50% of the expert bytes, shares 0, 0.75 and 1;
+# native/BENCHMARKS.md): the misses there took STREAM_CPU_SCALE times the CPU model above (MXFP4
+# experts), the GPU's share STREAM_GPU_RATIO of the CPU's time for the same experts, and every
+# streamed layer STREAM_LAYER_S more per step. Only one shape was measured: a share is taken where it
+# saves at least STREAM_MIN_SAVING of the modelled host time, not for a marginal modelled gain.
+STREAM_SHARES = (0.25, 0.5, 0.75, 1.0)
+STREAM_CPU_SCALE = 1.34
+STREAM_GPU_RATIO = 0.56
+STREAM_LAYER_S = 159e-6
+STREAM_MIN_SAVING = 0.10
 
 
 @dataclass
@@ -332,6 +345,35 @@ def modelled_seconds(layers: list[LayerCost], slots_per_layer: list[int], stock:
 def modelled_prompt_seconds(layers: list[LayerCost], slots_per_layer: list[int], stock: bool = False) -> float:
     """Modelled time the layers that are not whole add to prompt processing, per prompt token."""
     return float(sum(layer.prompt_token_seconds(np.array(n), stock) for layer, n in zip(layers, slots_per_layer)))
+
+
+def stream_saving(layers: list[LayerCost], slots_per_layer: list[int], share: float) -> float:
+    """Modelled host seconds per step that streaming this share of the partly resident layers'
+    misses saves (negative: it costs): per layer, the CPU's misses run beside the GPU's instead of
+    alone, and the GPU's pass adds its own time (constants above)."""
+    saved = 0.0
+    for layer, n in zip(layers, slots_per_layer):
+        if not 0 < n < layer.n_expert:
+            continue  # a whole layer misses nothing; a layer without slots has no cache to stream from
+        cpu = STREAM_CPU_SCALE * float(layer.missed_experts(np.array(n))) * layer.bytes_per_expert / CPU_EXPERT_BYTES_PER_S
+        saved += cpu - max((1.0 - share) * cpu, share * STREAM_GPU_RATIO * cpu) - STREAM_LAYER_S
+    return saved
+
+
+def stream_share(layers: list[LayerCost], slots_per_layer: list[int]) -> tuple[float, float]:
+    """The share of misses to stream (STREAM_SHARES, or 0) and its modelled saving per step: the
+    share saving most, where that is at least STREAM_MIN_SAVING of the modelled host time.
+
+    Measured: on the gpt-oss-20b shape at 25% (1.8 missed experts of 13 MB per layer and token)
+    decode ran 60.2 t/s at 0.75, 54.2 at 1 and 48.3 without; at 50% (0.8 missed) 78.5 at 0.75 against
+    82.6 without; with a draft (batches of 4) 61.1 at 0.75, 55.7 at 0.5, 46.0 without. The extra pass
+    costs per layer, so streaming pays where a layer misses many bytes per step: large experts, few
+    slots, verification batches."""
+    total = modelled_seconds([replace(layer, prefill=None) for layer in layers], slots_per_layer)  # decode's
+    best = max(((stream_saving(layers, slots_per_layer, s), s) for s in STREAM_SHARES), default=(0.0, 0.0))
+    if total <= 0 or best[0] < STREAM_MIN_SAVING * total:
+        return 0.0, 0.0
+    return best[1], best[0]
 
 
 def allocate_against_stock(layers: list[LayerCost], room: int, stock_slots: list[int]) -> tuple[list[int], float]:

@@ -36,6 +36,7 @@ def plan_text(p: Plan) -> str:
          f"modelled host time per batch of {p.tokens_per_step}", _host_ms(p)],
         ["prompt tokens per generated token", f"{p.prefill_weight:g} (planned for)"],
         ["modelled prompt uploads per prompt token", _prompt_us(p)],
+        ["misses the GPU computes beside the CPU", _stream(p)],
         ["load mode", p.load_mode],
     ]
     lines = [table(["plan", ""], rows, "lr")] + ([devices_text(p)] if p.devices else [])
@@ -77,6 +78,13 @@ def _host_ms(p: Plan) -> str:
     if p.modelled_host_ms is None:
         return "-"
     return f"{p.modelled_host_ms:.2f} ms (stock --fit's placement: {p.stock_modelled_host_ms:.2f} ms)"
+
+
+def _stream(p: Plan) -> str:
+    if not p.stream_share:
+        return "none"
+    return (f"the hottest, {p.stream_share:.0%} of the selections (modelled {p.modelled_stream_saving_ms:.2f} ms less "
+            f"host time per {'token' if p.tokens_per_step == 1 else 'batch'})")
 
 
 def _prompt_us(p: Plan) -> str:

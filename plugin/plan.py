@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from moeplug.allocate import (PREFILL_WEIGHT, LayerCost, allocate_against_stock, hit_curves, modelled_prompt_seconds,
-                              modelled_seconds, prefill_uploads)
+                              modelled_seconds, prefill_uploads, stream_share)
 from moeplug.errors import MoeplugError
 from moeplug.fit_estimate import CACHE_COMPUTE_EXTRA, CUDA_CONTEXT_RESERVE, DeviceNeed
 from moeplug.estimates import (
@@ -57,12 +57,6 @@ from moeplug.sizes import GIB
 
 WARN_FIT = 0.20
 WARN_FIT_STRONG = 0.15
-# With speculation, the GPU computes the hottest experts carrying this share of each partly resident
-# layer's misses while the CPU computes the rest (--moe-cache-stream): a verification batch reads a
-# missed expert once for all its tokens, so the copy can pay. gpt-oss-20b shape at 25%, a 1-block draft,
-# 3 drafted tokens at acceptance 0.7: 58.5 t/s against 43.8 without, two rounds in one call; a fresh
-# call's one round with it gave 44.9, no control row (BENCHMARKS.md, sixteenth session).
-SPEC_STREAM_SHARE = 0.5
 
 
 def _layer_costs(info: ModelInfo, profile: Profile | None, tokens_per_step: int = 1,
@@ -130,6 +124,10 @@ class Plan:
     stock_modelled_prompt_us: float | None = None
     # how many times more prompt batches were weighed to keep them at stock's (allocate_against_stock)
     prefill_guard: float = 1.0
+    # the share of the partly resident layers' misses the GPU computes beside the CPU (--moe-cache-stream;
+    # allocate.stream_share), 0 for none, and what it is modelled to save per step
+    stream_share: float = 0.0
+    modelled_stream_saving_ms: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -255,8 +253,7 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
 
     split_args: list[str] = []
     ahead = 0  # what the cache holds in VRAM beyond its slots: the copies ahead, the streamed misses' biases
-    # verification batches of a draft or MTP head: the GPU computes part of the misses (one GPU, pinned weights)
-    streams = spec is not None and k > 1 and load_mode == "pinned" and not isinstance(vram_budget, list)
+    share, saving = 0.0, 0.0  # misses the GPU computes beside the CPU (one GPU, pinned weights: allocate.stream_share)
     prompt_factor = 1.0  # how much more prompt batches were weighed to keep them at stock's (allocate.py)
     if isinstance(vram_budget, list):
         split = plan_split(info, trunk, ctx, vram_budget, costs, profile is not None, spec)
@@ -280,8 +277,6 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
             # stock's placement, no cache
             ahead = (expert_copy_ahead_bytes(trunk) if need is None
                      else cache_compute_extra(trunk, CACHE_COMPUTE_EXTRA))
-            if streams:  # the biases and scales the streamed misses read, in VRAM (at most every layer's)
-                ahead += expert_side_bytes(trunk.layers)
             ahead = min(ahead, room)  # less room than that: no slot, no cache
             base["compute_bytes"] = compute + ahead
             others += ahead
@@ -292,6 +287,15 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
         stock_slots = whole_layers_first(trunk, room + ahead)  # --fit's placement; stock has no second copy
         slots, prompt_factor = (allocate_against_stock(costs, room, stock_slots) if profile
                                 else (whole_layers_first(trunk, room), 1.0))
+        if profile and load_mode == "pinned" and any(0 < n < info.n_expert for n in slots):
+            share, saving = stream_share(costs, slots)
+            side = expert_side_bytes(trunk.layers)  # the biases and scales the GPU's pass reads, kept in VRAM
+            if share and side:
+                again, factor = allocate_against_stock(costs, room - side, stock_slots) if room >= side else ([], 1.0)
+                share, saving = stream_share(costs, again) if again else (0.0, 0.0)
+                if share:
+                    slots, prompt_factor, room, ahead = again, factor, room - side, ahead + side
+                    base["compute_bytes"] += side
         if ahead and not any(0 < n < info.n_expert for n in slots):
             # no partly resident layer: no cache, so no copies ahead; their bytes hold whole layers
             slots, room, ahead = stock_slots, room + ahead, 0
@@ -339,11 +343,13 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
                      f"token): fewer partly resident layers, less decode gain")
     if spec is not None and k > 1 and profile is not None:
         notes += _speculation_note(costs, slots, k)
-    if streams and "--moe-cache-slots" in args:
-        args += ["--moe-cache-stream", f"{SPEC_STREAM_SHARE:g}"]
-        notes.append(f"speculation: the GPU computes the hottest experts carrying {SPEC_STREAM_SHARE:.0%} of each "
-                     f"partly resident layer's misses from RAM while the CPU computes the rest "
-                     f"(--moe-cache-stream {SPEC_STREAM_SHARE:g})")
+    if share and "--moe-cache-slots" in args:
+        args += ["--moe-cache-stream", f"{share:g}"]
+        notes.append(f"the GPU computes the hottest missed experts carrying {share:.0%} of each partly resident "
+                     f"layer's misses from RAM while the CPU computes the rest (--moe-cache-stream {share:g}): "
+                     f"modelled {1e3 * saving:.2f} ms less host time per {'verification step' if k > 1 else 'token'}")
+    else:
+        share, saving = 0.0, 0.0
     args += spec.server_args(gpu=True) if spec else []
     prompts = any(c.prefill is not None for c in costs)
     cache = "--moe-cache-slots" in args  # without it, prompt batches take stock's path
@@ -352,7 +358,7 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
                 stock_modelled_host_ms=1e3 * modelled_seconds(costs, stock_slots, stock=True), server_args=args,
                 modelled_prompt_us=1e6 * modelled_prompt_seconds(costs, slots, stock=not cache) if prompts else None,
                 stock_modelled_prompt_us=1e6 * modelled_prompt_seconds(costs, stock_slots, stock=True) if prompts else None,
-                prefill_guard=prompt_factor,
+                prefill_guard=prompt_factor, stream_share=share, modelled_stream_saving_ms=1e3 * saving,
                 warnings=_fit_warnings(s["fit_fraction"], s["predicted_hit_rate"]), notes=notes, **(base | s))
 
 

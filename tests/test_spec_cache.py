@@ -92,12 +92,13 @@ def parted_at(tokens: list[list[int]], reference: list[list[int]]) -> list[int |
 def test_speculation_through_the_slots_gives_the_tokens_of_stock(patched_build, spec_models, spec_profile,
                                                                 tmp_path: Path, spec: str) -> None:
     """Stock and the cache (3 of 8 experts per layer resident, the MTP block's layer too), each
-    without and with speculation (3 draft tokens a step), and the cache with speculation and half of
-    each layer's misses in the streamed pass, as moeplug plans speculation (--moe-cache-stream 0.5):
+    without and with speculation (3 draft tokens a step), and the cache with speculation and three
+    quarters of each layer's misses in the streamed pass, the share moeplug plans where streaming is
+    modelled to pay (--moe-cache-stream 0.75):
     five runs, the same greedy tokens; the speculative runs drafted tokens, and the cache engaged on
     every MoE layer of the target."""
     speculate = speculation_args(spec, spec_models)
-    stream = ["--moe-cache-stream", "0.5"]
+    stream = ["--moe-cache-stream", "0.75"]
     runs = {}
     for name, extra in {"stock": [], "stock+spec": speculate, "cache": cache_args(spec_profile, 3),
                         "cache+spec": cache_args(spec_profile, 3) + speculate,
@@ -118,7 +119,7 @@ def test_speculation_through_the_slots_gives_the_tokens_of_stock(patched_build, 
         cache = parse_cache_line(runs[name][2])
         assert cache and cache.engaged and cache.device == "CPU", runs[name][2][-2000:]
         assert cache.layers == 3  # blocks 1 and 2 of the trunk and the MTP block
-        assert (cache.streamed_layers, cache.stream_percent) == ((3, 50) if "stream" in name else (0, 0)), \
+        assert (cache.streamed_layers, cache.stream_percent) == ((3, 75) if "stream" in name else (0, 0)), \
             runs[name][2][-2000:]
 
 

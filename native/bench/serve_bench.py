@@ -616,7 +616,8 @@ def main(argv: list[str] | None = None) -> int:
                 desc = describe_slots(plan.slots_per_layer, info.n_expert)
                 desc += f", {plan.cache_policy}{'+record' if record else ''}" if len(policies) > 1 else ""
                 desc += f", prefill weight {weight:g}" if len(weights) > 1 else ""
-                desc += f", stream {share:g}" if len(shares) > 1 else ""
+                streamed = share if share is not None else plan.stream_share  # a --stream-shares row overrides the plan
+                desc += f", stream {streamed:g}" if len(shares) > 1 or streamed else ""
                 desc += f", {spec.kind}" if spec else ""
                 mine = Config(label, "moeplug", mine_bin, patched.build_id,
                               [*plan.server_args, *record, *stream, *spec_args, *common, *extra], group, slots_env, desc,

@@ -259,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                                                      plan.cache_policy)]
         stock = Row(label, "stock", ["-fitt", fitt, *load], desc="--fit")
         for share in shares:
+            share = share if share is not None else (plan.stream_share or None)  # None: the plan's own share
             # llama-bench takes the share from the environment (LLAMA_MOE_CACHE_STREAM), not a flag
             stream = {"LLAMA_MOE_CACHE_STREAM": f"{share:g}"} if share is not None else {}
             mine = Row(label, "moeplug", args, {**slots_env, **stream},
