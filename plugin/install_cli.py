@@ -103,7 +103,7 @@ def served_text(name: str, srv: Any) -> str:
         slots = f"{hi}" if lo == hi else f"{lo}-{hi}"
         whole = f" ({cache['whole_layers']} whole)" if cache.get("whole_layers") else ""
         lines.append(f"expert cache: {cache['layers']} layers x {slots} slots{whole}, {cache['mib_uploaded']:.2f} MiB "
-                     f"on {cache['device']} in {cache['seconds']:.2f} s")
+                     f"on {cache['device']} in {cache['seconds']:.2f} s{_streamed(cache)}")
     elif cache:
         lines.append(f"expert cache: not engaged ({cache['reason']})")
     lines.append(f"serving {name} at {srv.url} (pid {srv.pid}, log {srv.log})")
@@ -111,6 +111,12 @@ def served_text(name: str, srv: Any) -> str:
                  "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}]}'")
     lines.append(f"stop:   moeplug stop {name}")
     return "\n".join(lines)
+
+
+def _streamed(cache: dict[str, Any]) -> str:
+    """', N layers stream P% of their misses' where the GPU computes some misses (--moe-cache-stream)."""
+    n = cache.get("streamed_layers") or 0
+    return f", {n} layers stream {cache.get('stream_percent', 0)}% of their misses" if n else ""
 
 
 def install_text(done: Any) -> str:
@@ -181,7 +187,8 @@ def status_text(snap: Any) -> str:
     rows = []
     for s in snap.servers:
         c = s.record.cache or {}
-        cache = f"{c['layers']}x{c['slots']} on {c['device']}" if c.get("engaged") else ("off" if not c else "not engaged")
+        cache = (f"{c['layers']}x{c['slots']} on {c['device']}{_streamed(c)}" if c.get("engaged")
+                 else "off" if not c else "not engaged")
         counters = s.cache_counters.to_json() if s.cache_counters else None
         state = s.state if s.model_present else f"{s.state}, model file gone"
         rows.append([s.name, s.record.url, s.record.pid, state, cache, _hit_rate_text(counters), _vram_text(s),

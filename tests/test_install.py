@@ -106,6 +106,30 @@ def test_status_shows_vram_against_the_budget() -> None:
     assert over.to_json()["vram_bytes"] == 5896 * MIB and over.to_json()["vram_budget_bytes"] == 5796 * MIB
 
 
+def test_status_and_serve_say_where_the_gpu_computes_misses() -> None:
+    """A server whose log says the GPU computes a share of the misses (--moe-cache-stream): `moeplug
+    status` and the serve/install output name the layers and the share; without it, neither does."""
+    from dataclasses import asdict, replace
+
+    from moeplug.install_cli import served_text, status_text
+    from moeplug.monitor import ServerSnapshot, Snapshot
+    from moeplug.serving import ServerRecord, parse_cache_line
+
+    line = ("moe-cache: 24 layers x 4-10 slots (188 in all, 0 whole layers), 2313.11 MiB uploaded to CUDA0 in 0.91 s, "
+            "policy dynamic (half-life 32 tokens, 8 uploads per batch), prompt batches in one pass on 24 layers, "
+            "24 layers stream 75% of their misses")
+    cache = parse_cache_line(line)
+    assert cache is not None and (cache.streamed_layers, cache.stream_percent) == (24, 75)
+    record = ServerRecord(name="m", model="/nowhere/m.gguf", pid=1, port=8080, log="/tmp/l", args=["llama-server"],
+                          started=0.0, build_id="b", cache=asdict(cache))
+    plain = replace(record, cache=asdict(replace(cache, streamed_layers=0, stream_percent=0)))
+    snap = ServerSnapshot(record=record, alive=True, healthy=True, uptime_s=1.0)
+    lines = status_text(Snapshot(taken_at=0.0, servers=[snap, replace(snap, record=plain)], gpus=[])).splitlines()
+    assert "24x10 on CUDA0, 24 layers stream 75% of their misses" in lines[2] and "stream" not in lines[3]
+    assert "on CUDA0 in 0.91 s, 24 layers stream 75% of their misses" in served_text("m", record)
+    assert "stream" not in served_text("m", plain)
+
+
 def test_human_output_says_how_to_query(home: dict[str, str]) -> None:
     r = moeplug(home, "install", "demo", "--ctx", "1024")
     try:
