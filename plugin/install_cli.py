@@ -16,6 +16,7 @@ from moeplug.options import JOBS, TOKENS, add_backend, add_prefill_weight, add_j
 from moeplug.output import Output, human_bytes, table
 from moeplug.plan import Plan, describe_slots
 from moeplug.server import HOST
+from moeplug.serving import cache_summary, streamed_text
 from moeplug.sizes import MIB
 
 
@@ -103,7 +104,7 @@ def served_text(name: str, srv: Any) -> str:
         slots = f"{hi}" if lo == hi else f"{lo}-{hi}"
         whole = f" ({cache['whole_layers']} whole)" if cache.get("whole_layers") else ""
         lines.append(f"expert cache: {cache['layers']} layers x {slots} slots{whole}, {cache['mib_uploaded']:.2f} MiB "
-                     f"on {cache['device']} in {cache['seconds']:.2f} s{_streamed(cache)}")
+                     f"on {cache['device']} in {cache['seconds']:.2f} s{streamed_text(cache)}")
     elif cache:
         lines.append(f"expert cache: not engaged ({cache['reason']})")
     lines.append(f"serving {name} at {srv.url} (pid {srv.pid}, log {srv.log})")
@@ -111,12 +112,6 @@ def served_text(name: str, srv: Any) -> str:
                  "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}]}'")
     lines.append(f"stop:   moeplug stop {name}")
     return "\n".join(lines)
-
-
-def _streamed(cache: dict[str, Any]) -> str:
-    """', N layers stream P% of their misses' where the GPU computes some misses (--moe-cache-stream)."""
-    n = cache.get("streamed_layers") or 0
-    return f", {n} layers stream {cache.get('stream_percent', 0)}% of their misses" if n else ""
 
 
 def install_text(done: Any) -> str:
@@ -186,9 +181,7 @@ def status_text(snap: Any) -> str:
         return "no model is being served ('moeplug serve NAME' starts one)"
     rows = []
     for s in snap.servers:
-        c = s.record.cache or {}
-        cache = (f"{c['layers']}x{c['slots']} on {c['device']}{_streamed(c)}" if c.get("engaged")
-                 else "off" if not c else "not engaged")
+        cache = cache_summary(s.record.cache)
         counters = s.cache_counters.to_json() if s.cache_counters else None
         state = s.state if s.model_present else f"{s.state}, model file gone"
         rows.append([s.name, s.record.url, s.record.pid, state, cache, _hit_rate_text(counters), _vram_text(s),

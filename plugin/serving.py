@@ -70,6 +70,24 @@ def parse_cache_line(log: str) -> CacheStatus | None:
     return None
 
 
+def cache_summary(cache: dict[str, Any] | None) -> str:
+    """One line for a server's expert cache (a CacheStatus as JSON): 'off', 'not engaged: why', or
+    'LAYERSxSLOTS on DEVICE' and the layers whose GPU computes a share of their misses."""
+    if not cache:
+        return "off"
+    if not cache.get("engaged"):
+        return f"not engaged: {cache.get('reason', '')}"
+    lo, hi = cache.get("slots_min") or cache["slots"], cache["slots"]
+    slots = f"{hi}" if lo == hi else f"{lo}-{hi}"
+    return f"{cache['layers']}x{slots} on {cache['device']}{streamed_text(cache)}"
+
+
+def streamed_text(cache: dict[str, Any]) -> str:
+    """', N layers stream P% of their misses' where the GPU computes some misses (--moe-cache-stream)."""
+    n = cache.get("streamed_layers") or 0
+    return f", {n} layers stream {cache.get('stream_percent', 0)}% of their misses" if n else ""
+
+
 def parse_buffers(log: str) -> dict[str, dict[str, float]]:
     """{'model': {'CPU': MiB, ...}, 'KV': {...}, 'compute': {...}} as llama-server logs them."""
     out: dict[str, dict[str, float]] = {}

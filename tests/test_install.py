@@ -108,7 +108,8 @@ def test_status_shows_vram_against_the_budget() -> None:
 
 def test_status_and_serve_say_where_the_gpu_computes_misses() -> None:
     """A server whose log says the GPU computes a share of the misses (--moe-cache-stream): `moeplug
-    status` and the serve/install output name the layers and the share; without it, neither does."""
+    status`, the dashboard's servers table and the serve/install output name the layers and the
+    share; without it, none does."""
     from dataclasses import asdict, replace
 
     from moeplug.install_cli import served_text, status_text
@@ -125,9 +126,13 @@ def test_status_and_serve_say_where_the_gpu_computes_misses() -> None:
     plain = replace(record, cache=asdict(replace(cache, streamed_layers=0, stream_percent=0)))
     snap = ServerSnapshot(record=record, alive=True, healthy=True, uptime_s=1.0)
     lines = status_text(Snapshot(taken_at=0.0, servers=[snap, replace(snap, record=plain)], gpus=[])).splitlines()
-    assert "24x10 on CUDA0, 24 layers stream 75% of their misses" in lines[2] and "stream" not in lines[3]
+    assert "24x4-10 on CUDA0, 24 layers stream 75% of their misses" in lines[2] and "stream" not in lines[3]
     assert "on CUDA0 in 0.91 s, 24 layers stream 75% of their misses" in served_text("m", record)
     assert "stream" not in served_text("m", plain)
+    from moeplug.tui.widgets.servers import server_rows
+
+    cells = {name: row for name, row in server_rows(Snapshot(taken_at=0.0, servers=[snap], gpus=[]), {})}
+    assert cells["m"][7] == "24x4-10 on CUDA0, 24 layers stream 75% of their misses"
 
 
 def test_human_output_says_how_to_query(home: dict[str, str]) -> None:

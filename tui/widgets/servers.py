@@ -5,20 +5,11 @@ from __future__ import annotations
 from textual.widgets import DataTable
 
 from moeplug.monitor import ServerMetrics, Snapshot
+from moeplug.serving import cache_summary
 from moeplug.tui.format import duration, rate
 
 COLUMNS = [("name", "name"), ("state", "state"), ("uptime", "up"), ("prefill", "pp t/s"), ("decode", "tg t/s"),
            ("requests", "req"), ("context", "ctx"), ("cache", "expert cache"), ("url", "url")]
-
-
-def cache_text(cache: dict | None) -> str:
-    if not cache:
-        return "off"
-    if not cache.get("engaged"):
-        return f"not engaged: {cache.get('reason', '')}"
-    lo, hi = cache.get("slots_min") or cache["slots"], cache["slots"]
-    slots = f"{hi}" if lo == hi else f"{lo}-{hi}"
-    return f"{cache['layers']}x{slots} on {cache['device']}"
 
 
 def server_rows(snap: Snapshot, recent: dict[str, ServerMetrics]) -> list[tuple[str, list[str]]]:
@@ -32,7 +23,7 @@ def server_rows(snap: Snapshot, recent: dict[str, ServerMetrics]) -> list[tuple[
         rows.append((s.name, [s.name, s.state if s.state != "starting/unhealthy" else "starting",
                               duration(s.uptime_s) if s.alive else "-",
                               rate(m.prompt_tokens_per_s) if m else "-", rate(m.decode_tokens_per_s) if m else "-",
-                              reqs, ctx, cache_text(s.record.cache), s.record.url]))
+                              reqs, ctx, cache_summary(s.record.cache), s.record.url]))
     served = {s.name for s in snap.servers}
     for m in snap.installed:
         if m.name not in served:
