@@ -16,7 +16,7 @@ from moeplug.options import JOBS, TOKENS, add_backend, add_prefill_weight, add_j
 from moeplug.output import Output, human_bytes, table
 from moeplug.plan import Plan, describe_slots
 from moeplug.server import HOST
-from moeplug.serving import cache_summary, streamed_text
+from moeplug.serving import cache_summary, slot_range, streamed_text
 from moeplug.sizes import MIB
 
 
@@ -100,10 +100,8 @@ def served_text(name: str, srv: Any) -> str:
     cache = srv.cache or {}
     lines = []
     if cache.get("engaged"):
-        lo, hi = cache.get("slots_min") or cache["slots"], cache["slots"]
-        slots = f"{hi}" if lo == hi else f"{lo}-{hi}"
         whole = f" ({cache['whole_layers']} whole)" if cache.get("whole_layers") else ""
-        lines.append(f"expert cache: {cache['layers']} layers x {slots} slots{whole}, {cache['mib_uploaded']:.2f} MiB "
+        lines.append(f"expert cache: {cache['layers']} layers x {slot_range(cache)} slots{whole}, {cache['mib_uploaded']:.2f} MiB "
                      f"on {cache['device']} in {cache['seconds']:.2f} s{streamed_text(cache)}")
     elif cache:
         lines.append(f"expert cache: not engaged ({cache['reason']})")

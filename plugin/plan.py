@@ -343,13 +343,11 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
                      f"token): fewer partly resident layers, less decode gain")
     if spec is not None and k > 1 and profile is not None:
         notes += _speculation_note(costs, slots, k)
-    if share and "--moe-cache-slots" in args:
+    if share:  # a share needs a partly resident layer, so the cache's flags are there
         args += ["--moe-cache-stream", f"{share:g}"]
         notes.append(f"the GPU computes the hottest missed experts carrying {share:.0%} of each partly resident "
                      f"layer's misses from RAM while the CPU computes the rest (--moe-cache-stream {share:g}): "
                      f"modelled {1e3 * saving:.2f} ms less host time per {'verification step' if k > 1 else 'token'}")
-    else:
-        share, saving = 0.0, 0.0
     args += spec.server_args(gpu=True) if spec else []
     prompts = any(c.prefill is not None for c in costs)
     cache = "--moe-cache-slots" in args  # without it, prompt batches take stock's path

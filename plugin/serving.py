@@ -77,9 +77,13 @@ def cache_summary(cache: dict[str, Any] | None) -> str:
         return "off"
     if not cache.get("engaged"):
         return f"not engaged: {cache.get('reason', '')}"
+    return f"{cache['layers']}x{slot_range(cache)} on {cache['device']}{streamed_text(cache)}"
+
+
+def slot_range(cache: dict[str, Any]) -> str:
+    """An engaged cache's slots per layer: '8', or '4-10' where layers differ."""
     lo, hi = cache.get("slots_min") or cache["slots"], cache["slots"]
-    slots = f"{hi}" if lo == hi else f"{lo}-{hi}"
-    return f"{cache['layers']}x{slots} on {cache['device']}{streamed_text(cache)}"
+    return f"{hi}" if lo == hi else f"{lo}-{hi}"
 
 
 def streamed_text(cache: dict[str, Any]) -> str:
