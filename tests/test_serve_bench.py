@@ -99,10 +99,13 @@ def test_serve_bench_replay(patched_build, stock_build, bench_model: Path, tmp_p
     write_npz(tmp_path / "trace.npz", prompts=12)
     stdout, doc = run_bench(patched_build, stock_build, bench_model, tmp_path, "--workloads", "replay",
                             "--trace", str(tmp_path / "trace.npz"), "--train-prompts", "0:8",
-                            "--replay-prompts", "8:")
+                            "--replay-prompts", "8:", "--row-env", "GGML_SCHED_HOST_OVERLAP=0")
     check_table(stdout, doc, "replay")
     for c in doc["configs"]:
         assert c["server_args"][c["server_args"].index(REPLAY_FLAG) + 1].endswith(".gguf")
+        # --row-env: the moeplug server's environment only, named in its row
+        assert c["env"].get("GGML_SCHED_HOST_OVERLAP") == ("0" if c["side"] == "moeplug" else None)
+    assert doc["tables"]["replay"][0]["moeplug"].endswith(", GGML_SCHED_HOST_OVERLAP=0")
 
 
 def test_serve_bench_prices_recording(patched_build, stock_build, bench_model: Path, tmp_path: Path) -> None:

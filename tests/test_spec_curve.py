@@ -59,6 +59,7 @@ def test_spec_curve_on_the_cpu_build(patched_build, tmp_path: Path) -> None:
     cmd = [sys.executable, str(BENCH / "spec_curve.py"), "--model", str(model), "--budgets", "25%", "--ks", "1-4",
            "--depths", "0,64", "--reps", "2", "--rounds", "1", "-t", "2", "--trace", str(tmp_path / "trace.npz"),
            "--train-prompts", "0:8", "--replay-prompts", "8:", "--draft-ms", "0.5", "--stream-shares", "0,0.5",
+           "--row-env", "GGML_SCHED_HOST_OVERLAP=0",
            "--prebuilt-moeplug", str(patched_build.binary("llama-bench").parent), "--json", str(out)]
     env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
@@ -66,10 +67,12 @@ def test_spec_curve_on_the_cpu_build(patched_build, tmp_path: Path) -> None:
     assert "### time of one verification batch (ms)" in r.stdout
     assert "### expected decode with speculation (draft cost 0.50 ms per token)" in r.stdout
     doc = json.loads(out.read_text())
-    assert sorted((c["moeplug"].rsplit(", ", 1)[1], c["depth"], len(c["moeplug_ms"]), len(c["stock_ms"]))
+    assert all(c["moeplug"].endswith(", GGML_SCHED_HOST_OVERLAP=0") for c in doc["curve"])
+    assert sorted((c["moeplug"].split(", ")[2], c["depth"], len(c["moeplug_ms"]), len(c["stock_ms"]))
                   for c in doc["curve"]) == [("stream 0", 0, 4, 4), ("stream 0", 64, 4, 4),
                                              ("stream 0.5", 0, 4, 4), ("stream 0.5", 64, 4, 4)]
     assert [r["env"].get("LLAMA_MOE_CACHE_STREAM") for r in doc["rows"]] == ["0", "0.5", None]
+    assert [r["env"].get("GGML_SCHED_HOST_OVERLAP") for r in doc["rows"]] == ["0", "0", None]  # --row-env: moeplug's
     rows = doc["speculation"]
     assert len(rows) == 4 * len(spec_curve.ACCEPTANCE)
     for row in rows:

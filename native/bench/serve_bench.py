@@ -454,6 +454,26 @@ def stream_shares(ap: argparse.ArgumentParser, text: str) -> list[float | None]:
     return number_list(ap, "--stream-shares", text, "0,0.5", lambda s: 0.0 <= s <= 1.0, "each share from 0 to 1")
 
 
+ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
+
+
+def row_envs(ap: argparse.ArgumentParser, text: str) -> list[dict[str, str]]:
+    """--row-env NAME=V1,V2: a moeplug row per value of one environment variable of its process
+    ('unset': the variable left as the caller's); [{}] when empty."""
+    if not text:
+        return [{}]
+    name, eq, values = text.partition("=")
+    parts = [v.strip() for v in values.split(",")]
+    if not eq or not ENV_NAME.fullmatch(name) or not all(parts):
+        ap.error(f"--row-env: {text!r}: give NAME=V1,V2, e.g. GGML_CUDA_EXPERT_COPY_AHEAD_BLOCKS=unset,64")
+    return [{} if v == "unset" else {name: v} for v in parts]
+
+
+def env_desc(env: dict[str, str]) -> str:
+    """A row's --row-env value for its description ('' for none)."""
+    return "".join(f", {k}={v}" for k, v in env.items())
+
+
 def main(argv: list[str] | None = None) -> int:
     from moeplug.fit_estimate import gpu_need
     from moeplug.install import SLOTS_ON_CPU_ENV, draft_need_for, plan_for
@@ -487,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stream-shares", default="",
                     help="moeplug rows per --moe-cache-stream share (of each layer's misses, the GPU computes the "
                          "hottest carrying this share from host memory), e.g. 0,0.4 (default: the plan's)")
+    ap.add_argument("--row-env", default="", help="moeplug rows per value of an environment variable of its server, "
+                    "e.g. GGML_CUDA_EXPERT_COPY_AHEAD_BLOCKS=unset,64 ('unset': as the caller's)")
     ap.add_argument("--policies", default="", help="moeplug rows per slot policy, e.g. static,dynamic (default: the "
                     "plan's own choice, one row); a policy+record row also records live routing counts "
                     "(--moe-cache-record), to measure what recording costs beside the same policy without it")
@@ -525,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     weights = number_list(ap, "--prefill-weights", a.prefill_weights, "0,1", lambda w: w >= 0,
                           "each weight must be 0 or more")
     shares = stream_shares(ap, a.stream_shares)
+    envs = row_envs(ap, a.row_env)
     if any(p.removesuffix("+record") not in ("auto", "static", "dynamic") for p in policies):
         ap.error(f"--policies: {a.policies!r}: each of auto, static, dynamic, optionally with +record")
     if a.spec is None and (a.spec_accept is not None or a.spec_baseline or a.spec_draft_max is not None):
@@ -597,9 +620,9 @@ def main(argv: list[str] | None = None) -> int:
         for group, profile, extra, mine_bin, stock_bin, stock_id in groups:
             if not group:
                 continue
-            variants = [(p, w, s) for p in policies for w in weights for s in shares]
+            variants = [(p, w, s, e) for p in policies for w in weights for s in shares for e in envs]
             plans = [plan_for(info, a.ctx, budget, profile, slots_on_cpu=False, fit_tool=fit_tool,
-                              policy=p.removesuffix("+record"), spec=spec, prefill_weight=w) for p, w, _ in variants]
+                              policy=p.removesuffix("+record"), spec=spec, prefill_weight=w) for p, w, _, _ in variants]
             load = ["-lm", "none"] if plans[0].load_mode == "pinned" else []
             stock_args = ["-c", str(a.ctx), "--fit", "on", "-fitt", fitt, *load, *common, *extra]
             theirs = Config(label, "stock", stock_bin, stock_id,
@@ -610,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
             if spec and a.spec_baseline:
                 baseline = Config(label, "stock", stock_bin, stock_id, stock_args, group, desc="--fit, no speculation")
                 configs.append(baseline)
-            for plan, (policy, weight, share) in zip(plans, variants):
+            for plan, (policy, weight, share, env) in zip(plans, variants):
                 record = ["--moe-cache-record"] if policy.endswith("+record") else []
                 stream = ["--moe-cache-stream", f"{share:g}"] if share is not None else []
                 desc = describe_slots(plan.slots_per_layer, info.n_expert)
@@ -618,9 +641,11 @@ def main(argv: list[str] | None = None) -> int:
                 desc += f", prefill weight {weight:g}" if len(weights) > 1 else ""
                 streamed = share if share is not None else plan.stream_share  # a --stream-shares row overrides the plan
                 desc += f", stream {streamed:g}" if len(shares) > 1 or streamed else ""
+                desc += env_desc(env)
                 desc += f", {spec.kind}" if spec else ""
                 mine = Config(label, "moeplug", mine_bin, patched.build_id,
-                              [*plan.server_args, *record, *stream, *spec_args, *common, *extra], group, slots_env, desc,
+                              [*plan.server_args, *record, *stream, *spec_args, *common, *extra], group,
+                              {**slots_env, **env}, desc,
                               plan=plan.to_json())
                 print(f"# {label} {'+'.join(group)}: moeplug {' '.join(mine.server_args)} | stock "
                       f"{' '.join(theirs.server_args)}", file=sys.stderr)

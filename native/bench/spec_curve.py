@@ -57,7 +57,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import GIB, free_vram_or_say, interleaved_rounds, median  # noqa: E402
 from serve_bench import (DEFAULT_TRACE, budget_bytes, build_of, fit_targets, parse_budgets, prepare_model,  # noqa: E402
-                         replay_inputs, stream_shares)
+                         replay_inputs, row_envs, env_desc, stream_shares)
 
 ACCEPTANCE = (0.5, 0.6, 0.7, 0.8, 0.9)
 DRAFT_LENGTHS = range(1, 9)
@@ -209,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stream-shares", default="",
                     help="moeplug rows per --moe-cache-stream share (of each layer's misses, the GPU computes the "
                          "hottest experts' share beside the CPU), e.g. 0,0.5; default: one row, the plan's flags")
+    ap.add_argument("--row-env", default="", help="moeplug rows per value of an environment variable of llama-bench, "
+                    "e.g. GGML_CUDA_EXPERT_COPY_AHEAD_BLOCKS=unset,64 ('unset': as the caller's)")
     ap.add_argument("--threads", "-t", type=int, help="threads (default: llama.cpp's)")
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="npz trace or replay file")
     ap.add_argument("--train-prompts", default="0:400", help="trace prompts moeplug's profile is made of")
@@ -229,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.reps < 1 or a.rounds < 1 or a.draft_ms < 0 or any(d < 0 for d in depths):
         ap.error("--reps and --rounds must be at least 1, --draft-ms and --depths not negative")
     shares = stream_shares(ap, a.stream_shares)
+    envs = row_envs(ap, a.row_env)
 
     t0 = time.time()
     patched = build_of(a.prebuilt_moeplug, False, a.backend, a.jobs)
@@ -258,13 +261,13 @@ def main(argv: list[str] | None = None) -> int:
         args = ["-ngl", "99", *load, *placement_args(info, plan.slots_per_layer, profile, profile_path,
                                                      plan.cache_policy)]
         stock = Row(label, "stock", ["-fitt", fitt, *load], desc="--fit")
-        for share in shares:
+        for share, env in ((s, e) for s in shares for e in envs):
             share = share if share is not None else (plan.stream_share or None)  # None: the plan's own share
             # llama-bench takes the share from the environment (LLAMA_MOE_CACHE_STREAM), not a flag
             stream = {"LLAMA_MOE_CACHE_STREAM": f"{share:g}"} if share is not None else {}
-            mine = Row(label, "moeplug", args, {**slots_env, **stream},
+            mine = Row(label, "moeplug", args, {**slots_env, **stream, **env},
                        f"{describe_slots(plan.slots_per_layer, info.n_expert)}, {plan.cache_policy}"
-                       + (f", stream {share:g}" if share is not None else ""))
+                       + (f", stream {share:g}" if share is not None else "") + env_desc(env))
             print(f"# {label}: moeplug {' '.join(f'{k}={v}' for k, v in stream.items())} {' '.join(mine.args)} | "
                   f"stock {' '.join(stock.args)}", file=sys.stderr)
             rows.append(mine)
