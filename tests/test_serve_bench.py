@@ -59,6 +59,11 @@ def check_table(stdout: str, doc: dict, workload: str) -> None:
                for k in sorted(mine["samples"]) if k.startswith(workload + "/")]
         assert len(per) == row["prompts"] > 0
         assert all(len(mine["samples"][k]) == 2 for k in mine["samples"])  # one sample per round
+        # the tokens each prompt prefilled, the same on both sides (the replay and random prompts
+        # are token ids; a text prompt tokenized by the same vocabulary)
+        assert mine["prompt_tokens"].keys() == mine["samples"].keys()
+        assert all(n > 0 for n in mine["prompt_tokens"].values())
+        assert mine["prompt_tokens"] == {k: n for k, n in stock["prompt_tokens"].items() if k in mine["prompt_tokens"]}
         assert row[key]["ratio_median"] == pytest.approx(statistics.median(per))
         assert row[key]["ratio_lowest"] == pytest.approx(min(per))
         assert f"{row[key]['ratio_median']:.2f}x (lowest {row[key]['ratio_lowest']:.2f}x)" in rows[0]

@@ -91,6 +91,7 @@ class Config:
     desc: str = ""
     # (workload, prompt index) -> [prefill t/s, decode t/s] of each round
     samples: dict[tuple[str, int], list[tuple[float, float]]] = field(default_factory=dict)
+    prompt_tokens: dict[tuple[str, int], int] = field(default_factory=dict)  # the prompt's prefilled tokens (prompt_n)
     vram: list[int | None] = field(default_factory=list)  # NVML, per round
     log_vram_mib: list[float] = field(default_factory=list)  # CUDA buffers the log names, and the cache's slots
     buffers: dict[str, dict[str, float]] = field(default_factory=dict)  # kind -> device -> MiB, as the log names them
@@ -221,6 +222,7 @@ def run_config(cfg: Config, model: Path, ctx: int, prompts: dict[str, list], n_p
                     t = complete(srv.url, prompt, n_predict, ignore_eos=True)["timings"]
                     cfg.samples.setdefault((w, i), []).append((float(t["prompt_per_second"]),
                                                                float(t["predicted_per_second"])))
+                    cfg.prompt_tokens[(w, i)] = int(t["prompt_n"])
                     if "draft_n" in t:
                         d = cfg.drafts.setdefault(w, [0, 0])
                         d[0] += int(t["draft_n"])
@@ -673,7 +675,8 @@ def main(argv: list[str] | None = None) -> int:
           f"patched {patched.build_id}; {time.time() - t0:.0f} s")
     if a.json:
         doc = {"tables": tables, "skipped": skipped, "configs": [
-            asdict(c) | {"binary": str(c.binary), "samples": {f"{w}/{i}": v for (w, i), v in c.samples.items()}}
+            asdict(c) | {"binary": str(c.binary), "samples": {f"{w}/{i}": v for (w, i), v in c.samples.items()},
+                         "prompt_tokens": {f"{w}/{i}": n for (w, i), n in c.prompt_tokens.items()}}
             for c in configs]}
         a.json.write_text(json.dumps(doc, indent=1) + "\n")
     failed = any(c.errors for c in configs)
