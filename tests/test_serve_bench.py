@@ -20,6 +20,8 @@ from moeplug.synth import ModelSpec, make_model
 pytestmark = pytest.mark.native
 
 SERVE_BENCH = Path(__file__).resolve().parents[1] / "native" / "bench" / "serve_bench.py"
+sys.path.insert(0, str(SERVE_BENCH.parent))
+import serve_bench  # noqa: E402
 REPLAY_FLAG = "--moe-route-replay"
 
 
@@ -74,6 +76,11 @@ def check_table(stdout: str, doc: dict, workload: str) -> None:
     assert f"round to round, one prompt's slowest over its fastest, lowest: prefill moeplug " \
            f"{row['spread']['moeplug']['prefill']:.2f}x" in section
     assert row["vram_mib"] == {"moeplug": "null", "stock": "null"}  # no GPU: NVML holds nothing
+    # the planner's model beside the run (serve_bench.model_check), printed under the table
+    assert mine["plan"]["modelled_host_ms"] is not None
+    d = row["decode"]
+    assert row["model"]["decode_ms"]["measured"] == pytest.approx(1e3 / d["moeplug_tps"] - 1e3 / d["stock_tps"])
+    assert serve_bench.model_text(row) in section
 
 
 def test_serve_bench_text_and_random(patched_build, stock_build, bench_model: Path, tmp_path: Path) -> None:
@@ -94,6 +101,31 @@ def test_serve_bench_text_and_random(patched_build, stock_build, bench_model: Pa
     for flag in ("-c", "-t", "-np"):
         assert mine["server_args"][mine["server_args"].index(flag) + 1] == \
             stock["server_args"][stock["server_args"].index(flag) + 1]
+
+
+def test_the_planners_model_beside_the_measured_difference(tmp_path: Path) -> None:
+    """A moeplug row's plan against the run: per decoded token the plan's host time less stock's
+    placement's, without the prompt batches it weighs and less the streamed misses' saving, beside
+    1/t/s of each side; per prompt token the modelled prompt times; no decode figure where the row
+    streams another share than the plan, nothing with speculation."""
+    plan = {"modelled_host_ms": 10.0, "stock_modelled_host_ms": 14.0, "prefill_weight": 1.0,
+            "modelled_prompt_us": 200.0, "stock_modelled_prompt_us": 300.0, "stream_share": 0.75,
+            "modelled_stream_saving_ms": 2.0, "speculation": None}
+    row = {"budget": "8 GiB", "moeplug": "32 of 128", "prefill": {"moeplug_tps": 2000.0, "stock_tps": 1000.0},
+           "decode": {"moeplug_tps": 100.0, "stock_tps": 50.0}}
+    args = ["-ngl", "99", "--moe-cache-stream", "0.75"]
+    mine = serve_bench.Config("8 GiB", "moeplug", tmp_path, "id", args, ["text"], plan=plan)
+    got = serve_bench.model_check(mine, row)
+    assert got["decode_ms"]["measured"] == pytest.approx(10.0 - 20.0)
+    assert got["decode_ms"]["modelled"] == pytest.approx((10.0 - 0.2 - 2.0) - (14.0 - 0.3))
+    assert got["prefill_us"] == {"measured": pytest.approx(500.0 - 1000.0), "modelled": pytest.approx(-100.0)}
+    text = serve_bench.model_text({**row, "model": got})
+    assert "decode per token -10.00 ms measured, -5.90 ms modelled" in text
+    assert "prefill per prompt token -500.0 us measured, -100.0 us modelled" in text
+    other = serve_bench.Config("8 GiB", "moeplug", tmp_path, "id", [*args, "--moe-cache-stream", "0"], ["text"], plan=plan)
+    assert serve_bench.model_check(other, row).keys() == {"prefill_us"}  # the last flag wins: not the plan's share
+    spec = serve_bench.Config("8 GiB", "moeplug", tmp_path, "id", args, ["text"], plan={**plan, "speculation": {"kind": "mtp"}})
+    assert serve_bench.model_check(spec, row) is None
 
 
 def test_serve_bench_replay(patched_build, stock_build, bench_model: Path, tmp_path: Path) -> None:

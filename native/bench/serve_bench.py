@@ -287,6 +287,42 @@ def _mib(cfg: Config) -> str:
     return f"log {max(logged):.0f}" if logged else "null"
 
 
+def model_check(mine: Config, row: dict[str, Any]) -> dict[str, Any] | None:
+    """The planner's model against the run: per decoded token and per prompt token, moeplug's time
+    less stock's as measured (from the row's median t/s) and as the plan modelled it (host time of its
+    placement against stock's own placement at the same budget, so the GPU's own time, the same on
+    both sides, cancels; decode without the prompt batches the plan also weighs, less the streamed
+    misses' modelled saving). None for a row without a plan or with speculation (the model is per
+    verification step there); no decode figure where the row streams another share than the plan."""
+    plan = mine.plan or {}
+    if plan.get("modelled_host_ms") is None or plan.get("speculation"):
+        return None
+    args = mine.server_args
+    shares = [float(args[i + 1]) for i, a in enumerate(args[:-1]) if a == "--moe-cache-stream"]
+    same_share = (shares[-1] if shares else 0.0) == plan.get("stream_share", 0.0)
+    w = plan.get("prefill_weight", 0.0)
+    ours, theirs = plan.get("modelled_prompt_us"), plan.get("stock_modelled_prompt_us")
+    p, d = row["prefill"], row["decode"]
+    out: dict[str, Any] = {}
+    if same_share and d["moeplug_tps"] > 0 and d["stock_tps"] > 0:
+        host = plan["modelled_host_ms"] - w * (ours or 0.0) / 1e3 - plan.get("modelled_stream_saving_ms", 0.0)
+        stock_host = plan["stock_modelled_host_ms"] - w * (theirs or 0.0) / 1e3
+        out["decode_ms"] = {"measured": 1e3 / d["moeplug_tps"] - 1e3 / d["stock_tps"], "modelled": host - stock_host}
+    if ours is not None and theirs is not None and p["moeplug_tps"] > 0 and p["stock_tps"] > 0:
+        out["prefill_us"] = {"measured": 1e6 / p["moeplug_tps"] - 1e6 / p["stock_tps"], "modelled": ours - theirs}
+    return out or None
+
+
+def model_text(r: dict[str, Any]) -> str:
+    """One line for a row's model_check."""
+    said = [f"{label} {m[key]['measured']:+.{prec}f} {unit} measured, {m[key]['modelled']:+.{prec}f} {unit} modelled"
+            for m in [r["model"]] for key, label, unit, prec in (("decode_ms", "decode per token", "ms", 2),
+                                                                  ("prefill_us", "prefill per prompt token", "us", 1))
+            if key in m]
+    return (f"{r['budget']}, {r['moeplug']}: the planner's model against this run, moeplug's time less stock's "
+            f"(modelled: host time against stock's own placement at the budget): {'; '.join(said)}")
+
+
 def table_rows(pairs: list[tuple[Config, Config]], workload: str) -> list[dict[str, Any]]:
     rows = []
     for mine, stock in pairs:
@@ -304,6 +340,7 @@ def table_rows(pairs: list[tuple[Config, Config]], workload: str) -> list[dict[s
         row["hit_rate"] = hit_rate(mine, workload)
         row["drafts"] = {"moeplug": mine.drafts.get(workload), "stock": stock.drafts.get(workload)}
         row["errors"] = mine.errors + stock.errors
+        row["model"] = model_check(mine, row) if stock.desc == "--fit" else None
         rows.append(row)
     return rows
 
@@ -334,6 +371,9 @@ def print_table(workload: str, rows: list[dict[str, Any]]) -> None:
                   f"its fastest, lowest: prefill moeplug {sp['moeplug']['prefill']:.2f}x, stock "
                   f"{sp['stock']['prefill']:.2f}x; decode moeplug {sp['moeplug']['decode']:.2f}x, stock "
                   f"{sp['stock']['decode']:.2f}x")
+    for r in rows:
+        if r["model"] is not None:
+            print("\n" + model_text(r))
     for r in rows:
         d = r["drafts"]
         if d["moeplug"] or d["stock"]:
