@@ -56,8 +56,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import GIB, free_vram_or_say, interleaved_rounds, median  # noqa: E402
-from serve_bench import (DEFAULT_TRACE, budget_bytes, build_of, fit_targets, parse_budgets, prepare_model,  # noqa: E402
-                         replay_inputs, row_envs, env_desc, stream_shares)
+from serve_bench import (DEFAULT_TRACE, budget_bytes, build_of, env_desc, fit_targets, parse_budgets,  # noqa: E402
+                         prepare_model, replay_inputs, row_envs, stream_shares)
 
 ACCEPTANCE = (0.5, 0.6, 0.7, 0.8, 0.9)
 DRAFT_LENGTHS = range(1, 9)
