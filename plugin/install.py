@@ -52,7 +52,8 @@ class InstalledModel:
     prompt_files: list[str] = field(default_factory=list)
 
     def server_env(self) -> dict[str, str]:
-        return dict(SLOTS_ON_CPU_ENV) if self.slots_on_cpu else {}
+        """The environment its llama-server runs with beside the plan's flags."""
+        return (dict(SLOTS_ON_CPU_ENV) if self.slots_on_cpu else {}) | self.plan.server_env()
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self) | {"plan": self.plan.to_json()}
@@ -185,12 +186,13 @@ def remake_profile(name: str, prompt_sets: list[str] | None = None, progress: Pr
 
 def plan_for(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, profile: Path | None,
              slots_on_cpu: bool, loaded: Profile | None = None, fit_tool: Path | None = None,
-             policy: str = "auto", spec: Speculation | None = None, prefill_weight: float | None = None) -> Plan:
+             policy: str = "auto", spec: Speculation | None = None, prefill_weight: float | None = None,
+             copy_ahead: bool | None = None) -> Plan:
     """The plan at a budget (None: the free VRAM of each GPU; a list: one per GPU). loaded: the
     profile to plan from when it is not (yet) the file at `profile`. fit_tool: the build's
     llama-fit-params, whose estimate of the GPU's other buffers replaces moeplug's own where it
     sees a GPU (one GPU only). spec: speculative decoding. prefill_weight: prompt tokens per
-    generated token (None: the planner's default, allocate.PREFILL_WEIGHT)."""
+    generated token (None: the planner's default, allocate.PREFILL_WEIGHT). copy_ahead: plan.make_plan's."""
     from moeplug.fit_estimate import gpu_need
 
     found = gpus()
@@ -200,6 +202,7 @@ def plan_for(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pro
     need = gpu_need(fit_tool, info.path, ctx) if fit_tool is not None and one_gpu else None
     plan = make_plan(info, ctx, budget, profile, available_ram_bytes(), slots_in_ram, need=need, policy=policy,
                      profile=loaded, spec=spec, draft_need=draft_need_for(spec, ctx, fit_tool if one_gpu else None),
+                     copy_ahead=copy_ahead,
                      **({} if prefill_weight is None else {"prefill_weight": prefill_weight}))
     note = one_budget_note(budget, found)
     plan.notes += [note] if note else []

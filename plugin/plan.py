@@ -39,6 +39,7 @@ from moeplug.estimates import (
     SAFETY_MARGIN,
     bytes_per_slot,
     cache_compute_extra,
+    cache_compute_single_copy,
     choose_load_mode,
     compute_buffer_bytes,
     expert_copy_ahead_bytes,
@@ -128,6 +129,14 @@ class Plan:
     # allocate.stream_share), 0 for none, and what it is modelled to save per step
     stream_share: float = 0.0
     modelled_stream_saving_ms: float = 0.0
+    # whether a prompt batch's later expert weights are copied while the split before computes (native
+    # patch 0024, on by default); off, the compute buffer holds one weight copy as stock's does and the
+    # bytes go to slots (the server then runs with GGML_SCHED_EXPERT_COPY_AHEAD=0: server_env)
+    copy_ahead: bool = True
+
+    def server_env(self) -> dict[str, str]:
+        """The environment the plan's server runs with beside its flags."""
+        return {} if self.copy_ahead else {"GGML_SCHED_EXPERT_COPY_AHEAD": "0"}
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -163,11 +172,47 @@ def _fit_warnings(fit: float, hit: float | None) -> list[str]:
     return []
 
 
+# the share of the MoE layers at or below which a plan's partly resident layers are few enough for the
+# copies ahead to cost more than the slots their compute buffer would hold (patch 0024; nineteenth
+# session, through the server, Qwen3 shape: 6 of 48 layers partly resident at 16 GiB, decode +5-8%
+# without the copies and prefill at par; 29 of 48 at 12 GiB and 46 at 8 GiB, prefill 4-20% slower
+# without and decode no faster; gpt-oss shape at 25%, 24 of 24: prefill 25% slower, decode +2.5%)
+COPY_AHEAD_FEW_PARTIAL = 0.25
+
+
 def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, profile_path: Path | None = None,
               ram_available: int | None = None, slots_in_ram: int = 0, expert_room: int | None = None,
               need: DeviceNeed | None = None, policy: str = "auto", profile: Profile | None = None,
               spec: Speculation | None = None, draft_need: DeviceNeed | None = None,
-              prefill_weight: float = PREFILL_WEIGHT) -> Plan:
+              prefill_weight: float = PREFILL_WEIGHT, copy_ahead: bool | None = None) -> Plan:
+    """The plan at a budget (_make_plan says what each argument is). copy_ahead: whether a prompt
+    batch's later expert weights are copied while the split before computes (None: the planner's
+    choice: on, unless the plan with them keeps at most COPY_AHEAD_FEW_PARTIAL of the MoE layers
+    partly resident, where their second weight copy's bytes go to slots instead)."""
+    kwargs = dict(ram_available=ram_available, slots_in_ram=slots_in_ram, expert_room=expert_room, need=need,
+                  policy=policy, profile=profile, spec=spec, draft_need=draft_need, prefill_weight=prefill_weight)
+    if copy_ahead is not None:
+        return _make_plan(info, ctx, vram_budget, profile_path, copy_ahead=copy_ahead, **kwargs)  # type: ignore[arg-type]
+    plan = _make_plan(info, ctx, vram_budget, profile_path, copy_ahead=True, **kwargs)  # type: ignore[arg-type]
+    partial = sum(0 < n < info.n_expert for n in plan.slots_per_layer)
+    if plan.backend != "cuda" or plan.devices is not None or not partial or \
+            partial > COPY_AHEAD_FEW_PARTIAL * len(plan.slots_per_layer):
+        return plan
+    single = _make_plan(info, ctx, vram_budget, profile_path, copy_ahead=False, **kwargs)  # type: ignore[arg-type]
+    if single.compute_bytes >= plan.compute_bytes:
+        return plan  # nothing freed: keep the copies
+    single.notes.append(f"{partial} of {len(plan.slots_per_layer)} MoE layers partly resident: prompt batches copy "
+                        f"their expert weights one at a time, as stock's do, and the "
+                        f"{human_bytes(plan.compute_bytes - single.compute_bytes)} a second weight copy would take "
+                        f"hold slots (GGML_SCHED_EXPERT_COPY_AHEAD=0)")
+    return single
+
+
+def _make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, profile_path: Path | None = None,
+              ram_available: int | None = None, slots_in_ram: int = 0, expert_room: int | None = None,
+              need: DeviceNeed | None = None, policy: str = "auto", profile: Profile | None = None,
+              spec: Speculation | None = None, draft_need: DeviceNeed | None = None,
+              prefill_weight: float = PREFILL_WEIGHT, copy_ahead: bool = True) -> Plan:
     """profile: the profile at profile_path when the caller has read it already (a re-profile's
     preview plans from the profile it is about to store there). slots_in_ram: without a GPU, hold
     that many slots per layer in RAM anyway (the demo's stand-in for a GPU,
@@ -182,7 +227,8 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
     room, on two GPUs each GPU's share off its budget; the slots are spread for its verification
     batches); draft_need: llama.cpp's own estimate for a draft model (install.draft_need_for).
     prefill_weight: prompt tokens per generated token, what prompt batches weigh beside decoding
-    (allocate.py; 0: decode only)."""
+    (allocate.py; 0: decode only). copy_ahead: False plans for prompt batches that copy their expert
+    weights one at a time, as stock does (one GPU; the freed compute buffer holds slots)."""
     if isinstance(vram_budget, list) and len(vram_budget) == 1:
         vram_budget = vram_budget[0]
     if not info.layers:
@@ -215,7 +261,7 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
                 profile=str(profile_path) if profile_path else None,
                 speculation=spec.to_json() if spec else None, draft_weights_bytes=draft.weights,
                 draft_kv_cache_bytes=draft.kv_cache, draft_compute_bytes=draft.compute, tokens_per_step=k,
-                prefill_weight=prefill_weight)
+                prefill_weight=prefill_weight, copy_ahead=copy_ahead)
     lm_args = ["-lm", "none"] if load_mode == "pinned" else []
     spec_notes = [f"speculative decoding: {spec.describe()}; slots spread for verification batches of {k} "
                   f"tokens"] if spec else []
@@ -275,8 +321,11 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
             # experts ahead, a second weight copy in the compute buffer that moeplug's estimate does not
             # count and llama.cpp's (need, asked about stock's path) only partly; without a profile:
             # stock's placement, no cache
-            ahead = (expert_copy_ahead_bytes(trunk) if need is None
-                     else cache_compute_extra(trunk, CACHE_COMPUTE_EXTRA))
+            if copy_ahead:
+                ahead = (expert_copy_ahead_bytes(trunk) if need is None
+                         else cache_compute_extra(trunk, CACHE_COMPUTE_EXTRA))
+            else:
+                ahead = 0 if need is None else cache_compute_single_copy(trunk, CACHE_COMPUTE_EXTRA)
             ahead = min(ahead, room)  # less room than that: no slot, no cache
             base["compute_bytes"] = compute + ahead
             others += ahead
@@ -300,6 +349,7 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
             # no partly resident layer: no cache, so no copies ahead; their bytes hold whole layers
             slots, room, ahead = stock_slots, room + ahead, 0
             base["compute_bytes"] = compute
+            base["copy_ahead"] = True
     ncmoe = stock_ncmoe(trunk, room + ahead)  # two GPUs: their rooms pooled
     s = summary(slots, room)
     args = ["-c", str(ctx), "-ngl", "99", *split_args, "-fit", "off", *lm_args]

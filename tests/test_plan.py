@@ -170,6 +170,75 @@ def test_the_copy_ahead_is_counted_where_experts_stay_in_ram(fixture_models, tmp
     assert cache_compute_extra(big_vocab, 0) == 0 and cache_compute_extra(big_vocab, 7) == 7
 
 
+def test_a_plan_without_copies_ahead_gives_their_bytes_to_slots(tmp_path: Path) -> None:
+    """copy_ahead=False: prompt batches copy one expert weight at a time, as stock's do, so the plan
+    counts no second copy (own estimate) or llama.cpp's estimate less the logits the server never holds
+    while it copies, plus one weight copy (llama.cpp's estimate); the bytes hold slots, and the server's
+    environment turns the copies ahead off."""
+    from moeplug.estimates import cache_compute_single_copy
+    from moeplug.fit_estimate import CACHE_COMPUTE_EXTRA, CUDA_CONTEXT_RESERVE, DeviceNeed
+
+    model, profile = big_expert_model(tmp_path)
+    info = inspect_model(model)
+    budget = fixed_bytes(info, 2048) + 3 * info.expert_bytes // 4
+    on = make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile, copy_ahead=True)
+    off = make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile, copy_ahead=False)
+    # both layers partly resident: the planner keeps the copies ahead
+    assert make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile).to_json() == on.to_json()
+    assert on.copy_ahead and not off.copy_ahead
+    assert on.server_env() == {} and off.server_env() == {"GGML_SCHED_EXPERT_COPY_AHEAD": "0"}
+    assert off.compute_bytes == on.compute_bytes - expert_copy_ahead_bytes(info)
+    assert off.slots_total > on.slots_total and off.expert_vram_bytes > on.expert_vram_bytes
+    assert off.stock_ncmoe == on.stock_ncmoe  # stock's placement is the same either way
+    # llama.cpp's estimate: a ubatch of logits it counts and the server does not hold beside a weight copy
+    largest = max(t.n_bytes for layer in info.layers for t in layer.tensors.values() if len(t.shape) == 3)
+    single = cache_compute_single_copy(info, CACHE_COMPUTE_EXTRA)
+    assert single == min(largest + CACHE_COMPUTE_EXTRA - logits_bytes(info), cache_compute_extra(info, CACHE_COMPUTE_EXTRA))
+    need = DeviceNeed("CUDA0", model=64 * MIB, context=8 * MIB, compute=32 * MIB)
+    room = need.total + CUDA_CONTEXT_RESERVE + 3 * info.expert_bytes // 4
+    with_need = [make_plan(info, 2048, room, tmp_path / "p.gguf", profile=profile, need=need, copy_ahead=c)
+                 for c in (True, False)]
+    assert [p.compute_bytes for p in with_need] == [32 * MIB + cache_compute_extra(info, CACHE_COMPUTE_EXTRA),
+                                                   32 * MIB + single]
+    assert with_need[1].slots_total >= with_need[0].slots_total
+    # Plan JSON keeps the choice; an older record without it reads as the copies ahead on
+    from moeplug.plan import Plan
+    assert Plan.from_json(off.to_json()).copy_ahead is False
+    assert Plan.from_json({k: v for k, v in off.to_json().items() if k != "copy_ahead"}).copy_ahead is True
+
+
+def test_the_planner_drops_the_copies_ahead_where_few_layers_are_partly_resident(tmp_path: Path) -> None:
+    """With most layers whole and one partly resident (at most a quarter of them, plan.COPY_AHEAD_FEW_PARTIAL)
+    the planner plans prompt batches without the copies ahead and gives their bytes to slots; with
+    most layers partly resident it keeps them. The installed record's server environment follows."""
+    from moeplug.install import InstalledModel
+    from moeplug.plan import COPY_AHEAD_FEW_PARTIAL
+    from moeplug.synth import ModelSpec, make_model
+
+    path = make_model(ModelSpec(arch="qwen3moe", layers=8, experts=16, used=2, embd=512, expert_ff=2048, dtype="f16",
+                                seed=5), tmp_path / "eight-layers.gguf")[0]
+    info = inspect_model(path)
+    counts = np.array([[4000, 3000, 2000, 1000] + [5] * 12] * 8, dtype=np.int64)
+    prof = Profile(fingerprint=None, tensors=[f"blk.{i}.ffn_down_exps.weight" for i in range(8)],  # type: ignore[arg-type]
+                   counts_prefill=counts * 0, counts_decode=counts, sources=[])
+    layer = info.expert_bytes // 8
+    few = fixed_bytes(info, 2048) + 7 * layer + layer // 2  # room for 7.5 layers' experts
+    auto = make_plan(info, 2048, few, tmp_path / "p.gguf", profile=prof)
+    forced = make_plan(info, 2048, few, tmp_path / "p.gguf", profile=prof, copy_ahead=True)
+    partial = sum(0 < n < info.n_expert for n in forced.slots_per_layer)
+    assert 0 < partial <= COPY_AHEAD_FEW_PARTIAL * 8
+    assert not auto.copy_ahead and auto.slots_total > forced.slots_total
+    assert auto.compute_bytes == forced.compute_bytes - expert_copy_ahead_bytes(info)
+    assert any("prompt batches copy their expert weights one at a time" in n for n in auto.notes)
+    record = InstalledModel(name="m", ref=str(path), path=str(path), profile=None, build_id="b", ctx=2048, plan=auto)
+    assert record.server_env() == {"GGML_SCHED_EXPERT_COPY_AHEAD": "0"}
+    assert InstalledModel.from_json(json.loads(json.dumps(record.to_json()))).server_env() == record.server_env()
+    many = fixed_bytes(info, 2048) + 4 * layer  # half the experts' bytes: spread over most layers
+    kept = make_plan(info, 2048, many, tmp_path / "p.gguf", profile=prof)
+    assert sum(0 < n < info.n_expert for n in kept.slots_per_layer) > COPY_AHEAD_FEW_PARTIAL * 8
+    assert kept.copy_ahead and kept.server_env() == {}
+
+
 def flat_wide_model(tmp_path: Path) -> tuple[Path, Profile]:
     """Two MoE layers of 16 experts of 6 MiB, 8 picked per token, and a flat router: a partly resident
     layer misses several large experts per token, as gpt-oss-20b's do at a quarter of its experts."""
