@@ -85,9 +85,16 @@ def check_table(stdout: str, doc: dict, workload: str) -> None:
 
 def test_serve_bench_text_and_random(patched_build, stock_build, bench_model: Path, tmp_path: Path) -> None:
     stdout, doc = run_bench(patched_build, stock_build, bench_model, tmp_path, "--workloads", "text,random",
-                            "--warmup", "2")
+                            "--warmup", "2", "--prefill-reps", "3")
     for workload in ("text-profiled", "text-unseen", "random"):
         check_table(stdout, doc, workload)
+    # --prefill-reps 3: each prompt's prefill, every round, the median of three answered requests
+    for c in doc["configs"]:
+        assert c["prefill_reps"].keys() == c["samples"].keys()
+        for k, rounds in c["prefill_reps"].items():
+            assert [len(r) for r in rounds] == [3, 3] and all(x > 0 for r in rounds for x in r)
+            assert [s[0] for s in c["samples"][k]] == [statistics.median(r) for r in rounds]
+    assert "prefill the median of 3 requests" in stdout
     # every launch answered two warm-up requests before the measured ones, which they are not among
     assert [c["warmed"] for c in doc["configs"]] == [2 * 2] * len(doc["configs"])
     bad = subprocess.run([sys.executable, str(SERVE_BENCH), "--warmup", "-1"], capture_output=True, text=True, timeout=60)
@@ -143,6 +150,24 @@ def test_serve_bench_replay(patched_build, stock_build, bench_model: Path, tmp_p
         # --row-env: the moeplug server's environment only, named in its row
         assert c["env"].get("GGML_SCHED_HOST_OVERLAP") == ("0" if c["side"] == "moeplug" else None)
     assert doc["tables"]["replay"][0]["moeplug"].endswith(", GGML_SCHED_HOST_OVERLAP=0")
+
+
+def test_serve_bench_copy_ahead_rows(patched_build, stock_build, bench_model: Path, tmp_path: Path) -> None:
+    """--copy-ahead on,off: two moeplug rows, the second planned without the copies ahead and its
+    server run with GGML_SCHED_EXPERT_COPY_AHEAD=0 (on the CPU build both hold their slots in RAM)."""
+    stdout, doc = run_bench(patched_build, stock_build, bench_model, tmp_path, "--workloads", "random",
+                            "--copy-ahead", "on,off")
+    rows = doc["tables"]["random"]
+    assert len(rows) == 2 and rows[1]["moeplug"] == rows[0]["moeplug"] + ", no copies ahead"
+    mine = [c for c in doc["configs"] if c["side"] == "moeplug"]
+    assert [c["plan"]["copy_ahead"] for c in mine] == [True, False]
+    assert [c["env"].get("GGML_SCHED_EXPERT_COPY_AHEAD") for c in mine] == [None, "0"]
+    assert all(len(v) == 2 for c in mine for v in c["samples"].values())  # both served every round
+    for flag, value, said in (("--copy-ahead", "sideways", "--copy-ahead: 'sideways'"),
+                              ("--prefill-reps", "0", "--prefill-reps: from 1 to 32")):
+        bad = subprocess.run([sys.executable, str(SERVE_BENCH), flag, value], capture_output=True, text=True,
+                             timeout=60)
+        assert bad.returncode == 2 and said in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_serve_bench_prices_recording(patched_build, stock_build, bench_model: Path, tmp_path: Path) -> None:

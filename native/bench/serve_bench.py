@@ -19,7 +19,9 @@ rest on moeplug's side, 4-15% on stock's):
 
   moeplug   the plan's flags on the patched build (a profile of the bundled text prompts for the
             text and random workloads; for the replay workload, a profile of the trace's training
-            prompts, `moeplug profile --from-trace`)
+            prompts, `moeplug profile --from-trace`); `--copy-ahead on,off` adds a row planned for
+            prompt batches that copy their expert weights one at a time (the second weight copy's
+            compute buffer given to slots, GGML_SCHED_EXPERT_COPY_AHEAD=0)
   stock     stock llama-server `--fit on -fitt (free VRAM - budget)` from a stock build, with the
             same context, load mode (-lm), threads and parallel slots
 
@@ -28,7 +30,8 @@ profiling never sees: code in other languages, prose, German, French, Chinese, r
 `replay` (both servers run `--moe-route-replay` with the same replay file of the held-out
 prompts: every request takes the file's next prompt, the launch's context probe and the warm-up
 requests the first ones on both sides alike; the trace is split by prompt, never by token), `random` (uniformly random token ids). Per prompt: prefill and decode t/s from
-llama-server's `timings`; per server run: the VRAM the process holds (NVML; null without a GPU)
+llama-server's `timings` (`--prefill-reps N`: a text or random prompt's prefill is the median of N
+requests per launch, the decoding one and N - 1 of one token after it); per server run: the VRAM the process holds (NVML; null without a GPU)
 and the slot hit rate from `/metrics`. Rows run interleaved in rounds (bench.interleaved_rounds:
 every other round reversed; `--time-limit S` starts no round that would end later than S seconds
 after the start). One markdown table per workload: per budget the median over prompts of the
@@ -92,6 +95,8 @@ class Config:
     # (workload, prompt index) -> [prefill t/s, decode t/s] of each round
     samples: dict[tuple[str, int], list[tuple[float, float]]] = field(default_factory=dict)
     prompt_tokens: dict[tuple[str, int], int] = field(default_factory=dict)  # the prompt's prefilled tokens (prompt_n)
+    # (workload, prompt index) -> each round's prefill t/s of every request (--prefill-reps), the median in samples
+    prefill_reps: dict[tuple[str, int], list[list[float]]] = field(default_factory=dict)
     vram: list[int | None] = field(default_factory=list)  # NVML, per round
     log_vram_mib: list[float] = field(default_factory=list)  # CUDA buffers the log names, and the cache's slots
     buffers: dict[str, dict[str, float]] = field(default_factory=dict)  # kind -> device -> MiB, as the log names them
@@ -189,9 +194,11 @@ def make_prompts(a: argparse.Namespace, n_vocab: int, n_replay: int) -> dict[str
 
 
 def run_config(cfg: Config, model: Path, ctx: int, prompts: dict[str, list], n_predict: int,
-               warmup: list[list[int]] | None = None) -> None:
+               warmup: list[list[int]] | None = None, prefill_reps: int = 1) -> None:
     """One round of one configuration: launch, the warm-up requests (not measured), every prompt of
-    its workloads, VRAM, stop."""
+    its workloads, VRAM, stop. prefill_reps: a text or random prompt's prefill is the median of the
+    decoding request's and prefill_reps - 1 requests of one token after it (a replayed request takes
+    the replay file's next prompt, so replay prompts are sent once)."""
     import requests
 
     from moeplug.errors import MoeplugError
@@ -220,8 +227,11 @@ def run_config(cfg: Config, model: Path, ctx: int, prompts: dict[str, list], n_p
             for i, prompt in enumerate(prompts[w]):
                 try:
                     t = complete(srv.url, prompt, n_predict, ignore_eos=True)["timings"]
-                    cfg.samples.setdefault((w, i), []).append((float(t["prompt_per_second"]),
-                                                               float(t["predicted_per_second"])))
+                    prefill = [float(t["prompt_per_second"])]
+                    for _ in range(prefill_reps - 1 if w != "replay" else 0):
+                        prefill.append(float(complete(srv.url, prompt, 1)["timings"]["prompt_per_second"]))
+                    cfg.samples.setdefault((w, i), []).append((median(prefill), float(t["predicted_per_second"])))
+                    cfg.prefill_reps.setdefault((w, i), []).append(prefill)
                     cfg.prompt_tokens[(w, i)] = int(t["prompt_n"])
                     if "draft_n" in t:
                         d = cfg.drafts.setdefault(w, [0, 0])
@@ -511,6 +521,14 @@ def row_envs(ap: argparse.ArgumentParser, text: str) -> list[dict[str, str]]:
     return [{} if v == "unset" else {name: v} for v in parts]
 
 
+def copy_aheads(ap: argparse.ArgumentParser, text: str) -> list[bool | None]:
+    """--copy-ahead on,off: a moeplug row per choice ([None], the planner's, when empty)."""
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    if any(x not in ("on", "off") for x in parts):
+        ap.error(f"--copy-ahead: {text!r}: give on, off or on,off")
+    return [x == "on" for x in parts] or [None]
+
+
 def env_desc(env: dict[str, str]) -> str:
     """A row's --row-env value for its description ('' for none)."""
     return "".join(f", {k}={v}" for k, v in env.items())
@@ -551,6 +569,12 @@ def main(argv: list[str] | None = None) -> int:
                          "hottest carrying this share from host memory), e.g. 0,0.4 (default: the plan's)")
     ap.add_argument("--row-env", default="", help="moeplug rows per value of an environment variable of its server, "
                     "e.g. GGML_CUDA_EXPERT_COPY_AHEAD_BLOCKS=unset,64 ('unset': as the caller's)")
+    ap.add_argument("--copy-ahead", default="", help="moeplug rows planned with and without a prompt batch's expert "
+                    "weights copied ahead (on,off; off: the compute buffer's second weight copy goes to slots and the "
+                    "server runs with GGML_SCHED_EXPERT_COPY_AHEAD=0; default: the planner's choice)")
+    ap.add_argument("--prefill-reps", type=int, default=1, help="time each text or random prompt's prefill this many "
+                    "times per launch (the decoding request, then requests of one token) and take the median: a "
+                    "prompt batch takes tens of ms, and one sample per launch resolves a few percent at best")
     ap.add_argument("--policies", default="", help="moeplug rows per slot policy, e.g. static,dynamic (default: the "
                     "plan's own choice, one row); a policy+record row also records live routing counts "
                     "(--moe-cache-record), to measure what recording costs beside the same policy without it")
@@ -589,6 +613,9 @@ def main(argv: list[str] | None = None) -> int:
     weights = number_list(ap, "--prefill-weights", a.prefill_weights, "0,1", lambda w: w >= 0,
                           "each weight must be 0 or more")
     shares = stream_shares(ap, a.stream_shares)
+    aheads = copy_aheads(ap, a.copy_ahead)
+    if not 1 <= a.prefill_reps <= 32:
+        ap.error("--prefill-reps: from 1 to 32")
     envs = row_envs(ap, a.row_env)
     if any(p.removesuffix("+record") not in ("auto", "static", "dynamic") for p in policies):
         ap.error(f"--policies: {a.policies!r}: each of auto, static, dynamic, optionally with +record")
@@ -662,9 +689,10 @@ def main(argv: list[str] | None = None) -> int:
         for group, profile, extra, mine_bin, stock_bin, stock_id in groups:
             if not group:
                 continue
-            variants = [(p, w, s, e) for p in policies for w in weights for s in shares for e in envs]
+            variants = [(p, w, s, e, c) for p in policies for w in weights for s in shares for e in envs for c in aheads]
             plans = [plan_for(info, a.ctx, budget, profile, slots_on_cpu=False, fit_tool=fit_tool,
-                              policy=p.removesuffix("+record"), spec=spec, prefill_weight=w) for p, w, _, _ in variants]
+                              policy=p.removesuffix("+record"), spec=spec, prefill_weight=w, copy_ahead=c)
+                     for p, w, _, _, c in variants]
             load = ["-lm", "none"] if plans[0].load_mode == "pinned" else []
             stock_args = ["-c", str(a.ctx), "--fit", "on", "-fitt", fitt, *load, *common, *extra]
             theirs = Config(label, "stock", stock_bin, stock_id,
@@ -675,7 +703,7 @@ def main(argv: list[str] | None = None) -> int:
             if spec and a.spec_baseline:
                 baseline = Config(label, "stock", stock_bin, stock_id, stock_args, group, desc="--fit, no speculation")
                 configs.append(baseline)
-            for plan, (policy, weight, share, env) in zip(plans, variants):
+            for plan, (policy, weight, share, env, _) in zip(plans, variants):
                 record = ["--moe-cache-record"] if policy.endswith("+record") else []
                 stream = ["--moe-cache-stream", f"{share:g}"] if share is not None else []
                 desc = describe_slots(plan.slots_per_layer, info.n_expert)
@@ -684,10 +712,11 @@ def main(argv: list[str] | None = None) -> int:
                 streamed = share if share is not None else plan.stream_share  # a --stream-shares row overrides the plan
                 desc += f", stream {streamed:g}" if len(shares) > 1 or streamed else ""
                 desc += env_desc(env)
+                desc += "" if plan.copy_ahead else ", no copies ahead"
                 desc += f", {spec.kind}" if spec else ""
                 mine = Config(label, "moeplug", mine_bin, patched.build_id,
                               [*plan.server_args, *record, *stream, *spec_args, *common, *extra], group,
-                              {**slots_env, **env}, desc,
+                              {**slots_env, **plan.server_env(), **env}, desc,
                               plan=plan.to_json())
                 print(f"# {label} {'+'.join(group)}: moeplug {' '.join(mine.server_args)} | stock "
                       f"{' '.join(theirs.server_args)}", file=sys.stderr)
@@ -698,7 +727,8 @@ def main(argv: list[str] | None = None) -> int:
 
     warm_rng = np.random.default_rng(a.seed + 1)
     warmup = [warm_rng.integers(0, n_vocab, WARMUP_TOKENS).tolist() for _ in range(a.warmup)]
-    interleaved_rounds(configs, a.rounds, lambda cfg: run_config(cfg, model, a.ctx, prompts, a.n_predict, warmup),
+    interleaved_rounds(configs, a.rounds,
+                       lambda cfg: run_config(cfg, model, a.ctx, prompts, a.n_predict, warmup, a.prefill_reps),
                        t0 + a.time_limit if a.time_limit else None, "servers")
     tables = {}
     for w in ("text-profiled", "text-unseen", "replay", "random"):
@@ -711,12 +741,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n### {w}: skipped: {why}")
     print(f"\n{info.arch}, {len(info.layers)} MoE layers x {info.n_expert} experts ({info.n_expert_used} used), "
           f"{info.total_bytes / GIB:.2f} GiB; ctx {a.ctx}, -np {a.parallel}, {a.n_predict} tokens per prompt; "
+          f"{f'prefill the median of {a.prefill_reps} requests; ' if a.prefill_reps > 1 else ''}"
           f"free VRAM {'none (CPU)' if free is None else f'{free / GIB:.1f} GiB'}; stock build {stock.build_id}, "
           f"patched {patched.build_id}; {time.time() - t0:.0f} s")
     if a.json:
         doc = {"tables": tables, "skipped": skipped, "configs": [
             asdict(c) | {"binary": str(c.binary), "samples": {f"{w}/{i}": v for (w, i), v in c.samples.items()},
-                         "prompt_tokens": {f"{w}/{i}": n for (w, i), n in c.prompt_tokens.items()}}
+                         "prompt_tokens": {f"{w}/{i}": n for (w, i), n in c.prompt_tokens.items()},
+                         "prefill_reps": {f"{w}/{i}": v for (w, i), v in c.prefill_reps.items()}}
             for c in configs]}
         a.json.write_text(json.dumps(doc, indent=1) + "\n")
     failed = any(c.errors for c in configs)
