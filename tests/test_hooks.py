@@ -38,7 +38,9 @@ LLAMA_SWAP = ROOT.parent / "shared" / "data" / "llama-swap"
 
 @pytest.fixture(scope="module")
 def store(patched_build, tmp_path_factory: pytest.TempPathFactory):
-    """XDG homes holding two installed models, demo and other, both with slots in RAM."""
+    """XDG homes holding two installed models, demo and other, both with slots in RAM; other's plan
+    without the copies ahead (as the planner makes it where few layers are partly resident on a GPU),
+    so its environment carries GGML_SCHED_EXPERT_COPY_AHEAD=0 beside the slots' LLAMA_MOE_CACHE_DEVICE."""
     from moeplug.fsutil import write_text_atomic
     from moeplug.install import InstalledModel, ensure_profile, installed_dir, plan_for
     from moeplug.model_inspect import inspect_model
@@ -56,7 +58,8 @@ def store(patched_build, tmp_path_factory: pytest.TempPathFactory):
         profile = ensure_profile(path, patched_build.binary("llama-moe-profile"), 16, ["codeish"])
         plan = plan_for(inspect_model(path), 1024, None, profile, slots_on_cpu=True)
         record = InstalledModel(name="other", ref=str(path), path=str(path), profile=str(profile),
-                                build_id=patched_build.build_id, ctx=1024, plan=plan.to_json(), slots_on_cpu=True)
+                                build_id=patched_build.build_id, ctx=1024,
+                                plan=plan.to_json() | {"copy_ahead": False}, slots_on_cpu=True)
         write_text_atomic(installed_dir() / "other.json", json.dumps(asdict(record), indent=2) + "\n")
         yield root
 
@@ -106,7 +109,9 @@ def test_router_starts_each_model_with_moeplugs_flags_and_swaps(home: dict[str, 
     doc = json.loads(r.stdout)
     assert doc["hook"]["models"] == ["demo", "other"] and doc["changed"]
     command = doc["router_command"]
-    assert command.startswith("LLAMA_MOE_CACHE_DEVICE=CPU ")  # both hold their slots in RAM
+    # both hold their slots in RAM; other's plan runs without the copies ahead: the router's environment,
+    # which every child inherits
+    assert command.startswith("GGML_SCHED_EXPERT_COPY_AHEAD=0 LLAMA_MOE_CACHE_DEVICE=CPU ")
     assert "--models-preset" in command and "--models-max 1" in command
 
     log = tmp_path / "router.log"
@@ -253,7 +258,8 @@ def test_llama_swap_fragment_is_valid_and_runs_the_plans_flags(home: dict[str, s
     for name, m in installed().items():
         entry = fragment["models"][name]
         assert entry["checkEndpoint"] == "/health" and entry["ttl"] == 300
-        assert entry["env"] == ["LLAMA_MOE_CACHE_DEVICE=CPU"]
+        assert entry["env"] == (["GGML_SCHED_EXPERT_COPY_AHEAD=0"] if name == "other" else []) + \
+            ["LLAMA_MOE_CACHE_DEVICE=CPU"]  # each model's own environment, its plan's included
         argv = shlex.split(entry["cmd"])
         binary = Path(argv[0])
         assert binary.name == "llama-server" and binary.parent.parent.name == m.build_id
