@@ -38,10 +38,14 @@ def plan_text(p: Plan) -> str:
         ["prompt tokens per generated token", f"{p.prefill_weight:g} (planned for)"],
         ["modelled prompt uploads per prompt token", _prompt_us(p)],
         ["misses the GPU computes beside the CPU", _stream(p)],
+        *([["prompt batches' expert weights", "copied ahead, beside the split before" if p.copy_ahead else
+            "copied one at a time, as stock's (the second copy's bytes hold slots)"]] if p.vram_budget_bytes else []),
         ["load mode", p.load_mode],
     ]
     lines = [table(["plan", ""], rows, "lr")] + ([devices_text(p)] if p.devices else [])
     lines += ["server args: " + shlex.join(p.server_args)]  # quoted: -ot has | ( )
+    lines += ["server environment: " + " ".join(f"{k}={v}" for k, v in sorted(p.server_env().items()))] \
+        if p.server_env() else []
     lines += [f"note: {n}" for n in p.notes] + [f"WARNING: {w}" for w in p.warnings]
     return "\n".join(lines)
 

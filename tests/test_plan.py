@@ -230,6 +230,10 @@ def test_the_planner_drops_the_copies_ahead_where_few_layers_are_partly_resident
     assert not auto.copy_ahead and auto.slots_total > forced.slots_total
     assert auto.compute_bytes == forced.compute_bytes - expert_copy_ahead_bytes(info)
     assert any("prompt batches copy their expert weights one at a time" in n for n in auto.notes)
+    from moeplug.install_cli import plan_text
+    assert "server environment: GGML_SCHED_EXPERT_COPY_AHEAD=0" in plan_text(auto)
+    assert "copied one at a time" in plan_text(auto) and "copied ahead" in plan_text(forced)
+    assert "server environment" not in plan_text(forced)
     record = InstalledModel(name="m", ref=str(path), path=str(path), profile=None, build_id="b", ctx=2048, plan=auto)
     assert record.server_env() == {"GGML_SCHED_EXPERT_COPY_AHEAD": "0"}
     assert InstalledModel.from_json(json.loads(json.dumps(record.to_json()))).server_env() == record.server_env()
