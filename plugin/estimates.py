@@ -127,11 +127,12 @@ def cache_compute_extra(info: ModelInfo, extra: int) -> int:
 
 def cache_compute_single_copy(info: ModelInfo, extra: int) -> int:
     """What the cache adds to llama.cpp's own compute estimate when prompt batches copy their expert
-    weights one at a time (no copies ahead), negative where it takes away: the server then holds
-    what stock's does, which never holds llama.cpp's ubatch of logits while it copies a weight, and
-    logged about that estimate less the logits plus one expert weight (Qwen3 shape: 172 MiB against
-    316 - 297 + 157; gpt-oss shape: the cache's 449 MiB with three weight copies against 416 - 393 +
-    3 x 134.5 + 22), and the cache's graph `extra` beside it. Never more than with the copies ahead."""
+    weights one at a time (no copies ahead), negative where it takes away: that estimate is sized
+    for a ubatch of logits, which the server never holds while it copies a weight; what it holds is
+    about the estimate less those logits, plus one expert weight copy and the cache's graph `extra`.
+    Measured (nineteenth session): planned 175 MiB, logged 172 on the Qwen3 shape (316 - 297 + 108 +
+    48); planned 206 (231 with the 25 MiB of biases a streaming plan mirrors), logged 203 on the
+    gpt-oss shape. Never more than with the copies ahead."""
     single = largest_expert_weight(info.layers) + extra - logits_bytes(info)
     return min(single, cache_compute_extra(info, extra))
 
