@@ -189,16 +189,19 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
     batch's later expert weights are copied while the split before computes (None: the planner's
     choice: on, unless the plan with them keeps at most COPY_AHEAD_FEW_PARTIAL of the MoE layers
     partly resident, where their second weight copy's bytes go to slots instead)."""
-    kwargs = dict(ram_available=ram_available, slots_in_ram=slots_in_ram, expert_room=expert_room, need=need,
-                  policy=policy, profile=profile, spec=spec, draft_need=draft_need, prefill_weight=prefill_weight)
+    def planned(ahead: bool) -> Plan:
+        return _make_plan(info, ctx, vram_budget, profile_path, ram_available=ram_available, slots_in_ram=slots_in_ram,
+                          expert_room=expert_room, need=need, policy=policy, profile=profile, spec=spec,
+                          draft_need=draft_need, prefill_weight=prefill_weight, copy_ahead=ahead)
+
     if copy_ahead is not None:
-        return _make_plan(info, ctx, vram_budget, profile_path, copy_ahead=copy_ahead, **kwargs)  # type: ignore[arg-type]
-    plan = _make_plan(info, ctx, vram_budget, profile_path, copy_ahead=True, **kwargs)  # type: ignore[arg-type]
+        return planned(copy_ahead)
+    plan = planned(True)
     partial = sum(0 < n < info.n_expert for n in plan.slots_per_layer)
     if plan.backend != "cuda" or plan.devices is not None or not partial or \
             partial > COPY_AHEAD_FEW_PARTIAL * len(plan.slots_per_layer):
         return plan
-    single = _make_plan(info, ctx, vram_budget, profile_path, copy_ahead=False, **kwargs)  # type: ignore[arg-type]
+    single = planned(False)
     if single.compute_bytes >= plan.compute_bytes:
         return plan  # nothing freed: keep the copies
     single.notes.append(f"{partial} of {len(plan.slots_per_layer)} MoE layers partly resident: prompt batches copy "
