@@ -94,6 +94,15 @@ def test_serve_bench_text_and_random(patched_build, stock_build, bench_model: Pa
         for k, rounds in c["prefill_reps"].items():
             assert [len(r) for r in rounds] == [3, 3] and all(x > 0 for r in rounds for x in r)
             assert [s[0] for s in c["samples"][k]] == [statistics.median(r) for r in rounds]
+        # the repeats come in passes over a workload's prompts after its decoding requests, never a prompt right
+        # after itself (its own routing would then be in a dynamic policy's slots)
+        assert len(c["sequence"]) == 2
+        for sent in c["sequence"]:
+            for w in ("text-profiled", "text-unseen", "random"):
+                mine = [x for x in sent if x.startswith(w + "/")]
+                n = sum(1 for k in c["samples"] if k.startswith(w + "/"))
+                assert n > 1 and mine == [f"{w}/{i}:4" for i in range(n)] + [f"{w}/{i}:1" for i in range(n)] * 2
+            assert all(a.split(":")[0] != b.split(":")[0] for a, b in zip(sent, sent[1:]))
     assert "prefill the median of 3 requests" in stdout
     # every launch answered two warm-up requests before the measured ones, which they are not among
     assert [c["warmed"] for c in doc["configs"]] == [2 * 2] * len(doc["configs"])

@@ -31,7 +31,9 @@ profiling never sees: code in other languages, prose, German, French, Chinese, r
 prompts: every request takes the file's next prompt, the launch's context probe and the warm-up
 requests the first ones on both sides alike; the trace is split by prompt, never by token), `random` (uniformly random token ids). Per prompt: prefill and decode t/s from
 llama-server's `timings` (`--prefill-reps N`: a text or random prompt's prefill is the median of N
-requests per launch, the decoding one and N - 1 of one token after it); per server run: the VRAM the process holds (NVML; null without a GPU)
+requests per launch: the decoding one, then N - 1 passes over the workload's prompts with requests of one
+token, so that no prompt is timed right after itself (where a workload has more than one), whose routing a
+dynamic policy's slots would then follow; the order in the JSON, `sequence`); per server run: the VRAM the process holds (NVML; null without a GPU)
 and the slot hit rate from `/metrics`. Rows run interleaved in rounds (bench.interleaved_rounds:
 every other round reversed; `--time-limit S` starts no round that would end later than S seconds
 after the start). One markdown table per workload: per budget the median over prompts of the
@@ -102,6 +104,7 @@ class Config:
     buffers: dict[str, dict[str, float]] = field(default_factory=dict)  # kind -> device -> MiB, as the log names them
     hits: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # workload -> (hits, selections) per round
     drafts: dict[str, list[int]] = field(default_factory=dict)  # workload -> [drafted, accepted] over every round
+    sequence: list[list[str]] = field(default_factory=list)  # each round's measured requests in order: "workload/i:n_predict"
     errors: list[str] = field(default_factory=list)
     plan: dict[str, Any] | None = None  # a moeplug row's plan (Plan.to_json()): its VRAM figures beside NVML's
     warmed: int = 0  # warm-up requests answered, over every round (not measured)
@@ -197,8 +200,9 @@ def run_config(cfg: Config, model: Path, ctx: int, prompts: dict[str, list], n_p
                warmup: list[list[int]] | None = None, prefill_reps: int = 1) -> None:
     """One round of one configuration: launch, the warm-up requests (not measured), every prompt of
     its workloads, VRAM, stop. prefill_reps: a text or random prompt's prefill is the median of the
-    decoding request's and prefill_reps - 1 requests of one token after it (a replayed request takes
-    the replay file's next prompt, so replay prompts are sent once)."""
+    decoding request's and prefill_reps - 1 requests of one token, sent in passes over the workload's
+    prompts after the decoding ones (a replayed request takes the replay file's next prompt, so replay
+    prompts are sent once)."""
     import requests
 
     from moeplug.errors import MoeplugError
@@ -222,16 +226,18 @@ def run_config(cfg: Config, model: Path, ctx: int, prompts: dict[str, list], n_p
                 cfg.warmed += 1
             except (MoeplugError, requests.RequestException, KeyError, ValueError) as exc:
                 cfg.errors.append(f"warm-up {i}: {type(exc).__name__}: {exc}")
+        sent: list[str] = []
+        cfg.sequence.append(sent)
         for w in cfg.workloads:
             before = fetch_cache_counters(srv.port)
+            decode: dict[int, float] = {}
+            prefill: dict[int, list[float]] = {}
             for i, prompt in enumerate(prompts[w]):
+                sent.append(f"{w}/{i}:{n_predict}")
                 try:
                     t = complete(srv.url, prompt, n_predict, ignore_eos=True)["timings"]
-                    prefill = [float(t["prompt_per_second"])]
-                    for _ in range(prefill_reps - 1 if w != "replay" else 0):
-                        prefill.append(float(complete(srv.url, prompt, 1)["timings"]["prompt_per_second"]))
-                    cfg.samples.setdefault((w, i), []).append((median(prefill), float(t["predicted_per_second"])))
-                    cfg.prefill_reps.setdefault((w, i), []).append(prefill)
+                    prefill[i] = [float(t["prompt_per_second"])]
+                    decode[i] = float(t["predicted_per_second"])
                     cfg.prompt_tokens[(w, i)] = int(t["prompt_n"])
                     if "draft_n" in t:
                         d = cfg.drafts.setdefault(w, [0, 0])
@@ -240,6 +246,19 @@ def run_config(cfg: Config, model: Path, ctx: int, prompts: dict[str, list], n_p
                 except (MoeplugError, requests.RequestException, KeyError, ValueError) as exc:
                     cfg.errors.append(f"{w} prompt {i}: {type(exc).__name__}: {exc}")
                     print(f"# {cfg.budget} {cfg.side}: {w} prompt {i} failed: {exc}", file=sys.stderr)
+            # the repeats in passes over the prompts, so that each meets the slots another prompt left (a
+            # prompt timed again right after itself would meet slots that followed it, and a dynamic policy's
+            # prefill would look faster than a new prompt's)
+            for rep in range(1, prefill_reps if w != "replay" else 1):
+                for i in list(prefill):
+                    sent.append(f"{w}/{i}:1")
+                    try:
+                        prefill[i].append(float(complete(srv.url, prompts[w][i], 1)["timings"]["prompt_per_second"]))
+                    except (MoeplugError, requests.RequestException, KeyError, ValueError) as exc:
+                        cfg.errors.append(f"{w} prompt {i}, prefill repeat {rep}: {type(exc).__name__}: {exc}")
+            for i, p in prefill.items():
+                cfg.samples.setdefault((w, i), []).append((median(p), decode[i]))
+                cfg.prefill_reps.setdefault((w, i), []).append(p)
             after = fetch_cache_counters(srv.port)
             if before is not None and after is not None:
                 cfg.hits.setdefault(w, []).append((after.hits - before.hits, after.selections - before.selections))
@@ -573,8 +592,9 @@ def main(argv: list[str] | None = None) -> int:
                     "weights copied ahead (on,off; off: the compute buffer's second weight copy goes to slots and the "
                     "server runs with GGML_SCHED_EXPERT_COPY_AHEAD=0; default: the planner's choice)")
     ap.add_argument("--prefill-reps", type=int, default=1, help="time each text or random prompt's prefill this many "
-                    "times per launch (the decoding request, then requests of one token) and take the median: a "
-                    "prompt batch takes tens of ms, and one sample per launch resolves a few percent at best")
+                    "times per launch (the decoding request, then passes over the prompts with requests of one token, "
+                    "so each meets the slots another prompt left) and take the median: a prompt batch takes tens "
+                    "of ms, and one sample per launch resolves a few percent at best")
     ap.add_argument("--policies", default="", help="moeplug rows per slot policy, e.g. static,dynamic (default: the "
                     "plan's own choice, one row); a policy+record row also records live routing counts "
                     "(--moe-cache-record), to measure what recording costs beside the same policy without it")
