@@ -280,8 +280,20 @@ def per_prompt(cfg: Config, workload: str, test: int) -> dict[int, float]:
     return {i: median([s[test] for s in v]) for (w, i), v in cfg.samples.items() if w == workload and v}
 
 
+def first_prefill(cfg: Config, workload: str) -> dict[int, float]:
+    """prompt index -> median over rounds of its first request's prefill t/s (the decoding one, sent
+    after another prompt's decoding request), where it was timed more than once (--prefill-reps)."""
+    return {i: median([r[0] for r in v]) for (w, i), v in cfg.prefill_reps.items()
+            if w == workload and v and max(len(r) for r in v) > 1}
+
+
 def ratios(mine: Config, stock: Config, workload: str, test: int) -> list[float]:
     a, b = per_prompt(mine, workload, test), per_prompt(stock, workload, test)
+    return [a[i] / b[i] for i in sorted(a) if i in b and b[i] > 0]
+
+
+def first_ratios(mine: Config, stock: Config, workload: str) -> list[float]:
+    a, b = first_prefill(mine, workload), first_prefill(stock, workload)
     return [a[i] / b[i] for i in sorted(a) if i in b and b[i] > 0]
 
 
@@ -363,6 +375,10 @@ def table_rows(pairs: list[tuple[Config, Config]], workload: str) -> list[dict[s
             r = ratios(mine, stock, workload, test)
             row[key] = {"moeplug_tps": median(list(per_prompt(mine, workload, test).values())),
                         "stock_tps": median(list(per_prompt(stock, workload, test).values())), **ratio_summary(r)}
+        # a new prompt's prefill alone: the slots it meets followed another prompt's decoding, where the repeats'
+        # follow requests of one token (None without repeats)
+        first = first_ratios(mine, stock, workload)
+        row["prefill_first"] = ratio_summary(first) if first else None
         row["spread"] = {side: {key: spread(cfg, workload, test) for test, key in ((0, "prefill"), (1, "decode"))}
                          for side, cfg in (("moeplug", mine), ("stock", stock))}
         row["vram_mib"] = {"moeplug": _mib(mine), "stock": _mib(stock)}
@@ -400,6 +416,10 @@ def print_table(workload: str, rows: list[dict[str, Any]]) -> None:
                   f"its fastest, lowest: prefill moeplug {sp['moeplug']['prefill']:.2f}x, stock "
                   f"{sp['stock']['prefill']:.2f}x; decode moeplug {sp['moeplug']['decode']:.2f}x, stock "
                   f"{sp['stock']['decode']:.2f}x")
+    for r in rows:
+        if (f := r.get("prefill_first")) is not None:
+            print(f"\n{r['budget']}, {r['moeplug']} vs stock {r['stock']}: prefill of each prompt's first request alone "
+                  f"(after another prompt's decoding request; the repeats follow requests of one token): {ratio(f)}")
     for r in rows:
         if r["model"] is not None:
             print("\n" + model_text(r))
