@@ -104,6 +104,15 @@ def test_serve_bench_text_and_random(patched_build, stock_build, bench_model: Pa
                 assert n > 1 and mine == [f"{w}/{i}:4" for i in range(n)] + [f"{w}/{i}:1" for i in range(n)] * 2
             assert all(a.split(":")[0] != b.split(":")[0] for a, b in zip(sent, sent[1:]))
     assert "prefill the median of 3 requests" in stdout
+    # --tables-from prints the same tables again from the JSON, running nothing
+    again = subprocess.run([sys.executable, str(SERVE_BENCH), "--tables-from", str(tmp_path / "bench.json")],
+                           capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and again.stdout.count("\n### ") == 3 and again.stdout.strip() in stdout
+    (tmp_path / "not.json").write_text("{}")
+    bad = subprocess.run([sys.executable, str(SERVE_BENCH), "--tables-from", str(tmp_path / "not.json")],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--tables-from" in bad.stderr and "not a serve_bench JSON" in bad.stderr
+    assert "Traceback" not in bad.stderr
     # beside the medians, each prompt's first request alone (the one after another prompt's decoding request)
     mine = next(c for c in doc["configs"] if c["side"] == "moeplug")
     stock = next(c for c in doc["configs"] if c["side"] == "stock")
@@ -114,8 +123,8 @@ def test_serve_bench_text_and_random(patched_build, stock_build, bench_model: Pa
         row = doc["tables"][workload][0]
         assert len(first) == 2 and row["prefill_first"]["ratio_lowest"] == pytest.approx(min(first))
         assert row["prefill_first"]["ratio_median"] == pytest.approx(statistics.median(first))
-        assert (f"prefill of each prompt's first request alone (after another prompt's decoding request; the repeats "
-                f"follow requests of one token): {statistics.median(first):.2f}x (lowest {min(first):.2f}x)") in stdout
+        assert (f"prefill of each prompt's first request alone (its decoding one; the table's median pools the "
+                f"repeats): {statistics.median(first):.2f}x (lowest {min(first):.2f}x)") in stdout
     # every launch answered two warm-up requests before the measured ones, which they are not among
     assert [c["warmed"] for c in doc["configs"]] == [2 * 2] * len(doc["configs"])
     bad = subprocess.run([sys.executable, str(SERVE_BENCH), "--warmup", "-1"], capture_output=True, text=True, timeout=60)
@@ -185,7 +194,7 @@ def test_serve_bench_copy_ahead_rows(patched_build, stock_build, bench_model: Pa
     assert [c["env"].get("GGML_SCHED_EXPERT_COPY_AHEAD") for c in mine] == [None, "0"]
     assert all(len(v) == 2 for c in mine for v in c["samples"].values())  # both served every round
     # one request per prompt: no first-request line beside the medians, which are those requests already
-    assert all(r["prefill_first"] is None for r in rows) and "first request alone" not in stdout
+    assert all(r["prefill_first"] is None for r in rows) and "first request" not in stdout
     for flag, value, said in (("--copy-ahead", "sideways", "--copy-ahead: 'sideways'"),
                               ("--prefill-reps", "0", "--prefill-reps: from 1 to 32")):
         bad = subprocess.run([sys.executable, str(SERVE_BENCH), flag, value], capture_output=True, text=True,

@@ -58,7 +58,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -418,8 +418,8 @@ def print_table(workload: str, rows: list[dict[str, Any]]) -> None:
                   f"{sp['stock']['decode']:.2f}x")
     for r in rows:
         if (f := r.get("prefill_first")) is not None:
-            print(f"\n{r['budget']}, {r['moeplug']} vs stock {r['stock']}: prefill of each prompt's first request alone "
-                  f"(after another prompt's decoding request; the repeats follow requests of one token): {ratio(f)}")
+            print(f"\n{r['budget']}, {r['moeplug']} vs stock {r['stock']}: prefill of each prompt's first request "
+                  f"alone (its decoding one; the table's median pools the repeats): {ratio(f)}")
     for r in rows:
         if r["model"] is not None:
             print("\n" + model_text(r))
@@ -573,6 +573,44 @@ def env_desc(env: dict[str, str]) -> str:
     return "".join(f", {k}={v}" for k, v in env.items())
 
 
+def configs_from_json(doc: dict[str, Any]) -> tuple[list[Config], list[tuple[Config, Config]]]:
+    """The configurations of a run's JSON (--json) and the pairs its tables compare: each moeplug row
+    against the stock row of its budget and workloads written before it, and against stock without
+    speculation too where the run had one (--spec-baseline)."""
+    known = {f.name for f in fields(Config)}
+    configs: list[Config] = []
+    pairs: list[tuple[Config, Config]] = []
+    theirs: dict[tuple[str, str], Config] = {}
+    baseline: dict[tuple[str, str], Config] = {}
+    for d in doc["configs"]:
+        keyed = {name: {(k.rsplit("/", 1)[0], int(k.rsplit("/", 1)[1])): v for k, v in d.get(name, {}).items()}
+                 for name in ("samples", "prompt_tokens", "prefill_reps")}
+        keyed["samples"] = {k: [tuple(x) for x in v] for k, v in keyed["samples"].items()}
+        cfg = Config(**({k: v for k, v in d.items() if k in known} | keyed | {"binary": Path(d["binary"])}))
+        configs.append(cfg)
+        group = (cfg.budget, "+".join(cfg.workloads))
+        if cfg.side == "stock" and cfg.desc.endswith(", no speculation"):
+            baseline[group] = cfg
+        elif cfg.side == "stock":
+            theirs[group] = cfg
+            baseline.pop(group, None)
+        else:
+            pairs += [(cfg, theirs[group])] + ([(cfg, baseline[group])] if group in baseline else [])
+    return configs, pairs
+
+
+def print_tables(pairs: list[tuple[Config, Config]], workloads: list[str]) -> dict[str, Any]:
+    """Every workload's table (and its recording rows), printed; the tables as the JSON keeps them."""
+    tables = {}
+    for w in ("text-profiled", "text-unseen", "replay", "random"):
+        if w in workloads:
+            tables[w] = table_rows(pairs, w)
+            print_table(w, tables[w])
+            if recorded := record_rows(pairs, w):
+                tables[f"{w}/record"] = recorded
+    return tables
+
+
 def main(argv: list[str] | None = None) -> int:
     from moeplug.fit_estimate import gpu_need
     from moeplug.install import SLOTS_ON_CPU_ENV, draft_need_for, plan_for
@@ -639,7 +677,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="also write every sample and the tables here")
     ap.add_argument("--build-only", action="store_true", help="build, write the model, its profiles and the replay "
                     "file, then stop (a first call on a cold machine)")
+    ap.add_argument("--tables-from", type=Path, metavar="JSON", help="print the tables of a run's --json again, "
+                    "with what this version prints under them (runs nothing)")
     a = ap.parse_args(argv)
+    if a.tables_from is not None:
+        try:
+            _, pairs = configs_from_json(json.loads(a.tables_from.read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            ap.error(f"--tables-from: {a.tables_from}: not a serve_bench JSON ({type(exc).__name__}: {exc})")
+        print_tables(pairs, [w for w in ("text-profiled", "text-unseen", "replay", "random")
+                             if any(w in m.workloads for m, _ in pairs)])
+        return 0
     workloads = [w.strip() for w in a.workloads.split(",") if w.strip()]
     if not workloads or any(w not in WORKLOADS for w in workloads):
         ap.error(f"--workloads: choose from {', '.join(WORKLOADS)}")
@@ -770,13 +818,7 @@ def main(argv: list[str] | None = None) -> int:
     interleaved_rounds(configs, a.rounds,
                        lambda cfg: run_config(cfg, model, a.ctx, prompts, a.n_predict, warmup, a.prefill_reps),
                        t0 + a.time_limit if a.time_limit else None, "servers")
-    tables = {}
-    for w in ("text-profiled", "text-unseen", "replay", "random"):
-        if w in plain or (w == "replay" and replay):
-            tables[w] = table_rows(pairs, w)
-            print_table(w, tables[w])
-            if recorded := record_rows(pairs, w):
-                tables[f"{w}/record"] = recorded
+    tables = print_tables(pairs, plain + (["replay"] if replay else []))
     for w, why in skipped.items():
         print(f"\n### {w}: skipped: {why}")
     print(f"\n{info.arch}, {len(info.layers)} MoE layers x {info.n_expert} experts ({info.n_expert_used} used), "
