@@ -14,6 +14,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import requests
@@ -69,12 +70,13 @@ def health(port: int, host: str = HOST) -> dict[str, Any] | None:
         return {"http_status": r.status_code}
 
 
-def complete(url: str, prompt: str | list[int], n_predict: int = 16, seed: int = 42, timeout: float = 300,
+def complete(url: str, prompt: str | Sequence[int | str], n_predict: int = 16, seed: int = 42, timeout: float = 300,
              **params: Any) -> dict[str, Any]:
-    """A greedy /completion on the llama-server at url (no prompt cache); the reply includes the
-    generated token ids and llama-server's `timings`."""
-    body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "seed": seed,
-            "cache_prompt": False, "return_tokens": True, **params}
+    """A greedy /completion on the llama-server at url (no prompt cache unless params say
+    cache_prompt=True); the reply includes the generated token ids and llama-server's `timings`. A
+    prompt is text, token ids, or both mixed (llama-server tokenizes each text piece)."""
+    body = {"prompt": prompt if isinstance(prompt, str) else list(prompt), "n_predict": n_predict,
+            "temperature": 0.0, "seed": seed, "cache_prompt": False, "return_tokens": True, **params}
     r = requests.post(f"{url}/completion", json=body, timeout=timeout)
     if r.status_code != 200:
         raise MoeplugError(f"llama-server /completion answered {r.status_code}: {r.text[:200]}")
@@ -121,7 +123,7 @@ class Server:
         how = f"was killed (signal {-rc})" if rc < 0 else f"exited with code {rc}"
         return f"llama-server {how} while loading: {log_tail(self.log_path) or '(nothing logged)'} (log: {self.log_path})"
 
-    def complete(self, prompt: str | list[int], n_predict: int = 16, seed: int = 42, **params: Any) -> dict[str, Any]:
+    def complete(self, prompt: str | Sequence[int | str], n_predict: int = 16, seed: int = 42, **params: Any) -> dict[str, Any]:
         """A greedy /completion; the reply includes the generated token ids."""
         return complete(self.url, prompt, n_predict, seed, **params)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from helpers import write_npz
+from moeplug.profile.runner import read_prompts
 from moeplug.synth import ModelSpec, make_model
 
 pytestmark = pytest.mark.native
@@ -163,6 +164,29 @@ def test_the_planners_model_beside_the_measured_difference(tmp_path: Path) -> No
     assert serve_bench.model_check(other, row).keys() == {"prefill_us"}  # the last flag wins: not the plan's share
     spec = serve_bench.Config("8 GiB", "moeplug", tmp_path, "id", args, ["text"], plan={**plan, "speculation": {"kind": "mtp"}})
     assert serve_bench.model_check(spec, row) is None
+
+
+def test_serve_bench_chat(patched_build, stock_build, bench_model: Path, tmp_path: Path) -> None:
+    """--workloads chat: each unseen prompt a conversation of three turns, every turn after the first
+    prefilling its new text alone, the conversation before it held by the server's prompt cache."""
+    stdout, doc = run_bench(patched_build, stock_build, bench_model, tmp_path, "--workloads", "chat")
+    check_table(stdout, doc, "chat")
+    assert doc["tables"]["chat"][0]["prompts"] == 2 * serve_bench.CHAT_TURNS
+    for c in doc["configs"]:
+        ctx, new = c["context_tokens"], c["prompt_tokens"]
+        for conv in range(2):
+            turns = [f"chat/{conv * serve_bench.CHAT_TURNS + t}" for t in range(serve_bench.CHAT_TURNS)]
+            for before, turn in zip(turns, turns[1:]):
+                # the conversation grew by the answer (4 tokens, -n 4) and the turn's text, and the server's
+                # prompt cache held at least half of what came before (all but the answer's last token, or,
+                # with this model's 128-token sliding window, back to its last checkpoint)
+                assert ctx[turn] > ctx[before] + 4 and ctx[turn] - new[turn] >= ctx[before] // 2
+        for sent in c["sequence"]:
+            assert sent == [f"{k}:4" for k in sorted(ctx, key=lambda k: int(k.split("/")[1]))]
+    # the turns are the unseen prompts cut, nothing lost or added, every turn some text
+    for text in read_prompts(serve_bench.UNSEEN_PROMPTS):
+        turns = serve_bench.chat_turns(text)
+        assert len(turns) == serve_bench.CHAT_TURNS and "".join(turns) == text and all(turns)
 
 
 def test_serve_bench_replay(patched_build, stock_build, bench_model: Path, tmp_path: Path) -> None:

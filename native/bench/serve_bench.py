@@ -29,7 +29,10 @@ Workloads: `text` (the bundled profiling prompts, profiles/*.txt, and prompts/un
 profiling never sees: code in other languages, prose, German, French, Chinese, repetitive text),
 `replay` (both servers run `--moe-route-replay` with the same replay file of the held-out
 prompts: every request takes the file's next prompt, the launch's context probe and the warm-up
-requests the first ones on both sides alike; the trace is split by prompt, never by token), `random` (uniformly random token ids). Per prompt: prefill and decode t/s from
+requests the first ones on both sides alike; the trace is split by prompt, never by token), `random` (uniformly random token ids),
+`chat` (each unseen prompt cut in three turns, a conversation: each turn sent after the last answer,
+the conversation so far as the prompt with llama-server's prompt cache on, so a turn prefills its
+new text alone, on slots that followed the turns before; a table row's prompts are turns). Per prompt: prefill and decode t/s from
 llama-server's `timings` (`--prefill-reps N`: a text or random prompt's prefill is the median of N
 requests per launch: the decoding one, then N - 1 passes over the workload's prompts with requests of one
 token, so that no prompt is timed right after itself (where a workload has more than one), whose routing a
@@ -72,9 +75,12 @@ UNSEEN_PROMPTS = HERE / "prompts" / "unseen.txt"
 WARMUP_TOKENS, WARMUP_PREDICT = 32, 16  # a warm-up request's prompt and generated tokens
 DEFAULT_TRACE = HERE.parents[1] / ".." / "shared" / "data" / "traces" / "gpt-oss-20b" / "decode-routing-mmlu.npz"
 REPLAY_FLAG = "--moe-route-replay"
-WORKLOADS = ("text", "replay", "random")
+WORKLOADS = ("text", "chat", "replay", "random")
+CHAT_TURNS = 3  # a chat conversation: an unseen prompt cut in this many turns
 TABLES = {"text-profiled": "text: the bundled profiling prompts (profiles/*.txt)",
           "text-unseen": "text: prompts profiling never sees (native/bench/prompts/unseen.txt)",
+          "chat": f"chat: each unseen prompt as a conversation of {CHAT_TURNS} turns, each turn sent after the last "
+                  "answer with the server's prompt cache, so it prefills its new text alone (a prompt here is a turn)",
           "replay": "trace replay: held-out prompts of the trace, moeplug planned from its training prompts",
           "random": "random token ids"}
 
@@ -97,6 +103,9 @@ class Config:
     # (workload, prompt index) -> [prefill t/s, decode t/s] of each round
     samples: dict[tuple[str, int], list[tuple[float, float]]] = field(default_factory=dict)
     prompt_tokens: dict[tuple[str, int], int] = field(default_factory=dict)  # the prompt's prefilled tokens (prompt_n)
+    # chat: (workload, turn index) -> the whole conversation's tokens up to that turn (tokens_evaluated), of which
+    # the prompt cache held all but prompt_n
+    context_tokens: dict[tuple[str, int], int] = field(default_factory=dict)
     # (workload, prompt index) -> each round's prefill t/s of every request (--prefill-reps), the median in samples
     prefill_reps: dict[tuple[str, int], list[list[float]]] = field(default_factory=dict)
     vram: list[int | None] = field(default_factory=list)  # NVML, per round
@@ -180,7 +189,18 @@ def vocab_size(model: Path) -> int:
     return len(field.data) if field is not None else 32000
 
 
-def make_prompts(a: argparse.Namespace, n_vocab: int, n_replay: int) -> dict[str, list[str | list[int]]]:
+def chat_turns(text: str, n: int = CHAT_TURNS) -> list[str]:
+    """text cut in n turns of about equal length, each cut moved to the next space within 40
+    characters where there is one (text without spaces, such as Chinese, is cut where it falls)."""
+    cuts = [0]
+    for k in range(1, n):
+        at = len(text) * k // n
+        space = text.find(" ", at, at + 40)
+        cuts.append(max(cuts[-1] + 1, space if space >= 0 else at))
+    return [text[a:b] for a, b in zip(cuts, cuts[1:] + [len(text)])]
+
+
+def make_prompts(a: argparse.Namespace, n_vocab: int, n_replay: int) -> dict[str, list[Any]]:
     from moeplug.profile.runner import DEFAULT_PROMPT_SETS, read_prompts, resolve_prompt_set
 
     rng = np.random.default_rng(a.seed)
@@ -190,6 +210,7 @@ def make_prompts(a: argparse.Namespace, n_vocab: int, n_replay: int) -> dict[str
     return {
         "text-profiled": cap(profiled),
         "text-unseen": cap(read_prompts(UNSEEN_PROMPTS)),
+        "chat": cap([chat_turns(p) for p in read_prompts(UNSEEN_PROMPTS)]),
         "random": [rng.integers(0, n_vocab, a.random_tokens).tolist() for _ in range(a.random_prompts)],
         # token ids do not steer the router here: the replay file does
         "replay": cap([rng.integers(0, n_vocab, a.replay_prompt_tokens).tolist() for _ in range(n_replay)]),
@@ -200,9 +221,8 @@ def run_config(cfg: Config, model: Path, ctx: int, prompts: dict[str, list], n_p
                warmup: list[list[int]] | None = None, prefill_reps: int = 1) -> None:
     """One round of one configuration: launch, the warm-up requests (not measured), every prompt of
     its workloads, VRAM, stop. prefill_reps: a text or random prompt's prefill is the median of the
-    decoding request's and prefill_reps - 1 requests of one token, sent in passes over the workload's
-    prompts after the decoding ones (a replayed request takes the replay file's next prompt, so replay
-    prompts are sent once)."""
+    decoding request's and prefill_reps - 1 requests of one token (run_prompts; a replayed request
+    takes the replay file's next prompt, so replay prompts are sent once, as chat turns are)."""
     import requests
 
     from moeplug.errors import MoeplugError
@@ -230,35 +250,10 @@ def run_config(cfg: Config, model: Path, ctx: int, prompts: dict[str, list], n_p
         cfg.sequence.append(sent)
         for w in cfg.workloads:
             before = fetch_cache_counters(srv.port)
-            decode: dict[int, float] = {}
-            prefill: dict[int, list[float]] = {}
-            for i, prompt in enumerate(prompts[w]):
-                sent.append(f"{w}/{i}:{n_predict}")
-                try:
-                    t = complete(srv.url, prompt, n_predict, ignore_eos=True)["timings"]
-                    prefill[i] = [float(t["prompt_per_second"])]
-                    decode[i] = float(t["predicted_per_second"])
-                    cfg.prompt_tokens[(w, i)] = int(t["prompt_n"])
-                    if "draft_n" in t:
-                        d = cfg.drafts.setdefault(w, [0, 0])
-                        d[0] += int(t["draft_n"])
-                        d[1] += int(t.get("draft_n_accepted", 0))
-                except (MoeplugError, requests.RequestException, KeyError, ValueError) as exc:
-                    cfg.errors.append(f"{w} prompt {i}: {type(exc).__name__}: {exc}")
-                    print(f"# {cfg.budget} {cfg.side}: {w} prompt {i} failed: {exc}", file=sys.stderr)
-            # the repeats in passes over the prompts, so that each meets the slots another prompt left (a
-            # prompt timed again right after itself would meet slots that followed it, and a dynamic policy's
-            # prefill would look faster than a new prompt's)
-            for rep in range(1, prefill_reps if w != "replay" else 1):
-                for i in list(prefill):
-                    sent.append(f"{w}/{i}:1")
-                    try:
-                        prefill[i].append(float(complete(srv.url, prompts[w][i], 1)["timings"]["prompt_per_second"]))
-                    except (MoeplugError, requests.RequestException, KeyError, ValueError) as exc:
-                        cfg.errors.append(f"{w} prompt {i}, prefill repeat {rep}: {type(exc).__name__}: {exc}")
-            for i, p in prefill.items():
-                cfg.samples.setdefault((w, i), []).append((median(p), decode[i]))
-                cfg.prefill_reps.setdefault((w, i), []).append(p)
+            if w == "chat":
+                run_chat(cfg, srv.url, prompts[w], n_predict, sent)
+            else:
+                run_prompts(cfg, srv.url, w, prompts[w], n_predict, prefill_reps if w != "replay" else 1, sent)
             after = fetch_cache_counters(srv.port)
             if before is not None and after is not None:
                 cfg.hits.setdefault(w, []).append((after.hits - before.hits, after.selections - before.selections))
@@ -273,6 +268,76 @@ def run_config(cfg: Config, model: Path, ctx: int, prompts: dict[str, list], n_p
         stop(name)
     print(f"# {cfg.budget:>8} {cfg.side:<8} {'+'.join(cfg.workloads):<32} {time.time() - started:5.0f} s",
           file=sys.stderr)
+
+
+def run_prompts(cfg: Config, url: str, w: str, prompts: list[Any], n_predict: int, prefill_reps: int,
+                sent: list[str]) -> None:
+    """A workload's prompts, each decoding n_predict tokens, then prefill_reps - 1 passes over them
+    with requests of one token; a prompt's prefill is the median of its requests."""
+    import requests
+
+    from moeplug.errors import MoeplugError
+    from moeplug.server import complete
+
+    decode: dict[int, float] = {}
+    prefill: dict[int, list[float]] = {}
+    for i, prompt in enumerate(prompts):
+        sent.append(f"{w}/{i}:{n_predict}")
+        try:
+            t = complete(url, prompt, n_predict, ignore_eos=True)["timings"]
+            prefill[i] = [float(t["prompt_per_second"])]
+            decode[i] = float(t["predicted_per_second"])
+            cfg.prompt_tokens[(w, i)] = int(t["prompt_n"])
+            if "draft_n" in t:
+                d = cfg.drafts.setdefault(w, [0, 0])
+                d[0] += int(t["draft_n"])
+                d[1] += int(t.get("draft_n_accepted", 0))
+        except (MoeplugError, requests.RequestException, KeyError, ValueError) as exc:
+            cfg.errors.append(f"{w} prompt {i}: {type(exc).__name__}: {exc}")
+            print(f"# {cfg.budget} {cfg.side}: {w} prompt {i} failed: {exc}", file=sys.stderr)
+    # the repeats in passes over the prompts, so that each meets the slots another prompt left (a prompt
+    # timed again right after itself would meet slots that followed it, and a dynamic policy's prefill
+    # would look faster than a new prompt's)
+    for rep in range(1, prefill_reps):
+        for i in list(prefill):
+            sent.append(f"{w}/{i}:1")
+            try:
+                prefill[i].append(float(complete(url, prompts[i], 1)["timings"]["prompt_per_second"]))
+            except (MoeplugError, requests.RequestException, KeyError, ValueError) as exc:
+                cfg.errors.append(f"{w} prompt {i}, prefill repeat {rep}: {type(exc).__name__}: {exc}")
+    for i, p in prefill.items():
+        cfg.samples.setdefault((w, i), []).append((median(p), decode[i]))
+        cfg.prefill_reps.setdefault((w, i), []).append(p)
+
+
+def run_chat(cfg: Config, url: str, conversations: list[list[str]], n_predict: int, sent: list[str]) -> None:
+    """Each conversation's turns in order, one launch's worth: a turn's prompt is the conversation so
+    far (the turns' text and the answers' token ids, as llama-server takes a mixed prompt) with the
+    prompt cache on, so the server prefills the turn's text alone. A failed turn ends its conversation."""
+    import requests
+
+    from moeplug.errors import MoeplugError
+    from moeplug.server import complete
+
+    w = "chat"
+    for c, turns in enumerate(conversations):
+        so_far: list[str | int] = []
+        for t, text in enumerate(turns):
+            i = c * CHAT_TURNS + t
+            sent.append(f"{w}/{i}:{n_predict}")
+            try:
+                r = complete(url, [*so_far, text] if so_far else text, n_predict, ignore_eos=True, cache_prompt=True)
+                timings = r["timings"]
+                cfg.samples.setdefault((w, i), []).append((float(timings["prompt_per_second"]),
+                                                            float(timings["predicted_per_second"])))
+                cfg.prefill_reps.setdefault((w, i), []).append([float(timings["prompt_per_second"])])
+                cfg.prompt_tokens[(w, i)] = int(timings["prompt_n"])
+                cfg.context_tokens[(w, i)] = int(r["tokens_evaluated"])
+                so_far += [text, *(int(x) for x in r["tokens"])]
+            except (MoeplugError, requests.RequestException, KeyError, ValueError, TypeError) as exc:
+                cfg.errors.append(f"{w} conversation {c} turn {t}: {type(exc).__name__}: {exc}")
+                print(f"# {cfg.budget} {cfg.side}: {w} conversation {c} turn {t} failed: {exc}", file=sys.stderr)
+                break
 
 
 def per_prompt(cfg: Config, workload: str, test: int) -> dict[int, float]:
@@ -584,7 +649,7 @@ def configs_from_json(doc: dict[str, Any]) -> tuple[list[Config], list[tuple[Con
     baseline: dict[tuple[str, str], Config] = {}
     for d in doc["configs"]:
         keyed = {name: {(k.rsplit("/", 1)[0], int(k.rsplit("/", 1)[1])): v for k, v in d.get(name, {}).items()}
-                 for name in ("samples", "prompt_tokens", "prefill_reps")}
+                 for name in ("samples", "prompt_tokens", "prefill_reps", "context_tokens")}
         keyed["samples"] = {k: [tuple(x) for x in v] for k, v in keyed["samples"].items()}
         cfg = Config(**({k: v for k, v in d.items() if k in known} | keyed | {"binary": Path(d["binary"])}))
         configs.append(cfg)
@@ -602,7 +667,7 @@ def configs_from_json(doc: dict[str, Any]) -> tuple[list[Config], list[tuple[Con
 def print_tables(pairs: list[tuple[Config, Config]], workloads: list[str]) -> dict[str, Any]:
     """Every workload's table (and its recording rows), printed; the tables as the JSON keeps them."""
     tables = {}
-    for w in ("text-profiled", "text-unseen", "replay", "random"):
+    for w in ("text-profiled", "text-unseen", "chat", "replay", "random"):
         if w in workloads:
             tables[w] = table_rows(pairs, w)
             print_table(w, tables[w])
@@ -623,7 +688,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, help="the model (default /tmp/moeplug-bench/SHAPE-shape.gguf, written)")
     ap.add_argument("--budgets", default="8,12,16", help="VRAM budgets: GiB (8,12,16) or shares of the expert bytes "
                     "beside the rest of the plan's VRAM (25%%,50%%)")
-    ap.add_argument("--workloads", default="text,replay,random", help=f"of {', '.join(WORKLOADS)}")
+    ap.add_argument("--workloads", default="text,replay,random", help=f"of {', '.join(WORKLOADS)} (chat: not by default)")
     ap.add_argument("--ctx", type=int, default=4096, help="context of both servers")
     ap.add_argument("--threads", "-t", type=int, help="threads of both servers (default: llama.cpp's)")
     ap.add_argument("--parallel", "-np", type=int, default=1, help="parallel slots of both servers")
@@ -685,7 +750,7 @@ def main(argv: list[str] | None = None) -> int:
             _, pairs = configs_from_json(json.loads(a.tables_from.read_text()))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             ap.error(f"--tables-from: {a.tables_from}: not a serve_bench JSON ({type(exc).__name__}: {exc})")
-        print_tables(pairs, [w for w in ("text-profiled", "text-unseen", "replay", "random")
+        print_tables(pairs, [w for w in ("text-profiled", "text-unseen", "chat", "replay", "random")
                              if any(w in m.workloads for m, _ in pairs)])
         return 0
     workloads = [w.strip() for w in a.workloads.split(",") if w.strip()]
@@ -750,7 +815,7 @@ def main(argv: list[str] | None = None) -> int:
 
     n_vocab = vocab_size(model)
     prompts = make_prompts(a, n_vocab, replay[2] if replay else 0)
-    plain = [w for w in ("text-profiled", "text-unseen", "random")
+    plain = [w for w in ("text-profiled", "text-unseen", "chat", "random")
              if (w.startswith("text") and "text" in workloads) or w in workloads]
     common = (["-t", str(a.threads)] if a.threads else []) + ["-np", str(a.parallel)]
     text_prof = text_profile(model, patched, a) if plain else None
@@ -830,7 +895,8 @@ def main(argv: list[str] | None = None) -> int:
         doc = {"tables": tables, "skipped": skipped, "configs": [
             asdict(c) | {"binary": str(c.binary), "samples": {f"{w}/{i}": v for (w, i), v in c.samples.items()},
                          "prompt_tokens": {f"{w}/{i}": n for (w, i), n in c.prompt_tokens.items()},
-                         "prefill_reps": {f"{w}/{i}": v for (w, i), v in c.prefill_reps.items()}}
+                         "prefill_reps": {f"{w}/{i}": v for (w, i), v in c.prefill_reps.items()},
+                         "context_tokens": {f"{w}/{i}": n for (w, i), n in c.context_tokens.items()}}
             for c in configs]}
         a.json.write_text(json.dumps(doc, indent=1) + "\n")
     failed = any(c.errors for c in configs)
