@@ -69,6 +69,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import GIB, MIB, Prebuilt, free_vram_or_say, interleaved_rounds, median  # noqa: E402
+from moeplug.measure import CHAT_TURNS, chat_turns, time_chat, time_prompts  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 UNSEEN_PROMPTS = HERE / "prompts" / "unseen.txt"
@@ -76,7 +77,6 @@ WARMUP_TOKENS, WARMUP_PREDICT = 32, 16  # a warm-up request's prompt and generat
 DEFAULT_TRACE = HERE.parents[1] / ".." / "shared" / "data" / "traces" / "gpt-oss-20b" / "decode-routing-mmlu.npz"
 REPLAY_FLAG = "--moe-route-replay"
 WORKLOADS = ("text", "chat", "replay", "random")
-CHAT_TURNS = 3  # a chat conversation: an unseen prompt cut in this many turns
 TABLES = {"text-profiled": "text: the bundled profiling prompts (profiles/*.txt)",
           "text-unseen": "text: prompts profiling never sees (native/bench/prompts/unseen.txt)",
           "chat": f"chat: each unseen prompt as a conversation of {CHAT_TURNS} turns, each turn sent after the last "
@@ -189,17 +189,6 @@ def vocab_size(model: Path) -> int:
     return len(field.data) if field is not None else 32000
 
 
-def chat_turns(text: str, n: int = CHAT_TURNS) -> list[str]:
-    """text cut in n turns of about equal length, each cut moved to the next space within 40
-    characters where there is one (text without spaces, such as Chinese, is cut where it falls)."""
-    cuts = [0]
-    for k in range(1, n):
-        at = len(text) * k // n
-        space = text.find(" ", at, at + 40)
-        cuts.append(max(cuts[-1] + 1, space if space >= 0 else at))
-    return [text[a:b] for a, b in zip(cuts, cuts[1:] + [len(text)])]
-
-
 def make_prompts(a: argparse.Namespace, n_vocab: int, n_replay: int) -> dict[str, list[Any]]:
     from moeplug.profile.runner import DEFAULT_PROMPT_SETS, read_prompts, resolve_prompt_set
 
@@ -221,7 +210,7 @@ def run_config(cfg: Config, model: Path, ctx: int, prompts: dict[str, list], n_p
                warmup: list[list[int]] | None = None, prefill_reps: int = 1) -> None:
     """One round of one configuration: launch, the warm-up requests (not measured), every prompt of
     its workloads, VRAM, stop. prefill_reps: a text or random prompt's prefill is the median of the
-    decoding request's and prefill_reps - 1 requests of one token (run_prompts; a replayed request
+    decoding request's and prefill_reps - 1 requests of one token (moeplug.measure; a replayed request
     takes the replay file's next prompt, so replay prompts are sent once, as chat turns are)."""
     import requests
 
@@ -251,9 +240,10 @@ def run_config(cfg: Config, model: Path, ctx: int, prompts: dict[str, list], n_p
         for w in cfg.workloads:
             before = fetch_cache_counters(srv.port)
             if w == "chat":
-                run_chat(cfg, srv.url, prompts[w], n_predict, sent)
+                got = time_chat(srv.url, prompts[w], n_predict)
             else:
-                run_prompts(cfg, srv.url, w, prompts[w], n_predict, prefill_reps if w != "replay" else 1, sent)
+                got = time_prompts(srv.url, prompts[w], n_predict, prefill_reps if w != "replay" else 1)
+            record(cfg, w, got, sent)
             after = fetch_cache_counters(srv.port)
             if before is not None and after is not None:
                 cfg.hits.setdefault(w, []).append((after.hits - before.hits, after.selections - before.selections))
@@ -270,74 +260,22 @@ def run_config(cfg: Config, model: Path, ctx: int, prompts: dict[str, list], n_p
           file=sys.stderr)
 
 
-def run_prompts(cfg: Config, url: str, w: str, prompts: list[Any], n_predict: int, prefill_reps: int,
-                sent: list[str]) -> None:
-    """A workload's prompts, each decoding n_predict tokens, then prefill_reps - 1 passes over them
-    with requests of one token; a prompt's prefill is the median of its requests."""
-    import requests
-
-    from moeplug.errors import MoeplugError
-    from moeplug.server import complete
-
-    decode: dict[int, float] = {}
-    prefill: dict[int, list[float]] = {}
-    for i, prompt in enumerate(prompts):
-        sent.append(f"{w}/{i}:{n_predict}")
-        try:
-            t = complete(url, prompt, n_predict, ignore_eos=True)["timings"]
-            prefill[i] = [float(t["prompt_per_second"])]
-            decode[i] = float(t["predicted_per_second"])
-            cfg.prompt_tokens[(w, i)] = int(t["prompt_n"])
-            if "draft_n" in t:
-                d = cfg.drafts.setdefault(w, [0, 0])
-                d[0] += int(t["draft_n"])
-                d[1] += int(t.get("draft_n_accepted", 0))
-        except (MoeplugError, requests.RequestException, KeyError, ValueError) as exc:
-            cfg.errors.append(f"{w} prompt {i}: {type(exc).__name__}: {exc}")
-            print(f"# {cfg.budget} {cfg.side}: {w} prompt {i} failed: {exc}", file=sys.stderr)
-    # the repeats in passes over the prompts, so that each meets the slots another prompt left (a prompt
-    # timed again right after itself would meet slots that followed it, and a dynamic policy's prefill
-    # would look faster than a new prompt's)
-    for rep in range(1, prefill_reps):
-        for i in list(prefill):
-            sent.append(f"{w}/{i}:1")
-            try:
-                prefill[i].append(float(complete(url, prompts[i], 1)["timings"]["prompt_per_second"]))
-            except (MoeplugError, requests.RequestException, KeyError, ValueError) as exc:
-                cfg.errors.append(f"{w} prompt {i}, prefill repeat {rep}: {type(exc).__name__}: {exc}")
-    for i, p in prefill.items():
-        cfg.samples.setdefault((w, i), []).append((median(p), decode[i]))
-        cfg.prefill_reps.setdefault((w, i), []).append(p)
-
-
-def run_chat(cfg: Config, url: str, conversations: list[list[str]], n_predict: int, sent: list[str]) -> None:
-    """Each conversation's turns in order, one launch's worth: a turn's prompt is the conversation so
-    far (the turns' text and the answers' token ids, as llama-server takes a mixed prompt) with the
-    prompt cache on, so the server prefills the turn's text alone. A failed turn ends its conversation."""
-    import requests
-
-    from moeplug.errors import MoeplugError
-    from moeplug.server import complete
-
-    w = "chat"
-    for c, turns in enumerate(conversations):
-        so_far: list[str | int] = []
-        for t, text in enumerate(turns):
-            i = c * CHAT_TURNS + t
-            sent.append(f"{w}/{i}:{n_predict}")
-            try:
-                r = complete(url, [*so_far, text] if so_far else text, n_predict, ignore_eos=True, cache_prompt=True)
-                timings = r["timings"]
-                cfg.samples.setdefault((w, i), []).append((float(timings["prompt_per_second"]),
-                                                            float(timings["predicted_per_second"])))
-                cfg.prefill_reps.setdefault((w, i), []).append([float(timings["prompt_per_second"])])
-                cfg.prompt_tokens[(w, i)] = int(timings["prompt_n"])
-                cfg.context_tokens[(w, i)] = int(r["tokens_evaluated"])
-                so_far += [text, *(int(x) for x in r["tokens"])]
-            except (MoeplugError, requests.RequestException, KeyError, ValueError, TypeError) as exc:
-                cfg.errors.append(f"{w} conversation {c} turn {t}: {type(exc).__name__}: {exc}")
-                print(f"# {cfg.budget} {cfg.side}: {w} conversation {c} turn {t} failed: {exc}", file=sys.stderr)
-                break
+def record(cfg: Config, w: str, got: Any, sent: list[str]) -> None:
+    """One launch's timings of workload w (moeplug.measure.Timings) into cfg."""
+    sent += [f"{w}/{x}" for x in got.sent]
+    cfg.errors += [f"{w} {e}" for e in got.errors]
+    for e in got.errors:
+        print(f"# {cfg.budget} {cfg.side}: {w} {e}", file=sys.stderr)
+    for i, t in got.prompts.items():
+        cfg.samples.setdefault((w, i), []).append((t.prefill_median, t.decode))
+        cfg.prefill_reps.setdefault((w, i), []).append(t.prefill)
+        cfg.prompt_tokens[(w, i)] = t.prompt_tokens
+        if t.context_tokens is not None:
+            cfg.context_tokens[(w, i)] = t.context_tokens
+        if t.drafted:
+            d = cfg.drafts.setdefault(w, [0, 0])
+            d[0] += t.drafted
+            d[1] += t.accepted
 
 
 def per_prompt(cfg: Config, workload: str, test: int) -> dict[int, float]:

@@ -1,0 +1,113 @@
+"""Timing prompts through a running llama-server: each prompt's prefill and decode speed from the
+server's own `timings`, as `moeplug bench` and `native/bench/serve_bench.py` measure them.
+
+Two ways to send a workload. `time_prompts`: each prompt once with the tokens to decode, then
+repeats of one token in passes over the prompts, so that no prompt is timed right after itself (a
+dynamic slot policy would just have followed its routing, and its prefill would look faster than
+a new prompt's); a prompt's prefill is the median of its requests. `time_chat`: each text a
+conversation of a few turns, every turn sent after the last answer with the conversation so far
+as its prompt and llama-server's prompt cache on, so a turn prefills its own text alone.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import requests
+
+from moeplug.errors import MoeplugError
+from moeplug.server import complete
+
+CHAT_TURNS = 3  # turns a text is cut in for time_chat
+ERRORS = (MoeplugError, requests.RequestException, KeyError, ValueError, TypeError)
+
+
+@dataclass
+class Timed:
+    """One prompt (or chat turn) in one server launch."""
+
+    prefill: list[float]  # t/s of each request, the decoding one first
+    decode: float  # t/s
+    prompt_tokens: int  # what the server prefilled (prompt_n)
+    context_tokens: int | None = None  # chat: the whole conversation up to this turn (tokens_evaluated)
+    drafted: int = 0  # speculative decoding: tokens drafted and accepted
+    accepted: int = 0
+
+    @property
+    def prefill_median(self) -> float:
+        return statistics.median(self.prefill)
+
+
+@dataclass
+class Timings:
+    """A workload's prompts in one launch: prompt index -> Timed; the requests in the order sent
+    ("i:n_predict"); what failed."""
+
+    prompts: dict[int, Timed] = field(default_factory=dict)
+    sent: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def chat_turns(text: str, n: int = CHAT_TURNS) -> list[str]:
+    """text cut in n turns of about equal length, each cut moved to the next space within 40
+    characters where there is one (text without spaces, such as Chinese, is cut where it falls)."""
+    cuts = [0]
+    for k in range(1, n):
+        at = len(text) * k // n
+        space = text.find(" ", at, at + 40)
+        cuts.append(max(cuts[-1] + 1, space if space >= 0 else at))
+    return [text[a:b] for a, b in zip(cuts, cuts[1:] + [len(text)])]
+
+
+def _timed(reply: dict[str, Any]) -> Timed:
+    t = reply["timings"]
+    return Timed([float(t["prompt_per_second"])], float(t["predicted_per_second"]), int(t["prompt_n"]),
+                 drafted=int(t.get("draft_n", 0)), accepted=int(t.get("draft_n_accepted", 0)))
+
+
+def time_prompts(url: str, prompts: Sequence[str | list[int]], n_predict: int, prefill_reps: int = 1) -> Timings:
+    """Each prompt decoding n_predict tokens, then prefill_reps - 1 passes over the prompts with
+    requests of one token (the prompts that answered the first time)."""
+    out = Timings()
+    for i, prompt in enumerate(prompts):
+        out.sent.append(f"{i}:{n_predict}")
+        try:
+            out.prompts[i] = _timed(complete(url, prompt, n_predict, ignore_eos=True))
+        except ERRORS as exc:
+            out.errors.append(f"prompt {i}: {type(exc).__name__}: {exc}")
+    for rep in range(1, prefill_reps):
+        for i in list(out.prompts):
+            out.sent.append(f"{i}:1")
+            try:
+                out.prompts[i].prefill.append(float(complete(url, prompts[i], 1)["timings"]["prompt_per_second"]))
+            except ERRORS as exc:
+                out.errors.append(f"prompt {i}, prefill repeat {rep}: {type(exc).__name__}: {exc}")
+    return out
+
+
+def time_chat(url: str, conversations: Sequence[Sequence[str]], n_predict: int) -> Timings:
+    """Each conversation's turns in order (turn t of conversation c is prompt c * CHAT_TURNS + t): a
+    turn's prompt is the conversation so far, the turns' text and the answers' token ids (llama-server
+    takes such a mixed prompt), with the prompt cache on after the first turn. A failed turn ends its
+    conversation."""
+    out = Timings()
+    for c, turns in enumerate(conversations):
+        so_far: list[str | int] = []
+        for t, text in enumerate(turns):
+            i = c * CHAT_TURNS + t
+            out.sent.append(f"{i}:{n_predict}")
+            try:
+                # the first turn prefills in full: llama-server keeps earlier prompts' states in RAM
+                # (--cache-ram), and one whose text starts the same would stand in for its prefill
+                reply = complete(url, [*so_far, text] if so_far else text, n_predict, ignore_eos=True,
+                                 cache_prompt=bool(so_far))
+                out.prompts[i] = _timed(reply)
+                out.prompts[i].context_tokens = int(reply["tokens_evaluated"])
+                so_far += [text, *(int(x) for x in reply["tokens"])]
+            except ERRORS as exc:
+                out.errors.append(f"conversation {c} turn {t}: {type(exc).__name__}: {exc}")
+                break
+    return out
