@@ -48,6 +48,7 @@ COMMAND_MODULES = (
     "moeplug.tui.cli",  # tui
     "moeplug.reprofile_cli",  # reprofile
     "moeplug.schedule_cli",  # schedule install | status | remove
+    "moeplug.bench_cli",  # bench
 )
 
 

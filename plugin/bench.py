@@ -1,0 +1,178 @@
+"""`moeplug bench`: an installed model's plan against stock llama.cpp at the same VRAM budget, on
+this machine, through llama-server, side by side.
+
+Both servers run the model's own build (without moeplug's flags it runs stock's code: the patches
+are opt-in): moeplug's with the plan's flags and environment, exactly as `moeplug serve` starts it;
+stock's with `--fit on` and `-fitt` set so that stock may use the plan's budget (the free VRAM less
+the budget stays free), the same context and load mode. They take turns, round after round, every
+other round in reverse order, so that neither always runs first. Each launch answers a warm-up
+request, then the prompts (moeplug.measure): per prompt the ratio of moeplug's t/s to stock's, each
+the median over rounds, then the median and the lowest over prompts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moeplug.errors import MoeplugError
+from moeplug.gpu import gpus, process_vram_bytes
+from moeplug.install import installed_build, read_installed
+from moeplug.measure import ERRORS, Timings, chat_turns, time_chat, time_prompts
+from moeplug.profile.runner import DEFAULT_PROMPT_SETS, read_prompts, resolve_prompt_set
+from moeplug.progress import Note, ProgressFn, silent
+from moeplug.server import complete
+from moeplug.serving import find_record, launch_verified, model_lock, stop
+from moeplug.sizes import MIB
+
+SIDES = ("moeplug", "stock")
+WARMUP_PREDICT = 16
+
+
+def fit_target(budget: int | list[int] | None, free: list[int]) -> str:
+    """stock's -fitt: MiB to leave free on each GPU, so that the budget is what it may use there (0
+    where there is no GPU or no budget)."""
+    if budget is None or not free:
+        return "0"
+    budgets = budget if isinstance(budget, list) else [budget]
+    return ",".join(str(max(0, (f - b) // MIB)) for f, b in zip(free, budgets))
+
+
+def bench_prompts(prompt_files: list[Path], max_prompts: int) -> list[str]:
+    """The prompts: those of the files given, else the bundled profiling sets alternating (a cap
+    takes some of each); at most max_prompts (0: all)."""
+    if prompt_files:
+        sets = [read_prompts(resolve_prompt_set(str(p))[1]) for p in prompt_files]
+    else:
+        sets = [read_prompts(resolve_prompt_set(name)[1]) for name in DEFAULT_PROMPT_SETS]
+    texts = [p for group in itertools.zip_longest(*sets) for p in group if p]
+    if not texts:
+        raise MoeplugError("no prompts in " + ", ".join(map(str, prompt_files)))
+    return texts[:max_prompts] if max_prompts else texts
+
+
+@dataclass
+class Side:
+    """One side's launches: its server arguments and environment, and per workload and prompt each
+    round's Timed (moeplug.measure)."""
+
+    args: list[str]
+    env: dict[str, str]
+    timed: dict[str, dict[int, list[Any]]] = field(default_factory=dict)
+    vram_bytes: list[int | None] = field(default_factory=list)  # NVML, per launch
+    cache: list[dict[str, Any] | None] = field(default_factory=list)  # per launch, what its log said of the cache
+
+    def add(self, workload: str, got: Timings) -> None:
+        for i, t in got.prompts.items():
+            self.timed.setdefault(workload, {}).setdefault(i, []).append(t)
+
+    def per_prompt(self, workload: str, what: str) -> dict[int, float]:
+        """prompt -> the median over rounds of prefill (the median of its requests), first (its first
+        request's prefill) or decode t/s."""
+        pick = {"prefill": lambda t: t.prefill_median, "first": lambda t: t.prefill[0], "decode": lambda t: t.decode}
+        return {i: statistics.median(pick[what](t) for t in ts) for i, ts in self.timed.get(workload, {}).items()}
+
+
+def ratios(mine: Side, stock: Side, workload: str, what: str) -> dict[int, float]:
+    a, b = mine.per_prompt(workload, what), stock.per_prompt(workload, what)
+    return {i: a[i] / b[i] for i in sorted(a) if i in b and b[i] > 0}
+
+
+@dataclass
+class Comparison:
+    name: str
+    budget_bytes: int | list[int] | None
+    rounds: int
+    n_predict: int
+    prefill_reps: int
+    workloads: dict[str, list[Any]]  # workload -> its prompts (chat: each a list of turns)
+    sides: dict[str, Side]
+    notes: list[str] = field(default_factory=list)
+
+    def rows(self, workload: str) -> list[dict[str, Any]]:
+        """Per prompt: tokens prefilled and both sides' t/s with the ratios."""
+        mine, stock = self.sides["moeplug"], self.sides["stock"]
+        out = []
+        per = {(side, what): self.sides[side].per_prompt(workload, what) for side in SIDES
+               for what in ("prefill", "first", "decode")}
+        for i in sorted(per[("moeplug", "prefill")]):
+            if i not in per[("stock", "prefill")]:
+                continue
+            first = mine.timed[workload][i][0]  # the tokens: the same every launch on moeplug's side
+            row: dict[str, Any] = {"prompt": i, "prompt_tokens": first.prompt_tokens,
+                                   **({"context_tokens": first.context_tokens} if first.context_tokens else {})}
+            for what in ("prefill", "first", "decode"):
+                m, s = per[("moeplug", what)][i], per[("stock", what)][i]
+                row[what] = {"moeplug_tps": m, "stock_tps": s, "ratio": m / s if s > 0 else None}
+            out.append(row)
+        return out
+
+    def summary(self, workload: str, what: str) -> dict[str, float | None]:
+        r = list(ratios(self.sides["moeplug"], self.sides["stock"], workload, what).values())
+        return {"ratio_median": statistics.median(r) if r else None, "ratio_lowest": min(r) if r else None}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "budget_bytes": self.budget_bytes, "rounds": self.rounds,
+                "n_predict": self.n_predict, "prefill_reps": self.prefill_reps, "notes": self.notes,
+                "sides": {k: {"args": v.args, "env": v.env, "vram_bytes": v.vram_bytes, "cache": v.cache}
+                          for k, v in self.sides.items()},
+                "workloads": {w: {"prompts": len(self.rows(w)), "rows": self.rows(w),
+                                  **{what: self.summary(w, what) for what in ("prefill", "first", "decode")}}
+                              for w in self.workloads}}
+
+
+def compare(name: str, *, rounds: int = 2, n_predict: int = 64, prefill_reps: int = 3,
+            prompt_files: list[Path] | None = None, max_prompts: int = 8, chat: bool = False,
+            progress: ProgressFn = silent) -> Comparison:
+    """Run an installed model's plan and stock --fit at the same budget in turns (see the module);
+    raises where the model is being served (the GPU must be the two servers' alone) or a launch or
+    prompt fails."""
+    m = read_installed(name)
+    served = find_record(name)
+    if served is not None and served.alive():
+        raise MoeplugError(f"'{name}' is being served (pid {served.pid}): 'moeplug stop {name}' first, so that the "
+                           f"two servers have the GPU to themselves")
+    texts = bench_prompts(prompt_files or [], max_prompts)
+    workloads: dict[str, list[Any]] = {"text": texts}
+    if chat:
+        workloads["chat"] = [chat_turns(t) for t in texts]
+    plan = m.plan
+    found = gpus()
+    load = ["-lm", "none"] if plan.load_mode == "pinned" else []
+    stock_args = ["-c", str(plan.ctx), "--fit", "on", "-fitt", fit_target(plan.vram_budget_bytes,
+                                                                         [g.free_bytes for g in found]), *load]
+    sides = {"moeplug": Side(list(plan.server_args), m.server_env()), "stock": Side(stock_args, {})}
+    notes = []
+    if not found:
+        notes.append("no NVIDIA GPU: both servers run on the CPU here, so the ratios say nothing of what the "
+                     "slots do with VRAM")
+    if plan.speculation:
+        notes.append("the plan speculates and stock does not: the decode ratio includes what the drafts give")
+    binary = installed_build(m).binary("llama-server")
+    warmup = texts[0]
+    for r in range(rounds):
+        for side in SIDES if r % 2 == 0 else SIDES[::-1]:
+            s = sides[side]
+            progress(Note(f"round {r + 1} of {rounds}: {side} llama-server"))
+            launch = f"bench-{name}"
+            with model_lock(name, progress):
+                srv = launch_verified(launch, Path(m.path), binary, m.build_id, s.args, plan.ctx, env=s.env)
+            try:
+                try:
+                    complete(srv.url, warmup, WARMUP_PREDICT, ignore_eos=True)
+                except ERRORS as exc:
+                    raise MoeplugError(f"{side} llama-server, the warm-up request: {type(exc).__name__}: {exc}") from None
+                for w, prompts in workloads.items():
+                    got = time_chat(srv.url, prompts, n_predict) if w == "chat" else \
+                        time_prompts(srv.url, prompts, n_predict, prefill_reps)
+                    if got.errors:
+                        raise MoeplugError(f"{side} llama-server, {w}: {got.errors[0]}")
+                    s.add(w, got)
+                s.vram_bytes.append(process_vram_bytes(srv.pid))
+                s.cache.append(srv.cache)
+            finally:
+                stop(launch)
+    return Comparison(name, plan.vram_budget_bytes, rounds, n_predict, prefill_reps, workloads, sides, notes)

@@ -1,0 +1,72 @@
+"""`moeplug bench NAME`: the installed plan against stock --fit at the same budget (moeplug.bench)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from moeplug.options import GENERATE, PROMPT_CAP, REPEATS, ROUNDS, add_json
+from moeplug.output import Output, human_bytes, table
+
+WHAT = {"text": "prompts", "chat": "chat turns (each prompt a conversation on the prompt cache)"}
+HEAD = ["#", "tokens", "prefill t/s moeplug / stock", "prefill", "decode t/s moeplug / stock", "decode"]
+
+
+def _ratio(d: dict[str, Any]) -> str:
+    return "-" if d["ratio_median"] is None else f"{d['ratio_median']:.2f}x (lowest {d['ratio_lowest']:.2f}x)"
+
+
+def comparison_text(c: Any) -> str:
+    doc = c.to_json()
+    budget = c.budget_bytes
+    said = ("no budget (no GPU)" if budget is None else
+            ", ".join(human_bytes(b) for b in budget) if isinstance(budget, list) else human_bytes(budget))
+    lines = [f"{c.name}: moeplug's plan against stock llama-server --fit at the same budget ({said}); {c.rounds} "
+             f"round{'s' if c.rounds > 1 else ''}, {c.n_predict} tokens generated per prompt, prefill the median of "
+             f"{c.prefill_reps} request{'s' if c.prefill_reps > 1 else ''}"]
+    for w, d in doc["workloads"].items():
+        rows = [[r["prompt"], r["prompt_tokens"], f"{r['prefill']['moeplug_tps']:.1f} / {r['prefill']['stock_tps']:.1f}",
+                 f"{r['prefill']['ratio']:.2f}x", f"{r['decode']['moeplug_tps']:.1f} / {r['decode']['stock_tps']:.1f}",
+                 f"{r['decode']['ratio']:.2f}x"] for r in d["rows"]]
+        lines += ["", f"{WHAT[w]}:", table(HEAD, rows, "rrrrrr")]
+        lines.append(f"prefill {_ratio(d['prefill'])}, decode {_ratio(d['decode'])} of stock (median over "
+                     f"{d['prompts']} {WHAT[w].split(' ')[0]})")
+        if c.prefill_reps > 1 and w == "text":
+            lines.append(f"each prompt's first request alone (the slots another prompt left): prefill "
+                         f"{_ratio(d['first'])}")
+    vram = {side: [v for v in s["vram_bytes"] if v is not None] for side, s in doc["sides"].items()}
+    if all(vram.values()):
+        lines.append("VRAM held: " + ", ".join(f"{side} {human_bytes(max(v))}" for side, v in vram.items()))
+    lines += [f"note: {n}" for n in c.notes]
+    return "\n".join(lines)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from moeplug.bench import compare
+
+    out = Output.for_args(args)
+    done = compare(args.model, rounds=args.rounds, n_predict=args.n_predict, prefill_reps=args.prefill_reps,
+                   prompt_files=[Path(p) for p in args.prompt_file], max_prompts=args.max_prompts, chat=args.chat,
+                   progress=out.progress)
+    return out.result(done, comparison_text)
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("bench", help="the installed plan against stock llama.cpp --fit at the same budget, here",
+                       description="Serve an installed model with its plan and with stock llama-server --fit at the "
+                       "same VRAM budget, in turns, on the same prompts; print each prompt's prefill and decode "
+                       "speed on both sides and the ratios. Stop the model first if it is served.")
+    p.add_argument("model", help="an installed name (see 'moeplug list')")
+    p.add_argument("--rounds", type=ROUNDS, default=2, help="launches of each side, alternating (default 2)")
+    p.add_argument("-n", "--n-predict", type=GENERATE, default=64, help="tokens generated per prompt (default 64)")
+    p.add_argument("--prefill-reps", type=REPEATS, default=3,
+                   help="requests per prompt and launch whose prefill is timed, the median kept (default 3)")
+    p.add_argument("--prompt-file", action="append", default=[], metavar="FILE",
+                   help="your own prompts (.txt, separated by lines of '---'; repeatable; default: the bundled "
+                        "profiling sets)")
+    p.add_argument("--max-prompts", type=PROMPT_CAP, default=8, help="at most this many prompts (0: all; default 8)")
+    p.add_argument("--chat", action="store_true",
+                   help="also each prompt as a conversation of three turns on the server's prompt cache")
+    add_json(p)
+    p.set_defaults(func=cmd_bench)

@@ -1,0 +1,93 @@
+"""`moeplug bench NAME`: the installed plan against stock llama-server --fit at the same budget, the
+real command on the demo model (CPU build: both sides on the CPU, the slots in RAM) in fresh XDG
+homes sharing the built binaries."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+from helpers import CliResult, run_cli_process, xdg_homes
+
+pytestmark = pytest.mark.native
+
+
+@pytest.fixture
+def home(patched_build, tmp_path: Path) -> dict[str, str]:
+    env = xdg_homes(tmp_path)
+    r = moeplug(env, "install", "demo", "--no-serve", "--ctx", "1024")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return env
+
+
+def moeplug(env: dict[str, str], *args: str) -> CliResult:
+    return run_cli_process(*args, env=env)
+
+
+def installed(env: dict[str, str]) -> dict:
+    return json.loads((Path(env["XDG_DATA_HOME"]) / "moeplug" / "installed" / "demo.json").read_text())
+
+
+def test_bench_serves_the_plan_and_stock_in_turns(home: dict[str, str]) -> None:
+    r = moeplug(home, "bench", "demo", "--rounds", "2", "-n", "4", "--max-prompts", "2", "--prefill-reps", "2",
+                "--chat", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    plan = installed(home)["plan"]
+    mine, stock = doc["sides"]["moeplug"], doc["sides"]["stock"]
+    # moeplug's side exactly as `moeplug serve` starts it; stock's with --fit at the budget and nothing of ours
+    assert mine["args"] == plan["server_args"] and mine["env"] == {"LLAMA_MOE_CACHE_DEVICE": "CPU"}
+    assert stock["args"][:6] == ["-c", "1024", "--fit", "on", "-fitt", "0"] and stock["env"] == {}
+    assert not any(a.startswith("--moe-cache") for a in stock["args"])
+    # two launches a side; the cache engaged on moeplug's (its log said so), not asked for on stock's
+    assert [c["engaged"] for c in mine["cache"]] == [True, True] and stock["cache"] == [None, None]
+    assert "round 1 of 2: moeplug llama-server" in r.stderr and "round 2 of 2: stock llama-server" in r.stderr
+    text, chat = doc["workloads"]["text"], doc["workloads"]["chat"]
+    assert text["prompts"] == 2 and chat["prompts"] == 6  # two prompts, each three turns
+    for w in (text, chat):
+        for row in w["rows"]:
+            for what in ("prefill", "first", "decode"):
+                d = row[what]
+                assert d["moeplug_tps"] > 0 and d["stock_tps"] > 0
+                assert d["ratio"] == pytest.approx(d["moeplug_tps"] / d["stock_tps"])
+        for what in ("prefill", "first", "decode"):
+            per = [row[what]["ratio"] for row in w["rows"]]
+            assert w[what] == pytest.approx({"ratio_median": statistics.median(per), "ratio_lowest": min(per)})
+    # a chat turn after the first prefilled its own text: the conversation before it came from the prompt cache
+    rows = chat["rows"]
+    for before, turn in ((rows[i], rows[i + 1]) for i in (0, 1, 3, 4)):
+        assert turn["context_tokens"] > before["context_tokens"] + 4  # the answer (-n 4) and the turn's text
+        assert turn["context_tokens"] - turn["prompt_tokens"] >= before["context_tokens"]
+    assert any("no NVIDIA GPU" in n for n in doc["notes"])
+    # nothing left running
+    status = moeplug(home, "status", "--json")
+    assert status.returncode == 0 and json.loads(status.stdout)["servers"] == []
+
+
+def test_bench_text_output(home: dict[str, str]) -> None:
+    r = moeplug(home, "bench", "demo", "--rounds", "1", "-n", "2", "--max-prompts", "1", "--prefill-reps", "1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "demo: moeplug's plan against stock llama-server --fit at the same budget" in r.stdout
+    assert "prefill t/s moeplug / stock" in r.stdout and "of stock (median over 1 prompts)" in r.stdout
+    assert "first request alone" not in r.stdout  # one request per prompt: nothing apart
+
+
+def test_bench_bad_input_is_one_line(home: dict[str, str], tmp_path: Path) -> None:
+    for args, code, said in ((("bench", "nothing"), 1, "'nothing' is not installed"),
+                             (("bench", "demo", "--rounds", "0"), 2, "--rounds"),
+                             (("bench", "demo", "--prefill-reps", "33"), 2, "--prefill-reps"),
+                             (("bench", "demo", "-n", "0"), 2, "-n/--n-predict"),
+                             (("bench", "demo", "--prompt-file", str(tmp_path / "none.txt")), 1, "none.txt")):
+        r = moeplug(home, *args)
+        assert r.returncode == code and said in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    # a served model: the two servers would share the GPU with it
+    served = moeplug(home, "serve", "demo")
+    assert served.returncode == 0, served.stderr[-3000:]
+    try:
+        r = moeplug(home, "bench", "demo")
+        assert r.returncode == 1 and "'moeplug stop demo' first" in r.stderr and "Traceback" not in r.stderr
+    finally:
+        assert moeplug(home, "stop", "demo").returncode == 0
