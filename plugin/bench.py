@@ -94,7 +94,7 @@ class Comparison:
 
     def rows(self, workload: str) -> list[dict[str, Any]]:
         """Per prompt: tokens prefilled and both sides' t/s with the ratios."""
-        mine, stock = self.sides["moeplug"], self.sides["stock"]
+        mine = self.sides["moeplug"]
         out = []
         per = {(side, what): self.sides[side].per_prompt(workload, what) for side in SIDES
                for what in ("prefill", "first", "decode")}

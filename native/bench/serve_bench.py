@@ -29,17 +29,19 @@ Workloads: `text` (the bundled profiling prompts, profiles/*.txt, and prompts/un
 profiling never sees: code in other languages, prose, German, French, Chinese, repetitive text),
 `replay` (both servers run `--moe-route-replay` with the same replay file of the held-out
 prompts: every request takes the file's next prompt, the launch's context probe and the warm-up
-requests the first ones on both sides alike; the trace is split by prompt, never by token), `random` (uniformly random token ids),
-`chat` (each unseen prompt cut in three turns, a conversation: each turn sent after the last answer,
-the conversation so far as the prompt with llama-server's prompt cache on, so a turn prefills its
-new text alone, on slots that followed the turns before; a table row's prompts are turns). Per prompt: prefill and decode t/s from
+requests the first ones on both sides alike; the trace is split by prompt, never by token),
+`random` (uniformly random token ids), `chat` (not by default: each unseen prompt cut in three
+turns, a conversation: each turn sent after the last answer, the conversation so far as the prompt
+with llama-server's prompt cache on, so a turn prefills its new text alone, on slots that followed
+the turns before; a table row's prompts are turns). Per prompt: prefill and decode t/s from
 llama-server's `timings` (`--prefill-reps N`: a text or random prompt's prefill is the median of N
-requests per launch: the decoding one, then N - 1 passes over the workload's prompts with requests of one
-token, so that no prompt is timed right after itself (where a workload has more than one), whose routing a
-dynamic policy's slots would then follow; the order in the JSON, `sequence`); per server run: the VRAM the process holds (NVML; null without a GPU)
-and the slot hit rate from `/metrics`. Rows run interleaved in rounds (bench.interleaved_rounds:
-every other round reversed; `--time-limit S` starts no round that would end later than S seconds
-after the start). One markdown table per workload: per budget the median over prompts of the
+requests per launch: the decoding one, then N - 1 passes over the workload's prompts with requests
+of one token, so that no prompt is timed right after itself (where a workload has more than one),
+whose routing a dynamic policy's slots would then follow; the order in the JSON, `sequence`; each
+prompt's first request alone on a line under the table); per server run: the VRAM the process
+holds (NVML; null without a GPU) and the slot hit rate from `/metrics`. Rows run interleaved in
+rounds (bench.interleaved_rounds: every other round reversed; `--time-limit S` starts no round that
+would end later than S seconds after the start). One markdown table per workload: per budget the median over prompts of the
 per-prompt ratio moeplug/stock (each prompt's t/s is its median over rounds), the lowest
 per-prompt ratio, the VRAM and the measured hit rate.
 
@@ -77,6 +79,7 @@ WARMUP_TOKENS, WARMUP_PREDICT = 32, 16  # a warm-up request's prompt and generat
 DEFAULT_TRACE = HERE.parents[1] / ".." / "shared" / "data" / "traces" / "gpt-oss-20b" / "decode-routing-mmlu.npz"
 REPLAY_FLAG = "--moe-route-replay"
 WORKLOADS = ("text", "chat", "replay", "random")
+TABLE_ORDER = ("text-profiled", "text-unseen", "chat", "replay", "random")  # a run's tables, in this order
 TABLES = {"text-profiled": "text: the bundled profiling prompts (profiles/*.txt)",
           "text-unseen": "text: prompts profiling never sees (native/bench/prompts/unseen.txt)",
           "chat": f"chat: each unseen prompt as a conversation of {CHAT_TURNS} turns, each turn sent after the last "
@@ -605,7 +608,7 @@ def configs_from_json(doc: dict[str, Any]) -> tuple[list[Config], list[tuple[Con
 def print_tables(pairs: list[tuple[Config, Config]], workloads: list[str]) -> dict[str, Any]:
     """Every workload's table (and its recording rows), printed; the tables as the JSON keeps them."""
     tables = {}
-    for w in ("text-profiled", "text-unseen", "chat", "replay", "random"):
+    for w in TABLE_ORDER:
         if w in workloads:
             tables[w] = table_rows(pairs, w)
             print_table(w, tables[w])
@@ -688,8 +691,7 @@ def main(argv: list[str] | None = None) -> int:
             _, pairs = configs_from_json(json.loads(a.tables_from.read_text()))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             ap.error(f"--tables-from: {a.tables_from}: not a serve_bench JSON ({type(exc).__name__}: {exc})")
-        print_tables(pairs, [w for w in ("text-profiled", "text-unseen", "chat", "replay", "random")
-                             if any(w in m.workloads for m, _ in pairs)])
+        print_tables(pairs, [w for w in TABLE_ORDER if any(w in m.workloads for m, _ in pairs)])
         return 0
     workloads = [w.strip() for w in a.workloads.split(",") if w.strip()]
     if not workloads or any(w not in WORKLOADS for w in workloads):
@@ -753,8 +755,8 @@ def main(argv: list[str] | None = None) -> int:
 
     n_vocab = vocab_size(model)
     prompts = make_prompts(a, n_vocab, replay[2] if replay else 0)
-    plain = [w for w in ("text-profiled", "text-unseen", "chat", "random")
-             if (w.startswith("text") and "text" in workloads) or w in workloads]
+    plain = [w for w in TABLE_ORDER if w != "replay" and ((w.startswith("text") and "text" in workloads)
+                                                          or w in workloads)]
     common = (["-t", str(a.threads)] if a.threads else []) + ["-np", str(a.parallel)]
     text_prof = text_profile(model, patched, a) if plain else None
     if a.build_only:
