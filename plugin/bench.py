@@ -33,12 +33,14 @@ WARMUP_PREDICT = 16
 
 
 def fit_target(budget: int | list[int] | None, free: list[int]) -> str:
-    """stock's -fitt: MiB to leave free on each GPU, so that the budget is what it may use there (0
-    where there is no GPU or no budget)."""
-    if budget is None or not free:
+    """stock's -fitt from each GPU's free bytes: MiB to leave free, so that the budget is what stock may
+    use there (per GPU for a list of budgets, 0 for one without a GPU; 0 without a budget or a GPU)."""
+    if budget is None:
         return "0"
-    budgets = budget if isinstance(budget, list) else [budget]
-    return ",".join(str(max(0, (f - b) // MIB)) for f, b in zip(free, budgets))
+    if not isinstance(budget, list):
+        return str(max(0, (free[0] - budget) // MIB)) if free else "0"
+    padded: list[int | None] = [*free, *[None] * len(budget)]
+    return ",".join(str(max(0, (f - b) // MIB)) if f is not None else "0" for f, b in zip(padded, budget))
 
 
 def bench_prompts(prompt_files: list[Path], max_prompts: int) -> list[str]:
@@ -76,11 +78,6 @@ class Side:
         return {i: statistics.median(pick[what](t) for t in ts) for i, ts in self.timed.get(workload, {}).items()}
 
 
-def ratios(mine: Side, stock: Side, workload: str, what: str) -> dict[int, float]:
-    a, b = mine.per_prompt(workload, what), stock.per_prompt(workload, what)
-    return {i: a[i] / b[i] for i in sorted(a) if i in b and b[i] > 0}
-
-
 @dataclass
 class Comparison:
     name: str
@@ -110,18 +107,20 @@ class Comparison:
             out.append(row)
         return out
 
-    def summary(self, workload: str, what: str) -> dict[str, float | None]:
-        r = list(ratios(self.sides["moeplug"], self.sides["stock"], workload, what).values())
-        return {"ratio_median": statistics.median(r) if r else None, "ratio_lowest": min(r) if r else None}
-
     def to_json(self) -> dict[str, Any]:
+        workloads = {}
+        for w in self.workloads:
+            rows = self.rows(w)
+            summary = {}
+            for what in ("prefill", "first", "decode"):
+                r = [row[what]["ratio"] for row in rows if row[what]["ratio"] is not None]
+                summary[what] = {"ratio_median": statistics.median(r) if r else None, "ratio_lowest": min(r) if r else None}
+            workloads[w] = {"prompts": len(rows), "rows": rows, **summary}
         return {"name": self.name, "budget_bytes": self.budget_bytes, "rounds": self.rounds,
                 "n_predict": self.n_predict, "prefill_reps": self.prefill_reps, "notes": self.notes,
                 "sides": {k: {"args": v.args, "env": v.env, "vram_bytes": v.vram_bytes, "cache": v.cache}
                           for k, v in self.sides.items()},
-                "workloads": {w: {"prompts": len(self.rows(w)), "rows": self.rows(w),
-                                  **{what: self.summary(w, what) for what in ("prefill", "first", "decode")}}
-                              for w in self.workloads}}
+                "workloads": workloads}
 
 
 def compare(name: str, *, rounds: int = 2, n_predict: int = 64, prefill_reps: int = 3,

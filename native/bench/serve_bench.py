@@ -142,15 +142,14 @@ def parse_budgets(text: str) -> list[tuple[str, float | list[float], bool]]:
 
 
 def fit_targets(budget: int | list[int], free: int | None) -> str:
-    """stock's -fitt: MiB to leave free, so that the budget is what it may use (per GPU for a list;
-    0 without a GPU, the CPU smoke test)."""
+    """stock's -fitt for a budget (moeplug.bench.fit_target: per GPU for a list; 0 without a GPU, free
+    None, the CPU smoke test)."""
+    from moeplug.bench import fit_target
     from moeplug.gpu import gpus
 
-    if not isinstance(budget, list):
-        return str(max(0, (free - budget) // MIB) if free is not None else 0)
-    found = gpus()
-    return ",".join(str(max(0, (g.free_bytes - b) // MIB) if g else 0)
-                    for g, b in zip(found + [None] * len(budget), budget))
+    if free is None:
+        return fit_target(budget, [])
+    return fit_target(budget, [g.free_bytes for g in gpus()] if isinstance(budget, list) else [free])
 
 
 def budget_bytes(info, ctx: int, value: float | list[float], fraction: bool, need=None, spec=None,
