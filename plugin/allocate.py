@@ -51,7 +51,10 @@ shape, stock --fit and moeplug at 8, 12 and 16 GiB, the four profiled text promp
 tokens, 24 timings; the distinct experts each prompt's batch picks behind each layer's slots counted
 from a profile of those prompts): 38 us per uploaded expert of 2.65 MB on the cache's path (about
 70 GB/s, the copies partly hidden behind compute), 56 us on stock's (about 48 GB/s), within 3.9 ms
-rms of prompts taking 29-102 ms. A fixed stall per layer that is not whole, 0.58 ms fitted to
+rms of prompts taking 29-102 ms. A plan that runs without the copies ahead (`LayerCost.copy_ahead`)
+copies each weight only when its split starts, as stock does, so its uploads are priced at stock's
+rate (until the twenty-third session they were priced at the cache's, which modelled the Qwen3
+shape's 16 GiB plan 39 us per prompt token ahead of stock where runs measured -32 to +26). A fixed stall per layer that is not whole, 0.58 ms fitted to
 llama-bench pp64 on the eleventh session's two-pass path, no longer shows: fitted beside the uploads
 it came out below zero, so the model has none. Those uploads explained why placement mattered:
 the benchmark model's early layers route a 64-token prompt to 94-42 distinct experts, its later ones
@@ -113,6 +116,7 @@ class LayerCost:
     prefill: np.ndarray | None = None
     prefill_batches: float = 0.0
     prefill_weight: float = PREFILL_WEIGHT
+    copy_ahead: bool = True  # False: a prompt batch's expert weights are copied one at a time, as stock's
 
     def missed_experts(self, n_slots: np.ndarray) -> np.ndarray:
         """Expected distinct experts a step computes on the CPU with n_slots resident: at k = 1 the
@@ -142,11 +146,12 @@ class LayerCost:
     def prompt_token_seconds(self, n_slots: np.ndarray, stock: bool = False) -> np.ndarray:
         """What the layer adds to a prompt batch per prompt token with n_slots resident: the experts
         it uploads, on the cache's path or stock's (module docstring); 0 for a whole layer or without
-        prompt data."""
+        prompt data. Without the copies ahead the cache's copies wait in turn as stock's do, so they
+        are priced at stock's rate."""
         n_slots = np.asarray(n_slots)
         if self.prefill is None:
             return np.zeros_like(n_slots, dtype=np.float64)
-        rate = STOCK_UPLOAD_BYTES_PER_S if stock else UPLOAD_BYTES_PER_S
+        rate = STOCK_UPLOAD_BYTES_PER_S if stock or not self.copy_ahead else UPLOAD_BYTES_PER_S
         per_token = self.prefill[np.minimum(n_slots, self.n_expert)] * self.bytes_per_expert / rate
         return np.where(n_slots >= self.n_expert, 0.0, per_token)
 

@@ -61,11 +61,12 @@ WARN_FIT_STRONG = 0.15
 
 
 def _layer_costs(info: ModelInfo, profile: Profile | None, tokens_per_step: int = 1,
-                 prefill_weight: float = PREFILL_WEIGHT) -> list[LayerCost]:
+                 prefill_weight: float = PREFILL_WEIGHT, copy_ahead: bool = True) -> list[LayerCost]:
     curves = hit_curves(profile, len(info.layers), info.n_expert)
     prompts = prefill_uploads(profile, len(info.layers), info.n_expert) if prefill_weight > 0 else None
     return [LayerCost(layer.bytes_per_expert, layer.n_expert, info.n_expert_used, curve, tokens_per_step,
-                      prompts[0][i] if prompts else None, prompts[1] if prompts else 0.0, prefill_weight)
+                      prompts[0][i] if prompts else None, prompts[1] if prompts else 0.0, prefill_weight,
+                      copy_ahead)
             for i, (layer, curve) in enumerate(zip(info.layers, curves))]
 
 
@@ -176,7 +177,9 @@ def _fit_warnings(fit: float, hit: float | None) -> list[str]:
 # copies ahead to cost more than the slots their compute buffer would hold (patch 0024; nineteenth
 # session, through the server, Qwen3 shape: 6 of 48 layers partly resident at 16 GiB, decode +5-8%
 # without the copies and prefill at par; 29 of 48 at 12 GiB and 46 at 8 GiB, prefill 4-20% slower
-# without and decode no faster; gpt-oss shape at 25%, 24 of 24: prefill 25% slower, decode +2.5%)
+# without and decode no faster; gpt-oss shape at 25%, 24 of 24: prefill 25% slower, decode +2.5%;
+# checked again at 16 GiB in the twentieth and twenty-third sessions: with the copies ahead prefill
+# -4% to +3%, decode 0-9% slower)
 COPY_AHEAD_FEW_PARTIAL = 0.25
 
 
@@ -252,7 +255,7 @@ def _make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, p
     margin = SAFETY_MARGIN if need is None else CUDA_CONTEXT_RESERVE
     if profile is None and profile_path:
         profile = _read_profile(profile_path)
-    costs = _layer_costs(trunk, profile, k, prefill_weight)
+    costs = _layer_costs(trunk, profile, k, prefill_weight, copy_ahead)
     load_mode, load_notes = choose_load_mode(info, ram_available)
     n_layers = len(info.layers)
     n_trunk = len(trunk.layers)

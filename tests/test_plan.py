@@ -243,6 +243,48 @@ def test_the_planner_drops_the_copies_ahead_where_few_layers_are_partly_resident
     assert kept.copy_ahead and kept.server_env() == {}
 
 
+def test_a_plan_without_copies_ahead_prices_its_uploads_at_stocks_rate(tmp_path: Path) -> None:
+    """Without the copies ahead a prompt batch copies each expert weight when its split starts, as
+    stock's do, so the plan's uploads are priced at stock's rate (allocate.STOCK_UPLOAD_BYTES_PER_S),
+    the plan with them at the cache's (twenty-third session: at the cache's rate the Qwen3 shape's
+    16 GiB plan modelled 39 us per prompt token ahead of stock, runs measured -32 to +26)."""
+    from moeplug.allocate import STOCK_UPLOAD_BYTES_PER_S, UPLOAD_BYTES_PER_S, modelled_prompt_seconds
+    from moeplug.plan import _layer_costs
+    from moeplug.synth import ModelSpec, make_model
+
+    path = make_model(ModelSpec(arch="qwen3moe", layers=8, experts=16, used=2, embd=512, expert_ff=2048, dtype="f16",
+                                seed=5), tmp_path / "eight-layers.gguf")[0]
+    info = inspect_model(path)
+    rng = np.random.default_rng(0)
+    hot = np.r_[np.full(4, 0.2), np.full(12, 0.2 / 12)]  # prompts: four hot experts, the rest spread
+    steps, meta = [], []
+    for prompt in range(8):
+        for pos in range(64):
+            steps.append([rng.choice(16, 2, replace=False, p=hot) for _ in range(8)])
+            meta.append([prompt, pos, 0])
+        for pos in range(64):  # decoded tokens: experts 0-3
+            steps.append([rng.choice(4, 2, replace=False) for _ in range(8)])
+            meta.append([prompt, 64 + pos, 1])
+    seq, meta_arr = np.array(steps, dtype=np.int16), np.array(meta, dtype=np.int32)
+    counts = np.stack([np.bincount(seq[:, i].ravel(), minlength=16) for i in range(8)])
+    prof = Profile(fingerprint=None, tensors=[f"blk.{i}.ffn_down_exps.weight" for i in range(8)],  # type: ignore[arg-type]
+                   counts_prefill=counts * 0, counts_decode=counts,
+                   sources=[ProfileSource("t", ["p"] * 8, seq, meta_arr)])
+    budget = fixed_bytes(info, 2048) + int(7.6 * info.expert_bytes // 8)
+    on, off = (make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=prof, copy_ahead=c) for c in (True, False))
+    assert 0 < sum(0 < n < 16 for n in off.slots_per_layer) and off.slots_total > on.slots_total
+    ahead, single = _layer_costs(info, prof), _layer_costs(info, prof, copy_ahead=False)
+    assert on.modelled_prompt_us == pytest.approx(1e6 * modelled_prompt_seconds(ahead, on.slots_per_layer))
+    assert off.modelled_prompt_us == pytest.approx(1e6 * modelled_prompt_seconds(single, off.slots_per_layer))
+    assert off.modelled_prompt_us == pytest.approx(1e6 * modelled_prompt_seconds(ahead, off.slots_per_layer)
+                                                   * UPLOAD_BYTES_PER_S / STOCK_UPLOAD_BYTES_PER_S)
+    # stock's placement is priced on stock's path either way
+    assert off.stock_modelled_prompt_us == pytest.approx(on.stock_modelled_prompt_us)
+    # the planner's choice still follows the count of partly resident layers (COPY_AHEAD_FEW_PARTIAL)
+    assert make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=prof).to_json()["slots_per_layer"] == \
+        off.slots_per_layer
+
+
 def flat_wide_model(tmp_path: Path) -> tuple[Path, Profile]:
     """Two MoE layers of 16 experts of 6 MiB, 8 picked per token, and a flat router: a partly resident
     layer misses several large experts per token, as gpt-oss-20b's do at a quarter of its experts."""

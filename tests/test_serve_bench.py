@@ -226,6 +226,19 @@ def test_serve_bench_copy_ahead_rows(patched_build, stock_build, bench_model: Pa
         assert bad.returncode == 2 and said in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_copy_ahead_rows_parse_auto() -> None:
+    """--copy-ahead takes on, off and auto (the planner's choice) in any list; anything else is
+    argparse's one-line error."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    assert serve_bench.copy_aheads(ap, "") == [None]
+    assert serve_bench.copy_aheads(ap, "auto,off") == [None, False]
+    assert serve_bench.copy_aheads(ap, " on , auto ") == [True, None]
+    with pytest.raises(SystemExit):
+        serve_bench.copy_aheads(ap, "on,maybe")
+
+
 def test_serve_bench_prices_recording(patched_build, stock_build, bench_model: Path, tmp_path: Path) -> None:
     """--policies auto,auto+record: two moeplug rows of the same plan against stock, the second
     recording live routing counts, and a table of the second against the first (what recording

@@ -566,11 +566,11 @@ def row_envs(ap: argparse.ArgumentParser, text: str) -> list[dict[str, str]]:
 
 
 def copy_aheads(ap: argparse.ArgumentParser, text: str) -> list[bool | None]:
-    """--copy-ahead on,off: a moeplug row per choice ([None], the planner's, when empty)."""
+    """--copy-ahead on,off,auto: a moeplug row per choice (None: the planner's; [None] when empty)."""
     parts = [x.strip() for x in text.split(",") if x.strip()]
-    if any(x not in ("on", "off") for x in parts):
-        ap.error(f"--copy-ahead: {text!r}: give on, off or on,off")
-    return [x == "on" for x in parts] or [None]
+    if any(x not in ("on", "off", "auto") for x in parts):
+        ap.error(f"--copy-ahead: {text!r}: give on, off, auto or a list of them, e.g. auto,off")
+    return [None if x == "auto" else x == "on" for x in parts] or [None]
 
 
 def env_desc(env: dict[str, str]) -> str:
@@ -653,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
                     "e.g. GGML_CUDA_EXPERT_COPY_AHEAD_BLOCKS=unset,64 ('unset': as the caller's)")
     ap.add_argument("--copy-ahead", default="", help="moeplug rows planned with and without a prompt batch's expert "
                     "weights copied ahead (on,off; off: the compute buffer's second weight copy goes to slots and the "
-                    "server runs with GGML_SCHED_EXPERT_COPY_AHEAD=0; default: the planner's choice)")
+                    "server runs with GGML_SCHED_EXPERT_COPY_AHEAD=0; auto: the planner's choice, the default)")
     ap.add_argument("--prefill-reps", type=int, default=1, help="time each text or random prompt's prefill this many "
                     "times per launch (the decoding request, then passes over the prompts with requests of one token, "
                     "so each meets the slots another prompt left) and take the median: a prompt batch takes tens "
