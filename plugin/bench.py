@@ -21,7 +21,7 @@ from typing import Any
 from moeplug.errors import MoeplugError
 from moeplug.gpu import gpus, process_vram_bytes
 from moeplug.install import installed_build, read_installed
-from moeplug.measure import ERRORS, Timings, chat_turns, time_chat, time_prompts
+from moeplug.measure import ERRORS, Timings, chat_turns, median_ratio_interval, time_chat, time_prompts
 from moeplug.profile.runner import DEFAULT_PROMPT_SETS, read_prompts, resolve_prompt_set
 from moeplug.progress import Note, ProgressFn, silent
 from moeplug.server import complete
@@ -71,11 +71,15 @@ class Side:
         for i, t in got.prompts.items():
             self.timed.setdefault(workload, {}).setdefault(i, []).append(t)
 
-    def per_prompt(self, workload: str, what: str) -> dict[int, float]:
-        """prompt -> the median over rounds of prefill (the median of its requests), first (its first
-        request's prefill) or decode t/s."""
+    def samples(self, workload: str, what: str) -> dict[int, list[float]]:
+        """prompt -> each round's prefill (the median of its requests), first (its first request's
+        prefill) or decode t/s."""
         pick = {"prefill": lambda t: t.prefill_median, "first": lambda t: t.prefill[0], "decode": lambda t: t.decode}
-        return {i: statistics.median(pick[what](t) for t in ts) for i, ts in self.timed.get(workload, {}).items()}
+        return {i: [pick[what](t) for t in ts] for i, ts in self.timed.get(workload, {}).items()}
+
+    def per_prompt(self, workload: str, what: str) -> dict[int, float]:
+        """prompt -> the median over rounds of samples()."""
+        return {i: statistics.median(v) for i, v in self.samples(workload, what).items()}
 
 
 @dataclass
@@ -114,7 +118,10 @@ class Comparison:
             summary = {}
             for what in ("prefill", "first", "decode"):
                 r = [row[what]["ratio"] for row in rows if row[what]["ratio"] is not None]
-                summary[what] = {"ratio_median": statistics.median(r) if r else None, "ratio_lowest": min(r) if r else None}
+                mine, theirs = (self.sides[side].samples(w, what) for side in SIDES)
+                summary[what] = {"ratio_median": statistics.median(r) if r else None, "ratio_lowest": min(r) if r else None,
+                                 "ratio_interval": median_ratio_interval([(mine[i], theirs[i]) for i in sorted(mine)
+                                                                          if i in theirs])}
             workloads[w] = {"prompts": len(rows), "rows": rows, **summary}
         return {"name": self.name, "budget_bytes": self.budget_bytes, "rounds": self.rounds,
                 "n_predict": self.n_predict, "prefill_reps": self.prefill_reps, "notes": self.notes,

@@ -14,7 +14,11 @@ HEAD = ["#", "tokens", "prefill t/s moeplug / stock", "prefill", "decode t/s moe
 
 
 def _ratio(d: dict[str, Any]) -> str:
-    return "-" if d["ratio_median"] is None else f"{d['ratio_median']:.2f}x (lowest {d['ratio_lowest']:.2f}x)"
+    if d["ratio_median"] is None:
+        return "-"
+    iv = d.get("ratio_interval")
+    within = f"; 95% interval over rounds {iv[0]:.2f}x-{iv[1]:.2f}x" if iv else ""
+    return f"{d['ratio_median']:.2f}x (lowest {d['ratio_lowest']:.2f}x{within})"
 
 
 def comparison_text(c: Any) -> str:

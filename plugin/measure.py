@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import requests
 
 from moeplug.errors import MoeplugError
@@ -111,3 +112,30 @@ def time_chat(url: str, conversations: Sequence[Sequence[str]], n_predict: int) 
                 out.errors.append(f"conversation {c} turn {t}: {type(exc).__name__}: {exc}")
                 break
     return out
+
+
+def median_ratio_interval(prompts: Sequence[tuple[Sequence[float], Sequence[float]]], draws: int = 2000,
+                          seed: int = 0) -> list[float] | None:
+    """The 95% interval of the median over prompts of mine / theirs, each the median of its rounds,
+    when every prompt's rounds are drawn again with replacement on each side (a bootstrap over
+    rounds). prompts: per prompt (my t/s per round, their t/s per round). Seeded: the same samples
+    give the same interval. It shows what one run resolves, not what parts runs on other days or
+    machines. None where a prompt has fewer than two rounds on a side, or there is no prompt."""
+    if not prompts or any(len(a) < 2 or len(b) < 2 for a, b in prompts):
+        return None
+    rng = np.random.default_rng(seed)
+
+    def redrawn(values: Sequence[float]) -> np.ndarray:
+        x = np.asarray(values, dtype=np.float64)
+        return np.median(x[rng.integers(0, len(x), (draws, len(x)))], axis=1)
+
+    ratios = np.empty((draws, len(prompts)))
+    for j, (mine, theirs) in enumerate(prompts):
+        below = redrawn(theirs)
+        ratios[:, j] = redrawn(mine) / np.where(below > 0, below, np.nan)
+    medians = np.nanmedian(ratios, axis=1)
+    medians = medians[~np.isnan(medians)]
+    if not len(medians):
+        return None
+    lo, hi = np.percentile(medians, [2.5, 97.5])
+    return [float(lo), float(hi)]

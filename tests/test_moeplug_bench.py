@@ -54,6 +54,8 @@ def test_bench_serves_the_plan_and_stock_in_turns(home: dict[str, str]) -> None:
                 assert d["ratio"] == pytest.approx(d["moeplug_tps"] / d["stock_tps"])
         for what in ("prefill", "first", "decode"):
             per = [row[what]["ratio"] for row in w["rows"]]
+            lo, hi = w[what].pop("ratio_interval")  # two rounds: the median ratio's interval over them
+            assert 0 < lo <= hi
             assert w[what] == pytest.approx({"ratio_median": statistics.median(per), "ratio_lowest": min(per)})
     # a chat turn after the first prefilled its own text: the conversation before it came from the prompt cache
     rows = chat["rows"]
@@ -72,6 +74,7 @@ def test_bench_text_output(home: dict[str, str]) -> None:
     assert "demo: moeplug's plan against stock llama-server --fit at the same budget" in r.stdout
     assert "prefill t/s moeplug / stock" in r.stdout and "of stock (median over 1 prompts)" in r.stdout
     assert "first request alone" not in r.stdout  # one request per prompt: nothing apart
+    assert "95% interval" not in r.stdout  # one round: no interval over rounds
 
 
 def test_bench_bad_input_is_one_line(home: dict[str, str], tmp_path: Path) -> None:

@@ -70,6 +70,8 @@ def check_table(stdout: str, doc: dict, workload: str) -> None:
         assert row[key]["ratio_median"] == pytest.approx(statistics.median(per))
         assert row[key]["ratio_lowest"] == pytest.approx(min(per))
         assert f"{row[key]['ratio_median']:.2f}x (lowest {row[key]['ratio_lowest']:.2f}x)" in rows[0]
+        lo, hi = row[key]["ratio_interval"]  # two rounds: the median ratio's interval over them
+        assert 0 < lo <= hi and f"{lo:.2f}x-{hi:.2f}x" in section
         for side, cfg in (("moeplug", mine), ("stock", stock)):  # each server's own round-to-round spread
             own = [min(x[test] for x in v) / max(x[test] for x in v)
                    for k, v in cfg["samples"].items() if k.startswith(workload + "/")]
@@ -164,6 +166,30 @@ def test_the_planners_model_beside_the_measured_difference(tmp_path: Path) -> No
     assert serve_bench.model_check(other, row).keys() == {"prefill_us"}  # the last flag wins: not the plan's share
     spec = serve_bench.Config("8 GiB", "moeplug", tmp_path, "id", args, ["text"], plan={**plan, "speculation": {"kind": "mtp"}})
     assert serve_bench.model_check(spec, row) is None
+
+
+def test_the_median_ratio_has_an_interval_over_rounds(tmp_path: Path) -> None:
+    """serve_bench.ratio_interval: each prompt's rounds drawn again with replacement on each side; the
+    interval holds the measured median ratio, is narrow where the rounds agree and wide where they do
+    not, is the same on every call (seeded), and is None with one round."""
+    def config(side: str, rounds: list[list[float]]) -> serve_bench.Config:
+        cfg = serve_bench.Config("8 GiB", side, tmp_path, "id", [], ["random"])
+        for i, per_round in enumerate(rounds):
+            cfg.samples[("random", i)] = [(tps, tps / 10) for tps in per_round]
+        return cfg
+
+    steady = config("moeplug", [[110, 111, 109]] * 4)
+    stock = config("stock", [[100, 101, 99]] * 4)
+    lo, hi = serve_bench.ratio_interval(steady, stock, "random", 0)
+    assert lo <= statistics.median(serve_bench.ratios(steady, stock, "random", 0)) <= hi
+    assert 1.07 < lo and hi < 1.13
+    noisy = config("moeplug", [[110, 70, 140]] * 4)
+    nlo, nhi = serve_bench.ratio_interval(noisy, stock, "random", 0)
+    assert nhi - nlo > 4 * (hi - lo)
+    assert serve_bench.ratio_interval(noisy, stock, "random", 0) == [nlo, nhi]
+    assert serve_bench.ratio_interval(config("moeplug", [[110]] * 4), stock, "random", 1) is None
+    row = serve_bench.table_rows([(steady, stock)], "random")[0]
+    assert row["prefill"]["ratio_interval"] == [lo, hi] and row["decode"]["ratio_interval"] is not None
 
 
 def test_serve_bench_chat(patched_build, stock_build, bench_model: Path, tmp_path: Path) -> None:

@@ -43,7 +43,9 @@ holds (NVML; null without a GPU) and the slot hit rate from `/metrics`. Rows run
 rounds (bench.interleaved_rounds: every other round reversed; `--time-limit S` starts no round that
 would end later than S seconds after the start). One markdown table per workload: per budget the median over prompts of the
 per-prompt ratio moeplug/stock (each prompt's t/s is its median over rounds), the lowest
-per-prompt ratio, the VRAM and the measured hit rate.
+per-prompt ratio, the VRAM and the measured hit rate; under it, the median ratio's 95% interval over
+the run's rounds (`ratio_interval`: each prompt's rounds drawn again with replacement; it cannot see
+what parts whole runs on fresh machines, which can be more).
 
 The replay workload needs a build whose llama-server lists --moe-route-replay; a stock build
 never does (the flag is ours), so there the stock rows run on the patched build with stock flags
@@ -71,7 +73,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import GIB, MIB, Prebuilt, free_vram_or_say, interleaved_rounds, median  # noqa: E402
-from moeplug.measure import CHAT_TURNS, chat_turns, time_chat, time_prompts  # noqa: E402
+from moeplug.measure import CHAT_TURNS, chat_turns, median_ratio_interval, time_chat, time_prompts  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 UNSEEN_PROMPTS = HERE / "prompts" / "unseen.txt"
@@ -312,6 +314,14 @@ def spread(cfg: Config, workload: str, test: int) -> float | None:
     return min(parts) if parts else None
 
 
+def ratio_interval(mine: Config, stock: Config, workload: str, test: int) -> list[float] | None:
+    """The median per-prompt ratio's 95% interval over the run's rounds (moeplug.measure.median_ratio_interval:
+    each prompt's rounds drawn again on each side; seeded, so a JSON's tables print the same again)."""
+    a = {i: [s[test] for s in v] for (w, i), v in mine.samples.items() if w == workload and v}
+    b = {i: [s[test] for s in v] for (w, i), v in stock.samples.items() if w == workload and v}
+    return median_ratio_interval([(a[i], b[i]) for i in sorted(a) if i in b])
+
+
 def ratio_summary(r: list[float]) -> dict[str, float | None]:
     """The median and the lowest of per-prompt ratios (None for none)."""
     return {"ratio_median": statistics.median(r) if r else None, "ratio_lowest": min(r) if r else None}
@@ -379,7 +389,8 @@ def table_rows(pairs: list[tuple[Config, Config]], workload: str) -> list[dict[s
         for test, key in ((0, "prefill"), (1, "decode")):
             r = ratios(mine, stock, workload, test)
             row[key] = {"moeplug_tps": median(list(per_prompt(mine, workload, test).values())),
-                        "stock_tps": median(list(per_prompt(stock, workload, test).values())), **ratio_summary(r)}
+                        "stock_tps": median(list(per_prompt(stock, workload, test).values())), **ratio_summary(r),
+                        "ratio_interval": ratio_interval(mine, stock, workload, test)}
         # a new prompt's prefill alone: the slots it meets followed another prompt's decoding, where the repeats'
         # follow requests of one token (None without repeats)
         first = first_ratios(mine, stock, workload)
@@ -421,6 +432,12 @@ def print_table(workload: str, rows: list[dict[str, Any]]) -> None:
                   f"its fastest, lowest: prefill moeplug {sp['moeplug']['prefill']:.2f}x, stock "
                   f"{sp['stock']['prefill']:.2f}x; decode moeplug {sp['moeplug']['decode']:.2f}x, stock "
                   f"{sp['stock']['decode']:.2f}x")
+    for r in rows:
+        iv = [r[k].get("ratio_interval") for k in ("prefill", "decode")]
+        if all(iv):
+            print(f"\n{r['budget']}, {r['moeplug']} vs stock {r['stock']}: the median ratio's 95% interval over this "
+                  f"run's rounds (each prompt's rounds drawn again): prefill {iv[0][0]:.2f}x-{iv[0][1]:.2f}x, decode "
+                  f"{iv[1][0]:.2f}x-{iv[1][1]:.2f}x")
     for r in rows:
         if (f := r.get("prefill_first")) is not None:
             print(f"\n{r['budget']}, {r['moeplug']} vs stock {r['stock']}: prefill of each prompt's first request "
