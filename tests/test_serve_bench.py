@@ -192,6 +192,20 @@ def test_the_median_ratio_has_an_interval_over_rounds(tmp_path: Path) -> None:
     assert row["prefill"]["ratio_interval"] == [lo, hi] and row["decode"]["ratio_interval"] is not None
 
 
+def test_delayed_prefill_requests_are_counted_apart(tmp_path: Path) -> None:
+    """serve_bench.delayed_share: per configuration, the share of decoding requests and of one-token
+    repeats whose prefill took more than SLOW_REQUEST_MS longer than the prompt's fastest request;
+    None without repeats."""
+    cfg = serve_bench.Config("8 GiB", "moeplug", tmp_path, "id", [], ["random"])
+    cfg.prompt_tokens[("random", 0)] = 100
+    # 100 tokens: 10 ms at 10000 t/s; 2500 t/s is 40 ms (delayed), 8000 t/s 12.5 ms (not)
+    cfg.prefill_reps[("random", 0)] = [[10000, 2500, 8000, 10000], [2500, 10000, 10000, 10000]]
+    assert serve_bench.delayed_share(cfg, "random") == [pytest.approx(1 / 2), pytest.approx(1 / 6)]
+    assert serve_bench.delayed_share(cfg, "text-unseen") is None
+    cfg.prefill_reps[("random", 0)] = [[10000], [2500]]
+    assert serve_bench.delayed_share(cfg, "random") is None
+
+
 def test_serve_bench_chat(patched_build, stock_build, bench_model: Path, tmp_path: Path) -> None:
     """--workloads chat: each unseen prompt a conversation of three turns, every turn after the first
     prefilling its new text alone, the conversation before it held by the server's prompt cache."""

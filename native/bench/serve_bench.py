@@ -45,7 +45,8 @@ would end later than S seconds after the start). One markdown table per workload
 per-prompt ratio moeplug/stock (each prompt's t/s is its median over rounds), the lowest
 per-prompt ratio, the VRAM and the measured hit rate; under it, the median ratio's 95% interval over
 the run's rounds (`ratio_interval`: each prompt's rounds drawn again with replacement; it cannot see
-what parts whole runs on fresh machines, which can be more).
+what parts whole runs on fresh machines, which can be more), and each side's share of prefill
+requests delayed more than 15 ms past their prompt's fastest (`delayed`).
 
 The replay workload needs a build whose llama-server lists --moe-route-replay; a stock build
 never does (the flag is ours), so there the stock rows run on the patched build with stock flags
@@ -314,6 +315,30 @@ def spread(cfg: Config, workload: str, test: int) -> float | None:
     return min(parts) if parts else None
 
 
+SLOW_REQUEST_MS = 15.0  # a prefill request this much slower than its prompt's fastest counts as delayed
+
+
+def delayed_share(cfg: Config, workload: str) -> list[float] | None:
+    """[share of the decoding requests, share of the repeats] whose prefill took more than
+    SLOW_REQUEST_MS longer than the fastest request of the same prompt in this configuration (None
+    without repeats). The H200 runs showed a second mode ~28 ms above the first on both sides, on
+    7% of decoding requests and 13-14% of one-token repeats, far more often in some calls than
+    others (BENCHMARKS.md, twenty-third session): the median of a prompt's requests hides it unless
+    it hits most of them."""
+    seen = [[0, 0], [0, 0]]
+    for (w, i), rounds in cfg.prefill_reps.items():
+        n = cfg.prompt_tokens.get((w, i))
+        if w != workload or not n or not rounds or max(len(r) for r in rounds) < 2:
+            continue
+        ms = [[1000.0 * n / x for x in r if x > 0] for r in rounds]
+        best = min(min(r) for r in ms if r)
+        for r in ms:
+            for j, t in enumerate(r):
+                seen[min(j, 1)][0] += t - best > SLOW_REQUEST_MS
+                seen[min(j, 1)][1] += 1
+    return [a / b for a, b in seen] if seen[1][1] else None
+
+
 def ratio_interval(mine: Config, stock: Config, workload: str, test: int) -> list[float] | None:
     """The median per-prompt ratio's 95% interval over the run's rounds (moeplug.measure.median_ratio_interval:
     each prompt's rounds drawn again on each side; seeded, so a JSON's tables print the same again)."""
@@ -395,6 +420,7 @@ def table_rows(pairs: list[tuple[Config, Config]], workload: str) -> list[dict[s
         # follow requests of one token (None without repeats)
         first = first_ratios(mine, stock, workload)
         row["prefill_first"] = ratio_summary(first) if first else None
+        row["delayed"] = {side: delayed_share(cfg, workload) for side, cfg in (("moeplug", mine), ("stock", stock))}
         row["spread"] = {side: {key: spread(cfg, workload, test) for test, key in ((0, "prefill"), (1, "decode"))}
                          for side, cfg in (("moeplug", mine), ("stock", stock))}
         row["vram_mib"] = {"moeplug": _mib(mine), "stock": _mib(stock)}
@@ -432,6 +458,13 @@ def print_table(workload: str, rows: list[dict[str, Any]]) -> None:
                   f"its fastest, lowest: prefill moeplug {sp['moeplug']['prefill']:.2f}x, stock "
                   f"{sp['stock']['prefill']:.2f}x; decode moeplug {sp['moeplug']['decode']:.2f}x, stock "
                   f"{sp['stock']['decode']:.2f}x")
+    for r in rows:
+        late = r.get("delayed") or {}
+        if late.get("moeplug") and late.get("stock"):
+            print(f"\n{r['budget']}, {r['moeplug']} vs stock {r['stock']}: prefill requests more than "
+                  f"{SLOW_REQUEST_MS:g} ms over their prompt's fastest, decoding / one-token ones: moeplug "
+                  f"{100 * late['moeplug'][0]:.0f}% / {100 * late['moeplug'][1]:.0f}%, stock "
+                  f"{100 * late['stock'][0]:.0f}% / {100 * late['stock'][1]:.0f}%")
     for r in rows:
         iv = [r[k].get("ratio_interval") for k in ("prefill", "decode")]
         if all(iv):
