@@ -54,9 +54,10 @@ from a profile of those prompts): 38 us per uploaded expert of 2.65 MB on the ca
 rms of prompts taking 29-102 ms. A plan that runs without the copies ahead (`LayerCost.copy_ahead`)
 copies each weight only when its split starts, as stock does, so its uploads are priced at stock's
 rate (until the twenty-third session they were priced at the cache's, which modelled the Qwen3
-shape's 16 GiB plan 39 us per prompt token ahead of stock where runs measured -32 to +26). A fixed stall per layer that is not whole, 0.58 ms fitted to
-llama-bench pp64 on the eleventh session's two-pass path, no longer shows: fitted beside the uploads
-it came out below zero, so the model has none. Those uploads explained why placement mattered:
+shape's 16 GiB plan 39 us per prompt token ahead of stock where runs measured -32 to +26). A fixed
+stall per layer that is not whole, 0.58 ms fitted to llama-bench pp64 on the eleventh session's
+two-pass path, no longer shows: fitted beside the uploads it came out below zero, so the model has
+none. Those uploads explained why placement mattered:
 the benchmark model's early layers route a 64-token prompt to 94-42 distinct experts, its later ones
 to ~25, so keeping the later layers' experts in RAM (as --fit does) uploads a third fewer bytes than
 keeping the first ones there. How many distinct experts a prompt batch picks per layer comes from

@@ -331,6 +331,8 @@ def delayed_share(cfg: Config, workload: str) -> list[float] | None:
         if w != workload or not n or not rounds or max(len(r) for r in rounds) < 2:
             continue
         ms = [[1000.0 * n / x for x in r if x > 0] for r in rounds]
+        if not any(ms):
+            continue
         best = min(min(r) for r in ms if r)
         for r in ms:
             for j, t in enumerate(r):
