@@ -179,7 +179,7 @@ def _fit_warnings(fit: float, hit: float | None) -> list[str]:
 # without the copies and prefill at par; 29 of 48 at 12 GiB and 46 at 8 GiB, prefill 4-20% slower
 # without and decode no faster; gpt-oss shape at 25%, 24 of 24: prefill 25% slower, decode +2.5%;
 # checked again at 16 GiB in the twentieth and twenty-third sessions: with the copies ahead prefill
-# -4% to +3%, decode 0-9% slower)
+# -4% to +3%, decode 0-8% slower)
 COPY_AHEAD_FEW_PARTIAL = 0.25
 
 
