@@ -38,22 +38,29 @@ def split_models(tmp_path_factory: pytest.TempPathFactory, patched_build) -> dic
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
-@pytest.mark.parametrize("slots,policy", [("3", "static"), ("8,8,3,3", "static"), ("3", "dynamic")])
+@pytest.mark.parametrize("slots,policy,overlap", [("3", "static", True), ("8,8,3,3", "static", True),
+                                                  ("3", "dynamic", True), ("3", "dynamic", False)])
 def test_slots_on_two_devices_are_bitwise_stock(patched_build, rpc_devices, split_models, arch: str, slots: str,
-                                                policy: str) -> None:
+                                                policy: str, overlap: bool) -> None:
     """test-moe-cache on the split: 100 prompt tokens in ubatches of 7 and 64 greedy tokens, every
-    logit equal to the same split without the cache; slots on RPC0 and RPC1."""
+    logit equal to the same split without the cache; slots on RPC0 and RPC1. The slots being on
+    devices, each layer's device pass is queued before the CPU computes its misses, and the CPU
+    computes them beside it (LLAMA_MOE_CACHE_OVERLAP=0: one after the other, as before)."""
     model, profile = split_models[arch]
     cmd = [str(patched_build.binary("test-moe-cache")), *rpc_devices["args"], "-m", str(model),
            "--moe-cache-profile", str(profile), "--moe-cache-slots", slots, "--moe-cache-policy", policy,
            "-ub", "7", "-n", "64", "-t", "2", *SPLIT, *EXPERTS_IN_RAM]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ | rpc_devices["env"])
+    env = os.environ | rpc_devices["env"] | ({} if overlap else {"LLAMA_MOE_CACHE_OVERLAP": "0"})
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert r.stdout.strip().endswith("logits bitwise equal"), r.stdout
     cache = parse_cache_line(r.stderr)
     assert cache and cache.engaged, r.stderr[-2000:]
     assert cache.device == "RPC0, RPC1" and cache.layers == 4
     assert f"policy {policy}" in r.stderr
+    # every partly resident layer overlaps (the line counts them), none with LLAMA_MOE_CACHE_OVERLAP=0
+    assert cache.whole_layers == (2 if slots == "8,8,3,3" else 0)
+    assert cache.overlapped_layers == (cache.layers - cache.whole_layers if overlap else 0), r.stderr[-2000:]
 
 
 def test_metrics_count_per_device(patched_build, rpc_devices, split_models, tmp_path: Path) -> None:

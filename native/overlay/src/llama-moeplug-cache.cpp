@@ -151,12 +151,12 @@ void llama_moeplug_cache_init_sched(const llama_moeplug_cache * cache, ggml_back
         return;
     }
     ggml_backend_sched_set_device_expert_copy(sched, true);
-    bool stream = false;
+    bool overlap = false;
     for (const auto & [down, layer] : cache->layers) {
-        stream = stream || layer->stream;
+        overlap = overlap || layer->stream || layer->overlap;
     }
-    // the CPU computes its misses while the device computes the streamed ones
-    ggml_backend_sched_set_host_overlap(sched, stream);
+    // the CPU computes its misses while the device computes the streamed or resident ones
+    ggml_backend_sched_set_host_overlap(sched, overlap);
     for (const auto & [down, layer] : cache->layers) {
         if (!layer->device_copy) {
             continue;
@@ -174,7 +174,7 @@ uint32_t llama_moeplug_cache::n_extra_nodes() const {
     // every recorded layer
     uint32_t n = 0;
     for (const auto & [down, layer] : layers) {
-        n += (layer->stream ? 2 : 1) * MOEPLUG_CACHE_EXTRA_NODES_PER_LAYER;
+        n += (layer->stream || layer->overlap ? 2 : 1) * MOEPLUG_CACHE_EXTRA_NODES_PER_LAYER;
     }
     return n + 2 * (uint32_t) recorded.size();
 }
@@ -351,30 +351,16 @@ ggml_tensor * llama_moeplug_cache::build_experts(
         return e;
     };
 
-    if (!cache->stream) {
-        // the experts that are not resident, on the source weights (scale rows by the real ids), and the resident
-        // ones on their slots
-        ggml_tensor * e_src = pass(cur, ids_src, selected_experts, w, "ffn_moe_experts_src", nullptr);
-        ggml_build_forward_expand(gf, e_src);
-        ggml_tensor * e_slot = pass(cur, ids_slot, ids_slot_s, ws, "ffn_moe_experts_slot", nullptr);
-        ggml_build_forward_expand(gf, e_slot);
-
-        // each (expert, token) is exactly zero in one of the two: the sum is the stock value
-        ggml_tensor * experts = ggml_add(ctx0, e_slot, e_src);
-        g.cb(experts, "ffn_moe_experts_merged", il);
-
-        return experts;
-    }
-
-    // three passes: the streamed misses on the device, the resident experts on their slots, the other misses on
-    // the CPU. The CPU's inputs are copied to the host first, so that the device's passes are queued before the
-    // CPU computes and run beside it (ggml_backend_sched_set_host_overlap); with slots on the CPU every pass runs there
+    // where the slots are on a device, the CPU's inputs can be copied to the host before the device's passes are
+    // queued, so that the CPU computes while those run (ggml_backend_sched_set_host_overlap)
     ggml_backend_t dev_backend = moe_sched_backend(g.sched, cache->dev);
-    ggml_tensor * ids_str  = remap(cache->map_str, "ffn_moe_ids_str");
-    ggml_tensor * cur_h    = cur;
-    ggml_tensor * ids_h    = ids_src;
-    ggml_tensor * sel_h    = selected_experts;
-    if (dev_backend != nullptr && ggml_backend_dev_type(cache->dev) != GGML_BACKEND_DEVICE_TYPE_CPU && g.backend_cpu != nullptr) {
+    const bool on_device = dev_backend != nullptr && ggml_backend_dev_type(cache->dev) != GGML_BACKEND_DEVICE_TYPE_CPU &&
+        g.backend_cpu != nullptr;
+    const bool on_host_batch = !g.cparams.op_offload || n_tokens < offload_min_batch;
+    ggml_tensor * cur_h = cur;
+    ggml_tensor * ids_h = ids_src;
+    ggml_tensor * sel_h = selected_experts;
+    auto inputs_to_host = [&]() {
         auto to_host = [&](ggml_tensor * t, const char * name) {
             ggml_tensor * h = ggml_cont(ctx0, t);
             g.cb(h, name, il);
@@ -385,6 +371,44 @@ ggml_tensor * llama_moeplug_cache::build_experts(
         cur_h = to_host(cur, "ffn_moe_cur_host");
         ids_h = to_host(ids_src, "ffn_moe_ids_src_host");
         sel_h = has_scales ? to_host(selected_experts, "ffn_moe_selected_host") : selected_experts;
+    };
+
+    if (!cache->stream) {
+        ggml_tensor * e_src  = nullptr;
+        ggml_tensor * e_slot = nullptr;
+        // only for a batch whose misses the scheduler leaves on the CPU (it sends larger ones to the device)
+        const bool overlap = cache->overlap && on_device && on_host_batch;
+        if (overlap) {
+            // the resident experts on their slots, queued on the device, then the others on the CPU beside them
+            inputs_to_host();
+            e_slot = pass(cur, ids_slot, ids_slot_s, ws, "ffn_moe_experts_slot", nullptr);
+            ggml_build_forward_expand(gf, e_slot);
+            e_src = pass(cur_h, ids_h, sel_h, w, "ffn_moe_experts_src", nullptr);
+            ggml_build_forward_expand(gf, e_src);
+        } else {
+            // the experts that are not resident, on the source weights (scale rows by the real ids), then the
+            // resident ones on their slots
+            e_src = pass(cur, ids_src, selected_experts, w, "ffn_moe_experts_src", nullptr);
+            ggml_build_forward_expand(gf, e_src);
+            e_slot = pass(cur, ids_slot, ids_slot_s, ws, "ffn_moe_experts_slot", nullptr);
+            ggml_build_forward_expand(gf, e_slot);
+        }
+
+        // each (expert, token) is exactly zero in one of the two: the sum is the stock value
+        ggml_tensor * experts = ggml_add(ctx0, e_slot, e_src);
+        g.cb(experts, "ffn_moe_experts_merged", il);
+        if (overlap) {
+            ggml_backend_sched_set_tensor_backend(g.sched, experts, dev_backend);
+        }
+
+        return experts;
+    }
+
+    // three passes: the streamed misses on the device, the resident experts on their slots, the other misses on
+    // the CPU; with slots on the CPU every pass runs there
+    ggml_tensor * ids_str = remap(cache->map_str, "ffn_moe_ids_str");
+    if (on_device) {
+        inputs_to_host();
     }
 
     // the streamed misses: the source weights, copied to the device by the scheduler (only the experts in ids_str),
@@ -437,6 +461,12 @@ struct moe_layer_plan {
 bool moe_debug_cpu() {
     const char * v = getenv("LLAMA_MOE_CACHE_DEVICE");
     return v != nullptr && strcmp(v, "CPU") == 0;
+}
+
+// LLAMA_MOE_CACHE_OVERLAP=0: a layer's device pass waits for its CPU pass (llama_moeplug_cache_layer::overlap)
+bool moe_overlap_enabled() {
+    const char * v = getenv("LLAMA_MOE_CACHE_OVERLAP");
+    return v == nullptr || strcmp(v, "0") != 0;
 }
 
 bool moe_debug_no_resident() {
@@ -727,6 +757,7 @@ bool llama_moeplug_cache_build(llama_model & model, const llama_moeplug_cache_pa
         layer->device_copy = !full && !no_resident && moe_device_copies(model, plan);
         layer->stream = cache->stream_share > 0.0f && !full && !no_resident &&
             (moe_is_cpu_dev(plan.dev) || layer->device_copy);
+        layer->overlap = !layer->stream && !full && !no_resident && !moe_is_cpu_dev(plan.dev) && moe_overlap_enabled();
 
         for (size_t i = 0; i < plan.sources.size(); ++i) {
             const ggml_tensor * src = plan.sources[i];
@@ -787,8 +818,9 @@ bool llama_moeplug_cache_build(llama_model & model, const llama_moeplug_cache_pa
         cache->offload_min_batch = std::max(1, atoi(v));
     }
     for (const auto & [down, layer] : cache->layers) {
-        result.n_layers_copied   += layer->device_copy;
-        result.n_layers_streamed += layer->stream;
+        result.n_layers_copied     += layer->device_copy;
+        result.n_layers_streamed   += layer->stream;
+        result.n_layers_overlapped += layer->overlap;
     }
     result.stream_share = cache->stream_share;
     uint64_t n_bytes = 0;

@@ -85,6 +85,10 @@ struct llama_moeplug_cache_layer {
     ggml_tensor *        map_str = nullptr; // I32 [1, n_expert]: the expert when streamed and not resident, or -1
     // full device copies of the layer's small expert tensors (biases, scales), which the streamed pass reads
     std::unordered_map<const ggml_tensor *, ggml_tensor *> mirrors;
+    // slots on a device, misses on the CPU, nothing streamed: for a batch the scheduler leaves on the CPU, the CPU's
+    // inputs are copied to the host first and the device's pass is queued before the CPU computes the misses, so
+    // that both run at once (LLAMA_MOE_CACHE_OVERLAP=0: the device's pass after the CPU's, as before)
+    bool overlap = false;
 
     mutable std::atomic<bool> warned { false }; // the layer already logged why a graph ran it stock
 
