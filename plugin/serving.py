@@ -34,6 +34,9 @@ ENGAGED_RE = re.compile(r"moe-cache: (\d+) layers x (?:(\d+)-)?(\d+) slots(?: \(
 NOT_ENGAGED_RE = re.compile(r"moe-cache: not engaged, running without it: (.*)")
 # and, where the device computes some misses (--moe-cache-stream), ", L layers stream P% of their misses"
 STREAM_RE = re.compile(r"moe-cache: \d+ layers x .*, (\d+) layers stream (\d+)% of their misses")
+# and, where the CPU computes a layer's misses while the GPU computes its slots, ", L layers compute slots and
+# misses at once"
+OVERLAP_RE = re.compile(r"moe-cache: \d+ layers x .*, (\d+) layers compute slots and misses at once")
 BUFFER_RE = re.compile(r"(\S+) (model|KV|compute) buffer size =\s+([\d.]+) MiB")
 
 
@@ -51,6 +54,7 @@ class CacheStatus:
     reason: str = ""
     streamed_layers: int = 0  # layers whose GPU computes some misses from host memory
     stream_percent: int = 0  # the share of their misses it computes
+    overlapped_layers: int = 0  # layers whose CPU computes their misses while the GPU computes their slots
 
 
 def parse_cache_line(log: str) -> CacheStatus | None:
@@ -62,8 +66,10 @@ def parse_cache_line(log: str) -> CacheStatus | None:
         total = int(m[4]) if m[4] else layers * most
         whole = int(m[5]) if m[5] else 0
         s = STREAM_RE.search(log)
+        o = OVERLAP_RE.search(log)
         return CacheStatus(True, layers, most, least, total, whole, float(m[6]), m[7], float(m[8]),
-                           streamed_layers=int(s[1]) if s else 0, stream_percent=int(s[2]) if s else 0)
+                           streamed_layers=int(s[1]) if s else 0, stream_percent=int(s[2]) if s else 0,
+                           overlapped_layers=int(o[1]) if o else 0)
     m = NOT_ENGAGED_RE.search(log)
     if m:
         return CacheStatus(False, reason=m[1].strip())

@@ -135,6 +135,18 @@ def test_status_and_serve_say_where_the_gpu_computes_misses() -> None:
     assert cells["m"][7] == "24x4-10 on CUDA0, 24 layers stream 75% of their misses"
 
 
+def test_cache_line_counts_the_layers_that_overlap() -> None:
+    """The log names the layers whose CPU computes their misses while the GPU computes their slots
+    (native patch 0029); the parsed status keeps the count, 0 where the line has none."""
+    from moeplug.serving import parse_cache_line
+
+    line = ("moe-cache: 48 layers x 21-128 slots (2286 in all, 2 whole layers), 5612.00 MiB uploaded to CUDA0 in 1.20 s, "
+            "policy dynamic (half-life 32 tokens, 8 uploads per batch), prompt batches in one pass on 46 layers")
+    assert parse_cache_line(line).overlapped_layers == 0
+    cache = parse_cache_line(line + ", 46 layers compute slots and misses at once")
+    assert cache is not None and cache.overlapped_layers == 46 and cache.whole_layers == 2 and cache.streamed_layers == 0
+
+
 def test_human_output_says_how_to_query(home: dict[str, str]) -> None:
     r = moeplug(home, "install", "demo", "--ctx", "1024")
     try:
