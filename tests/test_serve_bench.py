@@ -192,6 +192,32 @@ def test_the_median_ratio_has_an_interval_over_rounds(tmp_path: Path) -> None:
     assert row["prefill"]["ratio_interval"] == [lo, hi] and row["decode"]["ratio_interval"] is not None
 
 
+def test_each_round_has_its_median_over_the_prompts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """serve_bench.per_round: round by round, the median over a workload's prompts, which shows a server
+    process that ran slow in all its prompts alike; printed under the table for decode where both
+    sides ran two rounds or more."""
+    def config(side: str, prompts: list[list[float]]) -> serve_bench.Config:
+        cfg = serve_bench.Config("8 GiB", side, tmp_path, "id", [], ["random"])
+        for i, by_round in enumerate(prompts):
+            cfg.samples[("random", i)] = [(10 * tps, tps) for tps in by_round]
+        return cfg
+
+    # three prompts over three rounds; moeplug's second round ran ~20% slow in every prompt
+    mine = config("moeplug", [[100, 80, 101], [90, 72, 92], [110, 88, 111]])
+    stock = config("stock", [[60, 61, 59], [70, 71, 69], [50, 51, 49]])
+    assert serve_bench.per_round(mine, "random", 1) == [100, 80, 101]
+    assert serve_bench.per_round(stock, "random", 0) == [600, 610, 590]
+    assert serve_bench.per_round(mine, "text", 1) == []
+    row = serve_bench.table_rows([(mine, stock)], "random")[0]
+    assert row["per_round"]["moeplug"]["decode"] == [100, 80, 101]
+    serve_bench.print_table("random", [row])
+    assert "decode t/s round by round (median over the prompts): moeplug 100.0, 80.0, 101.0; stock 60.0, 61.0, 59.0" \
+        in capsys.readouterr().out
+    one = config("stock", [[60], [70], [50]])
+    serve_bench.print_table("random", serve_bench.table_rows([(mine, one)], "random"))
+    assert "round by round" not in capsys.readouterr().out
+
+
 def test_delayed_prefill_requests_are_counted_apart(tmp_path: Path) -> None:
     """serve_bench.delayed_share: per configuration, the share of decoding requests and of one-token
     repeats whose prefill took more than SLOW_REQUEST_MS longer than the prompt's fastest request;

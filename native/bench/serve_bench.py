@@ -315,6 +315,15 @@ def spread(cfg: Config, workload: str, test: int) -> float | None:
     return min(parts) if parts else None
 
 
+def per_round(cfg: Config, workload: str, test: int) -> list[float]:
+    """Round by round, the median over the workload's prompts of their t/s: how one server process as a
+    whole ran, which each prompt's median over rounds hides. On the H200 one process of a row could
+    run 10-20% faster or slower than the next in all its prompts alike, so two rows whose rounds
+    overlap are not told apart however their medians differ."""
+    runs = [v for (w, _), v in cfg.samples.items() if w == workload]
+    return [median([v[r][test] for v in runs if len(v) > r]) for r in range(max(map(len, runs), default=0))]
+
+
 SLOW_REQUEST_MS = 15.0  # a prefill request this much slower than its prompt's fastest counts as delayed
 
 
@@ -425,6 +434,8 @@ def table_rows(pairs: list[tuple[Config, Config]], workload: str) -> list[dict[s
         row["delayed"] = {side: delayed_share(cfg, workload) for side, cfg in (("moeplug", mine), ("stock", stock))}
         row["spread"] = {side: {key: spread(cfg, workload, test) for test, key in ((0, "prefill"), (1, "decode"))}
                          for side, cfg in (("moeplug", mine), ("stock", stock))}
+        row["per_round"] = {side: {key: per_round(cfg, workload, test) for test, key in ((0, "prefill"), (1, "decode"))}
+                            for side, cfg in (("moeplug", mine), ("stock", stock))}
         row["vram_mib"] = {"moeplug": _mib(mine), "stock": _mib(stock)}
         row["hit_rate"] = hit_rate(mine, workload)
         row["drafts"] = {"moeplug": mine.drafts.get(workload), "stock": stock.drafts.get(workload)}
@@ -460,6 +471,12 @@ def print_table(workload: str, rows: list[dict[str, Any]]) -> None:
                   f"its fastest, lowest: prefill moeplug {sp['moeplug']['prefill']:.2f}x, stock "
                   f"{sp['stock']['prefill']:.2f}x; decode moeplug {sp['moeplug']['decode']:.2f}x, stock "
                   f"{sp['stock']['decode']:.2f}x")
+    for r in rows:
+        rounds = r.get("per_round") or {}
+        if all(len(rounds.get(side, {}).get("decode", [])) > 1 for side in ("moeplug", "stock")):
+            print(f"\n{r['budget']}, {r['moeplug']} vs stock {r['stock']}: decode t/s round by round (median over the "
+                  f"prompts): moeplug {', '.join(f'{x:.1f}' for x in rounds['moeplug']['decode'])}; stock "
+                  f"{', '.join(f'{x:.1f}' for x in rounds['stock']['decode'])}")
     for r in rows:
         late = r.get("delayed") or {}
         if late.get("moeplug") and late.get("stock"):
