@@ -45,8 +45,9 @@ would end later than S seconds after the start). One markdown table per workload
 per-prompt ratio moeplug/stock (each prompt's t/s is its median over rounds), the lowest
 per-prompt ratio, the VRAM and the measured hit rate; under it, the median ratio's 95% interval over
 the run's rounds (`ratio_interval`: each prompt's rounds drawn again with replacement; it cannot see
-what parts whole runs on fresh machines, which can be more), and each side's share of prefill
-requests delayed more than 15 ms past their prompt's fastest (`delayed`).
+what parts whole runs on fresh machines, which can be more), each side's share of prefill
+requests delayed more than 15 ms past their prompt's fastest (`delayed`), and each side's decode round
+by round, the median over the prompts (`per_round`: a server process that ran slow in every prompt).
 
 The replay workload needs a build whose llama-server lists --moe-route-replay; a stock build
 never does (the flag is ours), so there the stock rows run on the patched build with stock flags
