@@ -18,10 +18,13 @@ from pathlib import Path
 from moeplug.sizes import MIB
 
 # the CUDA runtime's own memory in a llama-server process (context, kernels, cuBLAS workspace, the
-# pool's temporaries), which no ggml buffer counts: NVML's count of a server process less the CUDA
-# buffers its log names, 701-732 MiB over ten servers on the H200 (CUDA 12; stock and moeplug, the
-# Qwen3 and gpt-oss shapes; native/BENCHMARKS.md, fifteenth session), rounded up
-CUDA_CONTEXT_RESERVE = 736 * MIB
+# pool's temporaries, the CUDA graphs of the graph's splits), which no ggml buffer counts: NVML's count
+# of a server process less the CUDA buffers its log names, 701-732 MiB over ten servers on the H200
+# (CUDA 12; stock and moeplug, the Qwen3 and gpt-oss shapes; native/BENCHMARKS.md, fifteenth session);
+# and the CPU computing a layer's misses beside the GPU's slots (two more splits per partly resident
+# layer) held 2-10 MiB more on the same plans (twenty-fourth session: 8190 against 8180 MiB at 8 GiB),
+# so 742 at most, rounded up
+CUDA_CONTEXT_RESERVE = 748 * MIB
 # what the expert cache's graph adds to the compute buffer beyond llama-fit-params' figure where the
 # latter is dominated by a whole ubatch of logits (estimates.cache_compute_extra): the servers logged
 # 449 against 416 MiB (gpt-oss shape) and 356 against 316 (Qwen3 shape), at every budget measured
