@@ -4,7 +4,10 @@ this machine, through llama-server, side by side.
 Both servers run the model's own build (without moeplug's flags it runs stock's code: the patches
 are opt-in): moeplug's with the plan's flags and environment, exactly as `moeplug serve` starts it;
 stock's with `--fit on` and `-fitt` set so that stock may use the plan's budget (the free VRAM less
-the budget stays free), the same context and load mode. They take turns, round after round, every
+the budget stays free), the same context and load mode. llama.cpp's estimate of its own VRAM
+leaves out some of what its server holds (on an H200, 154-172 MiB over 8-16 GiB budgets): with
+`--stock-vram budget` stock's -fitt is first raised, a launch at a time, until it holds no more than
+the budget, as moeplug's plan does (fit_within). They take turns, round after round, every
 other round in reverse order, so that neither always runs first. Each launch answers a warm-up
 request, then the prompts (moeplug.measure): per prompt the ratio of moeplug's t/s to stock's, each
 the median over rounds, then the median and the lowest over prompts.
@@ -16,7 +19,7 @@ import itertools
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from moeplug.errors import MoeplugError
 from moeplug.gpu import gpus, process_vram_bytes
@@ -30,6 +33,8 @@ from moeplug.sizes import MIB
 
 SIDES = ("moeplug", "stock")
 WARMUP_PREDICT = 16
+FIT_PAD_MIB = 16  # stock held to the budget: MiB added to its -fitt beyond what it held over
+STOCK_VRAM = ("fit", "budget")  # stock as users run it, or held to the plan's budget (fit_within)
 
 
 def fit_target(budget: int | list[int] | None, free: list[int]) -> str:
@@ -41,6 +46,32 @@ def fit_target(budget: int | list[int] | None, free: list[int]) -> str:
         return str(max(0, (free[0] - budget) // MIB)) if free else "0"
     padded: list[int | None] = [*free, *[None] * len(budget)]
     return ",".join(str(max(0, (f - b) // MIB)) if f is not None else "0" for f, b in zip(padded, budget))
+
+
+def raised_fit_target(fitt: str, held: int, cap: int) -> str:
+    """stock's -fitt (MiB left free) raised by the MiB its server held over cap, rounded up, and
+    FIT_PAD_MIB more: llama.cpp's estimate of its own VRAM leaves out some of what the process holds
+    (154-172 MiB over 8-16 GiB budgets on an H200)."""
+    return str(int(fitt) + -(-(held - cap) // MIB) + FIT_PAD_MIB)
+
+
+def fit_within(args: list[str], cap: int, held_by: Callable[[list[str]], int | None],
+               tries: int = 4) -> list[dict[str, Any]]:
+    """Stock held to the budget: while a launch of stock's server arguments `args` holds more than
+    `cap` bytes, raise their -fitt (raised_fit_target, in place) and launch again. held_by(args)
+    launches stock as a measured round would (warm-up included), stops it and returns what it held
+    (NVML; None: nothing to go by, and args stay as they are). Returns each launch's -fitt and bytes;
+    raises MoeplugError where the last of `tries` launches still held more than cap."""
+    i = args.index("-fitt") + 1
+    tried: list[dict[str, Any]] = []
+    for _ in range(tries):
+        held = held_by(args)
+        tried.append({"fitt": int(args[i]), "held_bytes": held})
+        if held is None or held <= cap:
+            return tried
+        args[i] = raised_fit_target(args[i], held, cap)
+    raise MoeplugError(f"stock --fit still held {tried[-1]['held_bytes'] / MIB:.0f} MiB, over the "
+                       f"{cap / MIB:.0f} MiB budget, after {tries} launches with a larger -fitt each time")
 
 
 def bench_prompts(prompt_files: list[Path], max_prompts: int) -> list[str]:
@@ -92,6 +123,8 @@ class Comparison:
     workloads: dict[str, list[Any]]  # workload -> its prompts (chat: each a list of turns)
     sides: dict[str, Side]
     notes: list[str] = field(default_factory=list)
+    stock_vram: str = "fit"  # STOCK_VRAM
+    fit_tries: list[dict[str, Any]] = field(default_factory=list)  # stock held to the budget: each launch's -fitt, bytes
 
     def rows(self, workload: str) -> list[dict[str, Any]]:
         """Per prompt: tokens prefilled and both sides' t/s with the ratios."""
@@ -125,6 +158,7 @@ class Comparison:
             workloads[w] = {"prompts": len(rows), "rows": rows, **summary}
         return {"name": self.name, "budget_bytes": self.budget_bytes, "rounds": self.rounds,
                 "n_predict": self.n_predict, "prefill_reps": self.prefill_reps, "notes": self.notes,
+                "stock_vram": self.stock_vram, "fit_tries": self.fit_tries,
                 "sides": {k: {"args": v.args, "env": v.env, "vram_bytes": v.vram_bytes, "cache": v.cache}
                           for k, v in self.sides.items()},
                 "workloads": workloads}
@@ -132,10 +166,13 @@ class Comparison:
 
 def compare(name: str, *, rounds: int = 2, n_predict: int = 64, prefill_reps: int = 3,
             prompt_files: list[Path] | None = None, max_prompts: int = 8, chat: bool = False,
-            progress: ProgressFn = silent) -> Comparison:
+            stock_vram: str = "fit", progress: ProgressFn = silent) -> Comparison:
     """Run an installed model's plan and stock --fit at the same budget in turns (see the module);
     raises where the model is being served (the GPU must be the two servers' alone) or a launch or
-    prompt fails."""
+    prompt fails. stock_vram "budget": before the rounds, stock's -fitt is raised until its server
+    holds no more than the budget (fit_within; one GPU), as moeplug's plan does."""
+    if stock_vram not in STOCK_VRAM:
+        raise MoeplugError(f"stock VRAM {stock_vram!r}: one of {', '.join(STOCK_VRAM)}")
     m = read_installed(name)
     served = find_record(name)
     if served is not None and served.alive():
@@ -159,18 +196,41 @@ def compare(name: str, *, rounds: int = 2, n_predict: int = 64, prefill_reps: in
         notes.append("the plan speculates and stock does not: the decode ratio includes what the drafts give")
     binary = installed_build(m).binary("llama-server")
     warmup = texts[0]
+    launch = f"bench-{name}"
+
+    def start(side: str, args: list[str], env: dict[str, str]) -> Any:
+        """side's llama-server, launched and past its warm-up request"""
+        with model_lock(name, progress):
+            srv = launch_verified(launch, Path(m.path), binary, m.build_id, args, plan.ctx, env=env)
+        try:
+            complete(srv.url, warmup, WARMUP_PREDICT, ignore_eos=True)
+        except ERRORS as exc:
+            stop(launch)
+            raise MoeplugError(f"{side} llama-server, the warm-up request: {type(exc).__name__}: {exc}") from None
+        return srv
+
+    def held_by(args: list[str]) -> int | None:
+        progress(Note(f"stock llama-server -fitt {args[args.index('-fitt') + 1]}: the VRAM it holds"))
+        srv = start("stock", args, {})
+        try:
+            return process_vram_bytes(srv.pid)
+        finally:
+            stop(launch)
+
+    fit_tries: list[dict[str, Any]] = []
+    if stock_vram == "budget":
+        if isinstance(plan.vram_budget_bytes, list):
+            raise MoeplugError("stock held to the budget: one GPU's budget only (NVML counts a process over every GPU)")
+        if not found or plan.vram_budget_bytes is None:
+            notes.append("no NVIDIA GPU: stock is not held to the budget, there is no VRAM to hold it to")
+        else:
+            fit_tries = fit_within(sides["stock"].args, plan.vram_budget_bytes, held_by)
     for r in range(rounds):
         for side in SIDES if r % 2 == 0 else SIDES[::-1]:
             s = sides[side]
             progress(Note(f"round {r + 1} of {rounds}: {side} llama-server"))
-            launch = f"bench-{name}"
-            with model_lock(name, progress):
-                srv = launch_verified(launch, Path(m.path), binary, m.build_id, s.args, plan.ctx, env=s.env)
+            srv = start(side, s.args, s.env)
             try:
-                try:
-                    complete(srv.url, warmup, WARMUP_PREDICT, ignore_eos=True)
-                except ERRORS as exc:
-                    raise MoeplugError(f"{side} llama-server, the warm-up request: {type(exc).__name__}: {exc}") from None
                 for w, prompts in workloads.items():
                     got = time_chat(srv.url, prompts, n_predict) if w == "chat" else \
                         time_prompts(srv.url, prompts, n_predict, prefill_reps)
@@ -181,4 +241,5 @@ def compare(name: str, *, rounds: int = 2, n_predict: int = 64, prefill_reps: in
                 s.cache.append(srv.cache)
             finally:
                 stop(launch)
-    return Comparison(name, plan.vram_budget_bytes, rounds, n_predict, prefill_reps, workloads, sides, notes)
+    return Comparison(name, plan.vram_budget_bytes, rounds, n_predict, prefill_reps, workloads, sides, notes,
+                      stock_vram, fit_tries)

@@ -11,6 +11,10 @@ from pathlib import Path
 import pytest
 from helpers import CliResult, run_cli_process, xdg_homes
 
+from moeplug.bench import FIT_PAD_MIB, fit_within, raised_fit_target
+from moeplug.errors import MoeplugError
+from moeplug.sizes import MIB
+
 pytestmark = pytest.mark.native
 
 
@@ -77,11 +81,61 @@ def test_bench_text_output(home: dict[str, str]) -> None:
     assert "95% interval" not in r.stdout  # one round: no interval over rounds
 
 
+def test_bench_stock_held_to_the_budget_without_a_gpu(home: dict[str, str]) -> None:
+    """--stock-vram budget: kept in the JSON; without a GPU there is no VRAM to hold stock to, so no
+    calibrating launch, -fitt as given, and a note says so."""
+    r = moeplug(home, "bench", "demo", "--rounds", "1", "-n", "2", "--max-prompts", "1", "--prefill-reps", "1",
+                "--stock-vram", "budget", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    assert doc["stock_vram"] == "budget" and doc["fit_tries"] == []
+    assert doc["sides"]["stock"]["args"][:6] == ["-c", "1024", "--fit", "on", "-fitt", "0"]
+    assert any("stock is not held to the budget" in n for n in doc["notes"])
+    assert "the VRAM it holds" not in r.stderr  # no launch of stock before the rounds
+
+
+def test_stock_fit_target_rises_by_what_it_held_over() -> None:
+    """Stock held to the budget: -fitt (MiB kept free) rises by the MiB held over the budget, rounded
+    up, and a pad."""
+    assert raised_fit_target("126000", (16384 + 170) * MIB, 16384 * MIB) == str(126000 + 170 + FIT_PAD_MIB)
+    assert raised_fit_target("126000", 16384 * MIB + 1, 16384 * MIB) == str(126000 + 1 + FIT_PAD_MIB)
+
+
+@pytest.mark.parametrize("held_mib, fitts, raises", [
+    ([16538, 16334], [126771, 126771 + 154 + FIT_PAD_MIB], False),  # the H200's 16 GiB launches (twenty-fifth session)
+    ([16384], [126771], False),                                     # exactly the budget: left as it is
+    ([None], [126771], False),                                      # no NVML count: nothing to go by
+    ([16538, 16400, 16390, 16385], [126771, 126941, 126973, 126995], True),  # never within: one line, after 4
+])
+def test_fit_within_raises_stock_until_it_holds_the_budget(held_mib: list[int | None], fitts: list[int],
+                                                           raises: bool) -> None:
+    """fit_within launches (here: what each launch held, in order) until one holds no more than the
+    budget, raising -fitt in the arguments after each launch over it."""
+    args = ["-c", "4096", "--fit", "on", "-fitt", "126771", "-lm", "none"]
+    seen: list[int] = []
+    held = iter(held_mib)
+
+    def held_by(a: list[str]) -> int | None:
+        seen.append(int(a[a.index("-fitt") + 1]))
+        h = next(held)
+        return None if h is None else h * MIB
+
+    if raises:
+        with pytest.raises(MoeplugError, match="still held 16385 MiB, over the 16384 MiB budget, after 4 launches"):
+            fit_within(args, 16384 * MIB, held_by)
+    else:
+        tried = fit_within(args, 16384 * MIB, held_by)
+        assert [t["fitt"] for t in tried] == fitts
+        assert args[5] == str(fitts[-1])
+    assert seen == fitts
+
+
 def test_bench_bad_input_is_one_line(home: dict[str, str], tmp_path: Path) -> None:
     for args, code, said in ((("bench", "nothing"), 1, "'nothing' is not installed"),
                              (("bench", "demo", "--rounds", "0"), 2, "--rounds"),
                              (("bench", "demo", "--prefill-reps", "33"), 2, "--prefill-reps"),
                              (("bench", "demo", "-n", "0"), 2, "-n/--n-predict"),
+                             (("bench", "demo", "--stock-vram", "all"), 2, "--stock-vram"),
                              (("bench", "demo", "--prompt-file", str(tmp_path / "none.txt")), 1, "none.txt")):
         r = moeplug(home, *args)
         assert r.returncode == code and said in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)

@@ -292,6 +292,41 @@ def test_serve_bench_copy_ahead_rows(patched_build, stock_build, bench_model: Pa
         assert bad.returncode == 2 and said in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_serve_bench_stock_within_the_budget(patched_build, stock_build, bench_model: Path, tmp_path: Path) -> None:
+    """--stock-vram fit,budget: two stock rows per budget, stock as users run it and stock held to the
+    budget, each moeplug row against each, in the tables and again from the JSON (--tables-from). Without
+    a GPU the second row's -fitt stays what it was: NVML holds nothing to calibrate it with."""
+    stdout, doc = run_bench(patched_build, stock_build, bench_model, tmp_path, "--workloads", "random",
+                            "--stock-vram", "fit,budget", "--rounds", "1")
+    rows = doc["tables"]["random"]
+    assert [r["stock"] for r in rows] == ["--fit", "--fit within the budget"]
+    assert len({r["moeplug"] for r in rows}) == 1
+    assert f"{rows[0]['moeplug']} vs stock --fit within the budget |" in stdout
+    stocks = [c for c in doc["configs"] if c["side"] == "stock"]
+    assert [c["vram_cap"] for c in stocks] == [None, None] and all(not c["fit_tries"] for c in stocks)
+    assert stocks[0]["server_args"] == stocks[1]["server_args"]
+    assert all(len(v) == 1 for c in stocks for v in c["samples"].values())  # both served the round
+    again = subprocess.run([sys.executable, str(SERVE_BENCH), "--tables-from", str(tmp_path / "bench.json")],
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "vs stock --fit within the budget |" in again.stdout, again.stderr
+    bad = subprocess.run([sys.executable, str(SERVE_BENCH), "--stock-vram", "fit,fit"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "--stock-vram: 'fit,fit'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_fit_within_launches_stock_and_reads_what_it_holds(stock_build, bench_model: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """fit_within launches the stock server as a round does (context probe, warm-up) and records what
+    NVML says it held: on the CPU nothing, so one launch, -fitt unchanged, no error."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    binary = stock_build.binary("llama-server")
+    cfg = serve_bench.Config("25%", "stock", binary, stock_build.build_id,
+                             ["-c", "1024", "--fit", "on", "-fitt", "0", "-t", "2", "-np", "1"], ["random"], vram_cap=1)
+    serve_bench.fit_within(cfg, bench_model, 1024, [[1, 2, 3, 4]])
+    assert cfg.fit_tries == [{"fitt": 0, "held_bytes": None}] and cfg.errors == []
+    assert cfg.server_args[cfg.server_args.index("-fitt") + 1] == "0"
+
+
 def test_copy_ahead_rows_parse_auto() -> None:
     """--copy-ahead takes on, off and auto (the planner's choice) in any list; anything else is
     argparse's one-line error."""

@@ -23,7 +23,10 @@ rest on moeplug's side, 4-15% on stock's):
             prompt batches that copy their expert weights one at a time (the second weight copy's
             compute buffer given to slots, GGML_SCHED_EXPERT_COPY_AHEAD=0)
   stock     stock llama-server `--fit on -fitt (free VRAM - budget)` from a stock build, with the
-            same context, load mode (-lm), threads and parallel slots
+            same context, load mode (-lm), threads and parallel slots. llama.cpp's estimate leaves out
+            some of what its server holds (154-172 MiB over 8-16 GiB budgets on the H200):
+            `--stock-vram budget` raises -fitt before the rounds, a launch at a time, until stock
+            holds no more than the budget too (`fit,budget`: both stock rows)
 
 Workloads: `text` (the bundled profiling prompts, profiles/*.txt, and prompts/unseen.txt, which
 profiling never sees: code in other languages, prose, German, French, Chinese, repetitive text),
@@ -124,6 +127,8 @@ class Config:
     errors: list[str] = field(default_factory=list)
     plan: dict[str, Any] | None = None  # a moeplug row's plan (Plan.to_json()): its VRAM figures beside NVML's
     warmed: int = 0  # warm-up requests answered, over every round (not measured)
+    vram_cap: int | None = None  # a stock row whose -fitt is raised until it holds no more (bytes; --stock-vram budget)
+    fit_tries: list[dict[str, Any]] = field(default_factory=list)  # that calibration's launches: -fitt and NVML's bytes
 
 
 def parse_budgets(text: str) -> list[tuple[str, float | list[float], bool]]:
@@ -218,12 +223,9 @@ def run_config(cfg: Config, model: Path, ctx: int, prompts: dict[str, list], n_p
     its workloads, VRAM, stop. prefill_reps: a text or random prompt's prefill is the median of the
     decoding request's and prefill_reps - 1 requests of one token (moeplug.measure; a replayed request
     takes the replay file's next prompt, so replay prompts are sent once, as chat turns are)."""
-    import requests
-
     from moeplug.errors import MoeplugError
     from moeplug.gpu import process_vram_bytes
     from moeplug.metrics import fetch_cache_counters
-    from moeplug.server import complete
     from moeplug.serving import launch_verified, stop
 
     name = f"serve-bench-{os.getpid()}"
@@ -235,12 +237,7 @@ def run_config(cfg: Config, model: Path, ctx: int, prompts: dict[str, list], n_p
         print(f"# {cfg.budget} {cfg.side}: could not serve: {exc}", file=sys.stderr)
         return
     try:
-        for i, prompt in enumerate(warmup or []):
-            try:
-                complete(srv.url, prompt, WARMUP_PREDICT, ignore_eos=True)
-                cfg.warmed += 1
-            except (MoeplugError, requests.RequestException, KeyError, ValueError) as exc:
-                cfg.errors.append(f"warm-up {i}: {type(exc).__name__}: {exc}")
+        cfg.warmed += warm_up(srv.url, warmup, cfg.errors)
         sent: list[str] = []
         cfg.sequence.append(sent)
         for w in cfg.workloads:
@@ -264,6 +261,54 @@ def run_config(cfg: Config, model: Path, ctx: int, prompts: dict[str, list], n_p
         stop(name)
     print(f"# {cfg.budget:>8} {cfg.side:<8} {'+'.join(cfg.workloads):<32} {time.time() - started:5.0f} s",
           file=sys.stderr)
+
+
+def warm_up(url: str, warmup: list[list[int]] | None, errors: list[str]) -> int:
+    """The unmeasured warm-up requests; how many were answered (what failed goes to errors)."""
+    import requests
+
+    from moeplug.errors import MoeplugError
+    from moeplug.server import complete
+
+    answered = 0
+    for i, prompt in enumerate(warmup or []):
+        try:
+            complete(url, prompt, WARMUP_PREDICT, ignore_eos=True)
+            answered += 1
+        except (MoeplugError, requests.RequestException, KeyError, ValueError) as exc:
+            errors.append(f"warm-up {i}: {type(exc).__name__}: {exc}")
+    return answered
+
+
+def fit_within(cfg: Config, model: Path, ctx: int, warmup: list[list[int]] | None) -> None:
+    """--stock-vram budget: cfg's -fitt raised until its server holds no more than cfg.vram_cap
+    (moeplug.bench.fit_within), each launch as a round's (the context probe, the warm-up), in
+    cfg.fit_tries; still over the cap, an error of the row. Without NVML's count (no GPU) one launch,
+    nothing changed."""
+    from moeplug.bench import fit_within as raise_until_within
+    from moeplug.errors import MoeplugError
+    from moeplug.gpu import process_vram_bytes
+    from moeplug.serving import launch_verified, stop
+
+    assert cfg.vram_cap is not None
+    name = f"serve-bench-fit-{os.getpid()}"
+
+    def held_by(args: list[str]) -> int | None:
+        srv = launch_verified(name, model, cfg.binary, cfg.build_id, args, ctx, env=cfg.env)
+        try:
+            warm_up(srv.url, warmup, cfg.errors)
+            held = process_vram_bytes(srv.pid)
+        finally:
+            stop(name)
+        print(f"# {cfg.budget} stock -fitt {args[args.index('-fitt') + 1]}: holds "
+              f"{'?' if held is None else f'{held / MIB:.0f}'} MiB of {cfg.vram_cap / MIB:.0f}", file=sys.stderr)
+        cfg.fit_tries.append({"fitt": int(args[args.index("-fitt") + 1]), "held_bytes": held})
+        return held
+
+    try:
+        raise_until_within(cfg.server_args, cfg.vram_cap, held_by)
+    except MoeplugError as exc:
+        cfg.errors.append(str(exc))
 
 
 def record(cfg: Config, w: str, got: Any, sent: list[str]) -> None:
@@ -650,27 +695,30 @@ def env_desc(env: dict[str, str]) -> str:
 
 def configs_from_json(doc: dict[str, Any]) -> tuple[list[Config], list[tuple[Config, Config]]]:
     """The configurations of a run's JSON (--json) and the pairs its tables compare: each moeplug row
-    against the stock row of its budget and workloads written before it, and against stock without
-    speculation too where the run had one (--spec-baseline)."""
+    against the stock rows of its budget and workloads written together before it (--stock-vram
+    fit,budget writes two), and against stock without speculation too where the run had one
+    (--spec-baseline)."""
     known = {f.name for f in fields(Config)}
     configs: list[Config] = []
     pairs: list[tuple[Config, Config]] = []
-    theirs: dict[tuple[str, str], Config] = {}
+    theirs: dict[tuple[str, str], list[Config]] = {}
     baseline: dict[tuple[str, str], Config] = {}
     for d in doc["configs"]:
         keyed = {name: {(k.rsplit("/", 1)[0], int(k.rsplit("/", 1)[1])): v for k, v in d.get(name, {}).items()}
                  for name in ("samples", "prompt_tokens", "prefill_reps", "context_tokens")}
         keyed["samples"] = {k: [tuple(x) for x in v] for k, v in keyed["samples"].items()}
         cfg = Config(**({k: v for k, v in d.items() if k in known} | keyed | {"binary": Path(d["binary"])}))
-        configs.append(cfg)
         group = (cfg.budget, "+".join(cfg.workloads))
         if cfg.side == "stock" and cfg.desc.endswith(", no speculation"):
             baseline[group] = cfg
         elif cfg.side == "stock":
-            theirs[group] = cfg
+            last = configs[-1] if configs else None
+            together = last is not None and last.side == "stock" and (last.budget, "+".join(last.workloads)) == group
+            theirs[group] = [*theirs[group], cfg] if together else [cfg]
             baseline.pop(group, None)
         else:
-            pairs += [(cfg, theirs[group])] + ([(cfg, baseline[group])] if group in baseline else [])
+            pairs += [(cfg, t) for t in theirs[group]] + ([(cfg, baseline[group])] if group in baseline else [])
+        configs.append(cfg)
     return configs, pairs
 
 
@@ -742,6 +790,11 @@ def main(argv: list[str] | None = None) -> int:
                     "before it were; benchmarking only, the text is not the model's)")
     ap.add_argument("--spec-baseline", action="store_true", help="with --spec: also stock --fit without "
                     "speculation, each moeplug row against it too")
+    ap.add_argument("--stock-vram", default="fit", help="stock rows: fit (--fit on -fitt (free VRAM - budget), as "
+                    "users run it: llama.cpp's estimate of its VRAM leaves out some of what the server holds), budget "
+                    "(the same with -fitt raised before the rounds, a launch at a time, until the server holds no more "
+                    "than the budget: the VRAM moeplug's plan may hold), or fit,budget (both, each moeplug row against "
+                    "each)")
     ap.add_argument("--prebuilt-moeplug", type=Path, help="bin/ folder of a patched build (skip building)")
     ap.add_argument("--prebuilt-stock", type=Path, help="bin/ folder of a stock build (skip building)")
     ap.add_argument("--backend", choices=("cpu", "cuda"), help="builds to make (default: CUDA where there is a GPU)")
@@ -779,6 +832,11 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= a.prefill_reps <= 32:
         ap.error("--prefill-reps: from 1 to 32")
     envs = row_envs(ap, a.row_env)
+    stock_vram = [v.strip() for v in a.stock_vram.split(",") if v.strip()]
+    if not stock_vram or any(v not in ("fit", "budget") for v in stock_vram) or len(set(stock_vram)) < len(stock_vram):
+        ap.error(f"--stock-vram: {a.stock_vram!r}: fit, budget or fit,budget")
+    if "budget" in stock_vram and any(isinstance(value, list) for _, value, _ in budgets):
+        ap.error("--stock-vram budget: one GPU's budgets only (NVML counts the process over every GPU)")
     if any(p.removesuffix("+record") not in ("auto", "static", "dynamic") for p in policies):
         ap.error(f"--policies: {a.policies!r}: each of auto, static, dynamic, optionally with +record")
     if a.spec is None and (a.spec_accept is not None or a.spec_baseline or a.spec_draft_max is not None):
@@ -857,10 +915,15 @@ def main(argv: list[str] | None = None) -> int:
                      for p, w, _, _, c in variants]
             load = ["-lm", "none"] if plans[0].load_mode == "pinned" else []
             stock_args = ["-c", str(a.ctx), "--fit", "on", "-fitt", fitt, *load, *common, *extra]
-            theirs = Config(label, "stock", stock_bin, stock_id,
-                            stock_args + (spec.server_args(gpu=True) + spec_args if spec else []), group,
-                            desc="--fit" + (f", {spec.kind}" if spec else ""))
-            configs.append(theirs)
+            stocks = []
+            for vram in stock_vram:
+                theirs = Config(label, "stock", stock_bin, stock_id,
+                                stock_args + (spec.server_args(gpu=True) + spec_args if spec else []), group,
+                                desc="--fit" + (" within the budget" if vram == "budget" else "")
+                                     + (f", {spec.kind}" if spec else ""),
+                                vram_cap=budget if vram == "budget" and free is not None else None)
+                configs.append(theirs)
+                stocks.append(theirs)
             baseline = None
             if spec and a.spec_baseline:
                 baseline = Config(label, "stock", stock_bin, stock_id, stock_args, group, desc="--fit, no speculation")
@@ -883,12 +946,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"# {label} {'+'.join(group)}: moeplug {' '.join(mine.server_args)} | stock "
                       f"{' '.join(theirs.server_args)}", file=sys.stderr)
                 configs.append(mine)
-                pairs.append((mine, theirs))
+                pairs += [(mine, theirs) for theirs in stocks]
                 if baseline is not None:
                     pairs.append((mine, baseline))
 
     warm_rng = np.random.default_rng(a.seed + 1)
     warmup = [warm_rng.integers(0, n_vocab, WARMUP_TOKENS).tolist() for _ in range(a.warmup)]
+    for cfg in configs:
+        if cfg.vram_cap is not None:
+            fit_within(cfg, model, a.ctx, warmup)
     interleaved_rounds(configs, a.rounds,
                        lambda cfg: run_config(cfg, model, a.ctx, prompts, a.n_predict, warmup, a.prefill_reps),
                        t0 + a.time_limit if a.time_limit else None, "servers")
