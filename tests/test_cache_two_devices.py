@@ -7,6 +7,7 @@ the log names both devices, and /metrics counts per device."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -61,6 +62,45 @@ def test_slots_on_two_devices_are_bitwise_stock(patched_build, rpc_devices, spli
     # every partly resident layer overlaps (the line counts them), none with LLAMA_MOE_CACHE_OVERLAP=0
     assert cache.whole_layers == (2 if slots == "8,8,3,3" else 0)
     assert cache.overlapped_layers == (cache.layers - cache.whole_layers if overlap else 0), r.stderr[-2000:]
+    assert "sched_timeline" not in r.stderr  # nothing timed unless GGML_SCHED_TIMELINE asks
+
+
+TIMELINE = re.compile(r"ggml_backend_sched_timeline_report: (\d+) graphs of (\d+) splits, host us per graph: "
+                      r"([\d.]+) in splits \(inputs ([\d.]+), compute ([\d.]+)\); synchronize ([\d.]+) us per call "
+                      r"\((\d+) calls\)")
+TIMELINE_SPLIT = re.compile(r"ggml_backend_sched_timeline_report: split +(\d+) (\S+) +(\d+) nodes +(\d+) inputs: "
+                            r"inputs +([\d.]+) us, compute +([\d.]+) us \[(.*)\]")
+
+
+def test_sched_timeline_times_each_split(patched_build, rpc_devices, split_models) -> None:
+    """GGML_SCHED_TIMELINE=16 (patch 0030): every 16 graphs of as many splits, the host's time per
+    split (waiting and queuing its inputs, then queuing or computing its nodes) and in synchronize, a
+    line per split naming its backend; the per-split means add up to the graph's, and the logits stay
+    bitwise stock's. Here the CPU computes each partly resident layer's misses in splits of its own."""
+    model, profile = split_models["qwen3moe"]
+    cmd = [str(patched_build.binary("test-moe-cache")), *rpc_devices["args"], "-m", str(model),
+           "--moe-cache-profile", str(profile), "--moe-cache-slots", "3", "-ub", "7", "-n", "64", "-t", "2",
+           *SPLIT, *EXPERTS_IN_RAM]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                       env=os.environ | rpc_devices["env"] | {"GGML_SCHED_TIMELINE": "16"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert r.stdout.strip().endswith("logits bitwise equal"), r.stdout
+    lines = r.stderr.splitlines()
+    reports = [(i, m) for i, line in enumerate(lines) if (m := TIMELINE.search(line))]
+    assert len(reports) >= 4, r.stderr[-3000:]  # 64 decoded tokens alone make four reports
+    for i, m in reports:
+        n_graphs, n_splits = int(m[1]), int(m[2])
+        total, inputs, compute = float(m[3]), float(m[4]), float(m[5])
+        assert n_graphs == 16 and n_splits > 1 and total > 0
+        assert total == pytest.approx(inputs + compute, abs=0.2)
+        splits = [TIMELINE_SPLIT.search(line) for line in lines[i + 1:i + 1 + n_splits]]
+        assert all(splits), lines[i:i + 1 + n_splits]
+        assert [int(s[1]) for s in splits] == list(range(n_splits))
+        names = {s[2] for s in splits}  # the two RPC devices' backends and the CPU
+        assert "CPU" in names and len(names) == 3 and all(n.startswith("RPC") for n in names - {"CPU"}), names
+        assert sum(float(s[5]) for s in splits) == pytest.approx(inputs, abs=0.1 * n_splits)
+        assert sum(float(s[6]) for s in splits) == pytest.approx(compute, abs=0.1 * n_splits)
+        assert any(s[2] == "CPU" and s[7].startswith("ffn_moe") for s in splits)  # the misses' pass
 
 
 def test_metrics_count_per_device(patched_build, rpc_devices, split_models, tmp_path: Path) -> None:
