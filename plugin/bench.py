@@ -25,6 +25,7 @@ from moeplug.errors import MoeplugError
 from moeplug.gpu import gpus, process_vram_bytes
 from moeplug.install import installed_build, read_installed
 from moeplug.measure import ERRORS, Timings, chat_turns, median_ratio_interval, time_chat, time_prompts
+from moeplug.options import STOCK_VRAM
 from moeplug.profile.runner import DEFAULT_PROMPT_SETS, read_prompts, resolve_prompt_set
 from moeplug.progress import Note, ProgressFn, silent
 from moeplug.server import complete
@@ -34,7 +35,6 @@ from moeplug.sizes import MIB
 SIDES = ("moeplug", "stock")
 WARMUP_PREDICT = 16
 FIT_PAD_MIB = 16  # stock held to the budget: MiB added to its -fitt beyond what it held over
-STOCK_VRAM = ("fit", "budget")  # stock as users run it, or held to the plan's budget (fit_within)
 
 
 def fit_target(budget: int | list[int] | None, free: list[int]) -> str:

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from moeplug.options import GENERATE, PROMPT_CAP, REPEATS, ROUNDS, add_json
+from moeplug.options import GENERATE, PROMPT_CAP, REPEATS, ROUNDS, STOCK_VRAM, add_json
 from moeplug.output import Output, human_bytes, table
 
 WHAT = {"text": "prompts", "chat": "chat turns (each prompt a conversation on the prompt cache)"}
@@ -77,7 +77,7 @@ def register(sub: Any) -> None:
     p.add_argument("--max-prompts", type=PROMPT_CAP, default=8, help="at most this many prompts (0: all; default 8)")
     p.add_argument("--chat", action="store_true",
                    help="also each prompt as a conversation of three turns on the server's prompt cache")
-    p.add_argument("--stock-vram", choices=("fit", "budget"), default="fit",
+    p.add_argument("--stock-vram", choices=STOCK_VRAM, default="fit",
                    help="fit: stock --fit given the budget as users run it (llama.cpp's estimate leaves out some of "
                         "what its server holds, so it may hold more); budget: first raise stock's -fitt, a launch "
                         "at a time, until it holds no more than the budget, as the plan does (one GPU)")

@@ -294,15 +294,16 @@ def fit_within(cfg: Config, model: Path, ctx: int, warmup: list[list[int]] | Non
     name = f"serve-bench-fit-{os.getpid()}"
 
     def held_by(args: list[str]) -> int | None:
+        fitt = args[args.index("-fitt") + 1]
         srv = launch_verified(name, model, cfg.binary, cfg.build_id, args, ctx, env=cfg.env)
         try:
             warm_up(srv.url, warmup, cfg.errors)
             held = process_vram_bytes(srv.pid)
         finally:
             stop(name)
-        print(f"# {cfg.budget} stock -fitt {args[args.index('-fitt') + 1]}: holds "
-              f"{'?' if held is None else f'{held / MIB:.0f}'} MiB of {cfg.vram_cap / MIB:.0f}", file=sys.stderr)
-        cfg.fit_tries.append({"fitt": int(args[args.index("-fitt") + 1]), "held_bytes": held})
+        print(f"# {cfg.budget} stock -fitt {fitt}: holds {'?' if held is None else f'{held / MIB:.0f}'} MiB of "
+              f"{cfg.vram_cap / MIB:.0f}", file=sys.stderr)
+        cfg.fit_tries.append({"fitt": int(fitt), "held_bytes": held})
         return held
 
     try:
@@ -832,8 +833,10 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= a.prefill_reps <= 32:
         ap.error("--prefill-reps: from 1 to 32")
     envs = row_envs(ap, a.row_env)
+    from moeplug.options import STOCK_VRAM
+
     stock_vram = [v.strip() for v in a.stock_vram.split(",") if v.strip()]
-    if not stock_vram or any(v not in ("fit", "budget") for v in stock_vram) or len(set(stock_vram)) < len(stock_vram):
+    if not stock_vram or any(v not in STOCK_VRAM for v in stock_vram) or len(set(stock_vram)) < len(stock_vram):
         ap.error(f"--stock-vram: {a.stock_vram!r}: fit, budget or fit,budget")
     if "budget" in stock_vram and any(isinstance(value, list) for _, value, _ in budgets):
         ap.error("--stock-vram budget: one GPU's budgets only (NVML counts the process over every GPU)")
