@@ -314,6 +314,44 @@ def test_serve_bench_stock_within_the_budget(patched_build, stock_build, bench_m
     assert bad.returncode == 2 and "--stock-vram: 'fit,fit'" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_serve_bench_keeps_logs_with_the_timeline(patched_build, stock_build, bench_model: Path, tmp_path: Path) -> None:
+    """--env GGML_SCHED_TIMELINE=4 reaches both servers, --keep-logs copies each round's log, and
+    native/bench/timeline.py reads the patched server's reports from it (the stock build has no
+    patch 0030: its log has none, and timeline.py says so)."""
+    logs = tmp_path / "logs"
+    run_bench(patched_build, stock_build, bench_model, tmp_path, "--workloads", "random", "--rounds", "1",
+              "--env", "GGML_SCHED_TIMELINE=4", "--keep-logs", str(logs))
+    kept = sorted(p.name for p in logs.iterdir())
+    assert len(kept) == 2 and all(n.endswith("-r1.log") for n in kept), kept
+    (mine,) = [logs / n for n in kept if "-moeplug-" in n]
+    (theirs,) = [logs / n for n in kept if "-stock-" in n]
+    assert "ggml_backend_sched_timeline_report" in mine.read_text()
+    sys.path.insert(0, str(SERVE_BENCH.parent))
+    import timeline
+
+    shapes = timeline.parse(mine.read_text())
+    decode = max(shapes.values(), key=lambda sh: sh.graphs)
+    assert decode.graphs >= 4 and len(decode.splits) == decode.n_splits >= 1
+    assert all(backend == "CPU" for backend in timeline.by_backend(decode))  # slots in RAM: the CPU alone
+    # the splits' sums are the graph's, as the report's head line gives it
+    assert sum(s.t_inputs + s.t_compute for s in decode.splits) == pytest.approx(decode.t_inputs + decode.t_compute,
+                                                                                 rel=0.02, abs=decode.graphs)
+    assert timeline.parse(theirs.read_text()) == {}
+    out = tmp_path / "timeline.json"
+    r = subprocess.run([sys.executable, str(SERVE_BENCH.parent / "timeline.py"), str(mine), str(theirs),
+                        "--json", str(out)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert f"## {mine.name}" in r.stdout and "busiest splits" in r.stdout
+    assert f"## {theirs.name}\nno timeline reports" in r.stdout
+    assert json.loads(out.read_text())[str(mine)][str(decode.n_splits)]["graphs"] == decode.graphs
+    bad = subprocess.run([sys.executable, str(SERVE_BENCH), "--env", "GGML_SCHED_TIMELINE"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "--env: 'GGML_SCHED_TIMELINE'" in bad.stderr and "Traceback" not in bad.stderr
+    missing = subprocess.run([sys.executable, str(SERVE_BENCH.parent / "timeline.py"), str(tmp_path / "nope.log")],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 1 and "nope.log" in missing.stderr and "Traceback" not in missing.stderr
+
+
 def test_fit_within_launches_stock_and_reads_what_it_holds(stock_build, bench_model: Path, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """fit_within launches the stock server as a round does (context probe, warm-up) and records what

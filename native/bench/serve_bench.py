@@ -66,6 +66,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -218,11 +219,12 @@ def make_prompts(a: argparse.Namespace, n_vocab: int, n_replay: int) -> dict[str
 
 
 def run_config(cfg: Config, model: Path, ctx: int, prompts: dict[str, list], n_predict: int,
-               warmup: list[list[int]] | None = None, prefill_reps: int = 1) -> None:
+               warmup: list[list[int]] | None = None, prefill_reps: int = 1, keep_logs: Path | None = None) -> None:
     """One round of one configuration: launch, the warm-up requests (not measured), every prompt of
     its workloads, VRAM, stop. prefill_reps: a text or random prompt's prefill is the median of the
     decoding request's and prefill_reps - 1 requests of one token (moeplug.measure; a replayed request
-    takes the replay file's next prompt, so replay prompts are sent once, as chat turns are)."""
+    takes the replay file's next prompt, so replay prompts are sent once, as chat turns are).
+    keep_logs: copy the server's log there once it stopped (kept_log_path names it)."""
     from moeplug.errors import MoeplugError
     from moeplug.gpu import process_vram_bytes
     from moeplug.metrics import fetch_cache_counters
@@ -259,8 +261,22 @@ def run_config(cfg: Config, model: Path, ctx: int, prompts: dict[str, list], n_p
                                    else 0.0))
     finally:
         stop(name)
+        if keep_logs is not None:
+            shutil.copyfile(srv.log, kept_log_path(keep_logs, cfg))
     print(f"# {cfg.budget:>8} {cfg.side:<8} {'+'.join(cfg.workloads):<32} {time.time() - started:5.0f} s",
           file=sys.stderr)
+
+
+def kept_log_path(folder: Path, cfg: Config) -> Path:
+    """Where --keep-logs puts a round's server log: budget, side, row and round in the name, a
+    number added where two rows describe themselves alike."""
+    slug = re.sub(r"[^A-Za-z0-9.]+", "-", f"{cfg.budget}-{cfg.side}-{cfg.desc}-{'+'.join(cfg.workloads)}").strip("-")
+    folder.mkdir(parents=True, exist_ok=True)
+    path, n = folder / f"{slug}-r{len(cfg.sequence)}.log", 1
+    while path.exists():
+        n += 1
+        path = folder / f"{slug}-{n}-r{len(cfg.sequence)}.log"
+    return path
 
 
 def warm_up(url: str, warmup: list[list[int]] | None, errors: list[str]) -> int:
@@ -681,6 +697,17 @@ def row_envs(ap: argparse.ArgumentParser, text: str) -> list[dict[str, str]]:
     return [{} if v == "unset" else {name: v} for v in parts]
 
 
+def server_env(ap: argparse.ArgumentParser, text: str) -> dict[str, str]:
+    """--env NAME=V[,NAME=V]: environment variables of every server, stock's and moeplug's."""
+    env = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        name, eq, value = part.partition("=")
+        if not eq or not ENV_NAME.fullmatch(name) or not value:
+            ap.error(f"--env: {part!r}: give NAME=VALUE, e.g. GGML_SCHED_TIMELINE=64")
+        env[name] = value
+    return env
+
+
 def copy_aheads(ap: argparse.ArgumentParser, text: str) -> list[bool | None]:
     """--copy-ahead on,off,auto: a moeplug row per choice (None: the planner's; [None] when empty)."""
     parts = [x.strip() for x in text.split(",") if x.strip()]
@@ -770,6 +797,10 @@ def main(argv: list[str] | None = None) -> int:
                          "hottest carrying this share from host memory), e.g. 0,0.4 (default: the plan's)")
     ap.add_argument("--row-env", default="", help="moeplug rows per value of an environment variable of its server, "
                     "e.g. GGML_CUDA_EXPERT_COPY_AHEAD_BLOCKS=unset,64 ('unset': as the caller's)")
+    ap.add_argument("--env", default="", help="environment variables of every server, stock's and moeplug's: "
+                    "NAME=VALUE[,NAME=VALUE], e.g. GGML_SCHED_TIMELINE=64 (a --row-env value wins on its row)")
+    ap.add_argument("--keep-logs", type=Path, metavar="DIR", help="copy each round's server log here "
+                    "(budget-side-row-rN.log; native/bench/timeline.py reads GGML_SCHED_TIMELINE's reports from them)")
     ap.add_argument("--copy-ahead", default="", help="moeplug rows planned with and without a prompt batch's expert "
                     "weights copied ahead (on,off; off: the compute buffer's second weight copy goes to slots and the "
                     "server runs with GGML_SCHED_EXPERT_COPY_AHEAD=0; auto: the planner's choice, the default)")
@@ -833,6 +864,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= a.prefill_reps <= 32:
         ap.error("--prefill-reps: from 1 to 32")
     envs = row_envs(ap, a.row_env)
+    every_env = server_env(ap, a.env)
     from moeplug.options import STOCK_VRAM
 
     stock_vram = [v.strip() for v in a.stock_vram.split(",") if v.strip()]
@@ -924,12 +956,14 @@ def main(argv: list[str] | None = None) -> int:
                                 stock_args + (spec.server_args(gpu=True) + spec_args if spec else []), group,
                                 desc="--fit" + (" within the budget" if vram == "budget" else "")
                                      + (f", {spec.kind}" if spec else ""),
+                                env=dict(every_env),
                                 vram_cap=budget if vram == "budget" and free is not None else None)
                 configs.append(theirs)
                 stocks.append(theirs)
             baseline = None
             if spec and a.spec_baseline:
-                baseline = Config(label, "stock", stock_bin, stock_id, stock_args, group, desc="--fit, no speculation")
+                baseline = Config(label, "stock", stock_bin, stock_id, stock_args, group, env=dict(every_env),
+                                  desc="--fit, no speculation")
                 configs.append(baseline)
             for plan, (policy, weight, share, env, _) in zip(plans, variants):
                 record = ["--moe-cache-record"] if policy.endswith("+record") else []
@@ -944,7 +978,7 @@ def main(argv: list[str] | None = None) -> int:
                 desc += f", {spec.kind}" if spec else ""
                 mine = Config(label, "moeplug", mine_bin, patched.build_id,
                               [*plan.server_args, *record, *stream, *spec_args, *common, *extra], group,
-                              {**slots_env, **plan.server_env(), **env}, desc,
+                              {**slots_env, **plan.server_env(), **every_env, **env}, desc,
                               plan=plan.to_json())
                 print(f"# {label} {'+'.join(group)}: moeplug {' '.join(mine.server_args)} | stock "
                       f"{' '.join(theirs.server_args)}", file=sys.stderr)
@@ -959,7 +993,8 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.vram_cap is not None:
             fit_within(cfg, model, a.ctx, warmup)
     interleaved_rounds(configs, a.rounds,
-                       lambda cfg: run_config(cfg, model, a.ctx, prompts, a.n_predict, warmup, a.prefill_reps),
+                       lambda cfg: run_config(cfg, model, a.ctx, prompts, a.n_predict, warmup, a.prefill_reps,
+                                              a.keep_logs),
                        t0 + a.time_limit if a.time_limit else None, "servers")
     tables = print_tables(pairs, plain + (["replay"] if replay else []))
     for w, why in skipped.items():
