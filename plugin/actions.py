@@ -35,12 +35,13 @@ from moeplug.speculation import KeepInstalled, Speculation
 def plan_model(model: str, *, ctx: int | None = None, vram_budget: int | list[int] | None = None,
                profile: Path | None = None, ctx_override: bool = False,
                spec: Speculation | KeepInstalled | None = KeepInstalled(), prefill_weight: float | None = None,
-               progress: ProgressFn = silent) -> Plan:
+               threads: int | None = None, progress: ProgressFn = silent) -> Plan:
     """Plan an installed model (by name) or any model reference, for a budget (None: free VRAM; a
     list: one per GPU) and a context (None: 4096, or the training context when smaller); profile
     None: the stored one. spec: speculative decoding (None: none; KeepInstalled: an installed
     model's own). prefill_weight: prompt tokens per generated token (None: an installed model's own,
-    else the planner's default)."""
+    else the planner's default); threads: the server's CPU threads (None: as an installed model's
+    user asked, else the planner's choice; 0: llama.cpp's default)."""
     from moeplug.profile.format import model_fingerprint
     from moeplug.profile.runner import default_profile_path
 
@@ -50,12 +51,14 @@ def plan_model(model: str, *, ctx: int | None = None, vram_budget: int | list[in
         spec = spec.resolve(installed[model].plan.speculation if model in installed else None)
     if prefill_weight is None and model in installed:
         prefill_weight = installed[model].plan.prefill_weight
+    if threads is None and model in installed:
+        threads = installed[model].plan.threads_asked
     info = inspect_model(path)
     require_moe(info)
     ctx = context_size(info, ctx, ctx_override)
     profile = profile or default_profile_path(model_fingerprint(path))
     return plan_for(info, ctx, vram_budget, profile if profile.exists() else None, slots_on_cpu=False, spec=spec,
-                    prefill_weight=prefill_weight)
+                    prefill_weight=prefill_weight, threads=threads)
 
 
 @dataclass
@@ -70,24 +73,26 @@ class Served:
 def serve(name: str, *, port: int | None = None, vram_budget: int | list[int] | None = None, ctx: int | None = None,
           ctx_override: bool = False, allow_fallback: bool = False, metrics: bool = False, record: bool = False,
           host: str = HOST, spec: Speculation | KeepInstalled | None = KeepInstalled(),
-          prefill_weight: float | None = None, progress: ProgressFn = silent) -> Served:
+          prefill_weight: float | None = None, threads: int | None = None, progress: ProgressFn = silent) -> Served:
     """Launch an installed model again (detached) with its build; re-planned when a budget or a
     context is given, else with the plan it was installed with. Waits while another moeplug holds
     the model (an install, a re-profile), then reads the model as that one left it. record: count
     the router's selections for `moeplug reprofile` (llama-server --moe-cache-record). host: where
     it listens (127.0.0.1 unless the user gave another address; then a warning). spec: another
     speculative decoding to re-plan with and keep (None: none; KeepInstalled(): the installed one's).
-    prefill_weight: prompt tokens per generated token to re-plan for and keep (None: the installed one's)."""
+    prefill_weight: prompt tokens per generated token to re-plan for and keep (None: the installed one's);
+    threads likewise, the server's CPU threads (0: llama.cpp's default)."""
     from moeplug.serving import launch_verified, model_lock
 
     warn_exposure(host, progress)
     read_installed(name)  # an unknown name fails now, not after a wait
     with model_lock(name, progress):
         m = read_installed(name)
-        if vram_budget is not None or ctx is not None or spec != KeepInstalled() or prefill_weight is not None:
+        if (vram_budget is not None or ctx is not None or spec != KeepInstalled() or prefill_weight is not None
+                or threads is not None):
             if ctx is not None:
                 ctx = context_size(inspect_model(m.path), ctx, ctx_override)
-            m = replan(m, ctx, vram_budget, spec, prefill_weight)  # the new plan becomes the model's own; the hooks follow
+            m = replan(m, ctx, vram_budget, spec, prefill_weight, threads)  # the new plan becomes the model's own; the hooks follow
         plan = m.plan
         served = launch_verified(m.name, Path(m.path), installed_build(m).binary("llama-server"), m.build_id,
                                  plan.server_args, plan.ctx, port=port, allow_fallback=allow_fallback,

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moeplug.options import JOBS, TOKENS, add_backend, add_prefill_weight, add_json, add_plan_options, add_serve_options, add_spec_options
+from moeplug.options import (JOBS, TOKENS, add_backend, add_json, add_plan_options, add_prefill_weight, add_serve_options,
+                             add_spec_options, add_threads)
 from moeplug.output import Output, human_bytes, table
 from moeplug.plan import Plan, describe_slots
 from moeplug.server import HOST
@@ -41,6 +42,7 @@ def plan_text(p: Plan) -> str:
         *([["prompt batches' expert weights", "copied ahead, beside the split before" if p.copy_ahead else
             "copied one at a time, as stock's (the second copy's bytes hold slots)"]] if p.vram_budget_bytes else []),
         ["load mode", p.load_mode],
+        ["CPU threads", f"{p.threads} (-t)" if p.threads else "llama.cpp's default"],
     ]
     lines = [table(["plan", ""], rows, "lr")] + ([devices_text(p)] if p.devices else [])
     lines += ["server args: " + shlex.join(p.server_args)]  # quoted: -ot has | ( )
@@ -131,7 +133,7 @@ def cmd_install(args: argparse.Namespace) -> int:
                    profile_tokens=args.profile_tokens, prompt_sets=[s for s in args.prompts.split(",") if s],
                    serve=not args.no_serve, port=args.port, allow_fallback=args.allow_fallback, metrics=args.metrics,
                    ctx_override=args.ctx_override, host=args.host or HOST, spec=spec,
-                   prefill_weight=args.prefill_weight, progress=out.progress)
+                   prefill_weight=args.prefill_weight, threads=args.threads, progress=out.progress)
     return out.result(done, install_text)
 
 
@@ -144,7 +146,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     out = Output.for_args(args)
     plan = plan_model(args.model, ctx=args.ctx, vram_budget=args.vram_budget,
                       profile=Path(args.profile) if args.profile else None, ctx_override=args.ctx_override,
-                      spec=spec, prefill_weight=args.prefill_weight, progress=out.progress)
+                      spec=spec, prefill_weight=args.prefill_weight, threads=args.threads, progress=out.progress)
     return out.result(plan, plan_text)
 
 
@@ -157,6 +159,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     served = serve(args.model, port=args.port, vram_budget=args.vram_budget, ctx=args.ctx,
                    ctx_override=args.ctx_override, allow_fallback=args.allow_fallback, metrics=args.metrics,
                    record=args.record, host=args.host or HOST, spec=spec, prefill_weight=args.prefill_weight,
+                   threads=args.threads,
                    progress=out.progress)
     return out.result(served, lambda s: served_text(s.name, s.server))
 
@@ -245,6 +248,7 @@ def register(sub: Any) -> None:
     p.add_argument("--prompts", default="codeish,chatty", help="bundled prompt sets (or .txt files) to profile with")
     p.add_argument("--no-serve", action="store_true", help="stop after planning")
     add_prefill_weight(p)
+    add_threads(p)
     add_spec_options(p)
     add_serve_options(p)
     add_json(p)
@@ -255,6 +259,7 @@ def register(sub: Any) -> None:
     add_plan_options(p, BUDGET_HELP, CTX_HELP)
     p.add_argument("--profile", help="profile file (default: the model's stored profile, if any)")
     add_prefill_weight(p, keep=True)
+    add_threads(p, keep=True)
     add_spec_options(p, shorthands=True, keep=True)
     add_json(p)
     p.set_defaults(func=cmd_plan)
@@ -267,6 +272,7 @@ def register(sub: Any) -> None:
     p.add_argument("--record", action="store_true",
                    help="count the router's selections (llama-server --moe-cache-record) for 'moeplug reprofile'")
     add_prefill_weight(p, keep=True)
+    add_threads(p, keep=True)
     add_spec_options(p, keep=True)
     add_json(p)
     p.set_defaults(func=cmd_serve)

@@ -140,6 +140,7 @@ GAIN = Number(float, 0.0, 1.0, "a share of expert selections")
 IDLE_SECONDS = Number(float, 0.0, 86400.0, "a number of seconds")
 DRAFT_TOKENS = Number(int, 1, 1024, "a number of draft tokens")
 PREFILL_WEIGHT = Number(float, 0.0, 1000.0, "prompt tokens per generated token")
+SERVER_THREADS = Number(int, 0, 1024, "a number of threads (0: llama.cpp's default)")
 ROUNDS = Number(int, 1, 100, "a number of rounds")
 REPEATS = Number(int, 1, 32, "a number of requests")
 GENERATE = Number(int, 1, 4096, "a number of tokens to generate")
@@ -206,6 +207,15 @@ def add_prefill_weight(p: argparse.ArgumentParser, keep: bool = False) -> None:
     p.add_argument("--prefill-weight", type=PREFILL_WEIGHT, default=None, metavar="W",
                    help=f"prompt tokens per generated token to plan for, 0-1000: prompt batches upload the experts "
                         f"of every layer that is not whole (default: {default}; 0: decode only)")
+
+
+def add_threads(p: argparse.ArgumentParser, keep: bool = False) -> None:
+    """--threads N: the server's CPU threads (plan.server_threads)."""
+    default = "the installed plan's choice" if keep else "half the physical cores where the CPU computes the misses of " \
+                                                          "partly resident layers, on 8 cores or more; else llama.cpp's"
+    p.add_argument("--threads", "-t", type=SERVER_THREADS, default=None, metavar="N",
+                   help=f"CPU threads of the server, 0-1024 (0: llama.cpp's default, a thread per physical core; "
+                        f"default: {default})")
 
 
 def add_spec_options(p: argparse.ArgumentParser, shorthands: bool = False, keep: bool = False) -> None:

@@ -134,6 +134,10 @@ class Plan:
     # patch 0024, on by default); off, the compute buffer holds one weight copy as stock's does and the
     # bytes go to slots (the server then runs with GGML_SCHED_EXPERT_COPY_AHEAD=0: server_env)
     copy_ahead: bool = True
+    # the server's CPU threads (-t), None for llama.cpp's default (plan.server_threads); threads_asked:
+    # what the user asked for (0: llama.cpp's default), None for the planner's choice (kept on re-plans)
+    threads: int | None = None
+    threads_asked: int | None = None
 
     def server_env(self) -> dict[str, str]:
         """The environment the plan's server runs with beside its flags."""
@@ -181,17 +185,60 @@ def _fit_warnings(fit: float, hit: float | None) -> list[str]:
 # checked again at 16 GiB in the twentieth and twenty-third sessions: with the copies ahead prefill
 # -4% to +3%, decode 0-8% slower)
 COPY_AHEAD_FEW_PARTIAL = 0.25
+SERVER_THREADS_MIN_CORES = 8  # below it, llama.cpp's default thread count (server_threads)
 
 
 def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, profile_path: Path | None = None,
               ram_available: int | None = None, slots_in_ram: int = 0, expert_room: int | None = None,
               need: DeviceNeed | None = None, policy: str = "auto", profile: Profile | None = None,
               spec: Speculation | None = None, draft_need: DeviceNeed | None = None,
-              prefill_weight: float = PREFILL_WEIGHT, copy_ahead: bool | None = None) -> Plan:
+              prefill_weight: float = PREFILL_WEIGHT, copy_ahead: bool | None = None,
+              cpu_cores: int | None = None, threads: int | None = None) -> Plan:
     """The plan at a budget (_make_plan says what each argument is). copy_ahead: whether a prompt
     batch's later expert weights are copied while the split before computes (None: the planner's
     choice: on, unless the plan with them keeps at most COPY_AHEAD_FEW_PARTIAL of the MoE layers
-    partly resident, where their second weight copy's bytes go to slots instead)."""
+    partly resident, where their second weight copy's bytes go to slots instead). cpu_cores: this
+    machine's physical cores (probes.physical_cores); threads: the server's CPU threads as the user
+    asked (0: llama.cpp's default; None: the planner's, server_threads)."""
+    return with_threads(_plan_copies(info, ctx, vram_budget, profile_path, ram_available, slots_in_ram, expert_room,
+                                     need, policy, profile, spec, draft_need, prefill_weight, copy_ahead),
+                        cpu_cores, threads)
+
+
+def server_threads(plan: Plan, cpu_cores: int | None, asked: int | None) -> int | None:
+    """The -t a plan's server runs with, or None for llama.cpp's default (a thread per physical core).
+    Asked (> 0): that. Otherwise, where the GPU's slots and the CPU's misses share each partly resident
+    layer, half the physical cores on a machine of SERVER_THREADS_MIN_CORES or more: with every core
+    in the CPU backend's team, a team member that the OS has put aside for the thread driving the GPU,
+    the HTTP server or anything else holds the whole team at the next barrier, and prompt batches that
+    took ~30 ms took ~25 ms more now and then (the H200 box, 16 cores: native/BENCHMARKS.md, twenty-sixth
+    session)."""
+    if asked is not None:
+        return asked or None
+    partial = any(0 < n < plan.n_expert for n in plan.slots_per_layer)
+    if plan.backend != "cuda" or not partial or "--moe-cache-slots" not in plan.server_args:
+        return None
+    return cpu_cores // 2 if cpu_cores and cpu_cores >= SERVER_THREADS_MIN_CORES else None
+
+
+def with_threads(plan: Plan, cpu_cores: int | None, asked: int | None) -> Plan:
+    """The plan with its server's thread count (server_threads) in its flags, its notes and `threads`."""
+    n = server_threads(plan, cpu_cores, asked)
+    plan.threads, plan.threads_asked = n, asked
+    if n is not None:
+        plan.server_args += ["-t", str(n)]
+        plan.notes.append(f"{n} CPU threads (-t {n}), as asked" if asked else
+                          f"{n} CPU threads (-t {n}), half of the {cpu_cores} physical cores: the CPU's share of each "
+                          f"partly resident layer is small, and a thread team on every core stalls prompt batches "
+                          f"when the OS puts one member aside ('--threads N' to choose, 0 for llama.cpp's default)")
+    return plan
+
+
+def _plan_copies(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, profile_path: Path | None,
+                 ram_available: int | None, slots_in_ram: int, expert_room: int | None, need: DeviceNeed | None,
+                 policy: str, profile: Profile | None, spec: Speculation | None, draft_need: DeviceNeed | None,
+                 prefill_weight: float, copy_ahead: bool | None) -> Plan:
+    """make_plan without the thread count: with or without the copies ahead, or the planner's choice."""
     def planned(ahead: bool) -> Plan:
         return _make_plan(info, ctx, vram_budget, profile_path, ram_available=ram_available, slots_in_ram=slots_in_ram,
                           expert_room=expert_room, need=need, policy=policy, profile=profile, spec=spec,

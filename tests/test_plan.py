@@ -22,7 +22,7 @@ from moeplug.model_inspect import inspect_model
 from moeplug.estimates import (CUDA_POOL_HEADROOM, SAFETY_MARGIN, cache_compute_extra, compute_buffer_bytes,
                                expert_copy_ahead_bytes, kv_cache_bytes, logits_bytes, stock_ncmoe,
                                vocab_size)
-from moeplug.plan import _layer_costs, make_plan
+from moeplug.plan import Plan, _layer_costs, make_plan
 from moeplug.server_flags import experts_in_ram_args, placement_args
 from moeplug.sizes import parse_size
 from moeplug.profile.format import Profile, ProfileSource, read_profile
@@ -114,6 +114,50 @@ def big_expert_model(tmp_path: Path, arch: str = "gpt-oss") -> tuple[Path, Profi
     prof = Profile(fingerprint=None, tensors=[f"blk.{i}.ffn_down_exps.weight" for i in range(2)],  # type: ignore[arg-type]
                    counts_prefill=counts * 0, counts_decode=counts, sources=[])
     return path, prof
+
+
+def test_the_server_runs_on_half_the_cores_where_the_cpu_computes_misses(tmp_path: Path) -> None:
+    """Where partly resident layers share each token between the GPU's slots and the CPU's misses,
+    the plan runs the server on half the physical cores (8 or more; the H200 box's 16 took 8), last
+    in its flags so that it wins; fewer cores, no CPU pass (every expert in VRAM), no cache (no
+    profile: stock's placement) or no GPU leave llama.cpp's default. Asked for, the user's count
+    goes everywhere, 0 meaning llama.cpp's default; both are kept in the plan's JSON."""
+    model, profile = big_expert_model(tmp_path)
+    info = inspect_model(model)
+    budget = fixed_bytes(info, 2048) + 3 * info.expert_bytes // 4
+    plan = make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile, cpu_cores=16)
+    assert any(0 < n < info.n_expert for n in plan.slots_per_layer) and "--moe-cache-slots" in plan.server_args
+    assert plan.threads == 8 and plan.threads_asked is None and plan.server_args[-2:] == ["-t", "8"]
+    assert any("half of the 16 physical cores" in n for n in plan.notes)
+    assert plan.to_json()["threads"] == 8
+    for cores in (None, 6, 7):
+        few = make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile, cpu_cores=cores)
+        assert few.threads is None and "-t" not in few.server_args
+    assert make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile, cpu_cores=9).threads == 4
+    full = make_plan(info, 2048, fixed_bytes(info, 2048) + 2 * info.expert_bytes, tmp_path / "p.gguf", profile=profile,
+                     cpu_cores=16)
+    assert full.whole_layers == len(info.layers) and full.threads is None and "-t" not in full.server_args
+    stock = make_plan(info, 2048, budget, cpu_cores=16)  # no profile: stock's placement, no cache
+    assert stock.threads is None and "-t" not in stock.server_args
+    asked = make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile, cpu_cores=16, threads=5)
+    assert (asked.threads, asked.threads_asked, asked.server_args[-2:]) == (5, 5, ["-t", "5"])
+    assert any("5 CPU threads (-t 5), as asked" in n for n in asked.notes)
+    default = make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile, cpu_cores=16, threads=0)
+    assert (default.threads, default.threads_asked) == (None, 0) and "-t" not in default.server_args
+    cpu = make_plan(info, 2048, None, cpu_cores=16)  # no GPU
+    assert cpu.threads is None and make_plan(info, 2048, None, threads=3).server_args[-2:] == ["-t", "3"]
+    assert Plan.from_json({k: v for k, v in plan.to_json().items() if not k.startswith("threads")}).threads is None
+
+
+def test_physical_cores_counts_hyperthread_siblings_once() -> None:
+    """The cores the planner halves: those this process may run on, siblings once (as llama.cpp's
+    default thread count counts them), at least one and no more than the CPUs."""
+    import os
+
+    from moeplug.probes import physical_cores
+
+    cores = physical_cores()
+    assert cores is not None and 1 <= cores <= len(os.sched_getaffinity(0))
 
 
 def test_the_copy_ahead_is_counted_where_experts_stay_in_ram(fixture_models, tmp_path: Path) -> None:
@@ -702,6 +746,44 @@ def test_the_prefill_weight_is_kept_with_the_installed_plan(patched_build, fixtu
     finally:
         run_cli_process("stop", "--all", env=env)
     assert stored() == 2.0
+
+
+@pytest.mark.native
+def test_the_threads_asked_for_reach_the_server_and_stay_with_the_plan(patched_build, fixture_models,
+                                                                      tmp_path: Path) -> None:
+    """install --threads N stores N with the plan and the server runs on N threads (its log says so);
+    plan previews another count without storing it; serve --threads 0 re-plans for llama.cpp's
+    default and keeps that; out of range is one line."""
+    env = xdg_homes(tmp_path / "home")
+    r = run_cli_process("install", str(fixture_models["qwen3moe"]), "--ctx", "512", "--profile-tokens", "8",
+                        "--threads", "1", "--json", env=env)
+    try:
+        assert r.returncode == 0, r.stderr[-3000:]
+        done = json.loads(r.stdout)
+        assert done["plan"]["threads"] == 1 and done["plan"]["server_args"][-2:] == ["-t", "1"]
+        log = Path(done["server"]["log"]).read_text()
+        assert re.search(r"n_threads = 1 \(n_threads_batch = 1\)", log), log[-2000:]
+    finally:
+        run_cli_process("stop", "--all", env=env)
+    name = done["name"]
+
+    def stored() -> dict:
+        return json.loads(run_cli_process("list", "--json", env=env).stdout)["models"][0]["plan"]
+
+    assert json.loads(run_cli_process("plan", name, "--json", env=env).stdout)["threads"] == 1
+    preview = json.loads(run_cli_process("plan", name, "--threads", "2", "--json", env=env).stdout)
+    assert preview["threads"] == 2 and stored()["threads"] == 1  # plan only previews
+    r = run_cli_process("serve", name, "--threads", "0", "--json", env=env)
+    try:
+        assert r.returncode == 0, r.stderr[-3000:]
+        log = Path(json.loads(r.stdout)["server"]["log"]).read_text()
+        assert not re.search(r"n_threads = 1 \(", log)
+    finally:
+        run_cli_process("stop", "--all", env=env)
+    assert (stored()["threads"], stored()["threads_asked"]) == (None, 0) and "-t" not in stored()["server_args"]
+    for bad in ("-1", "1025", "many"):
+        r = run_cli_process("plan", name, "--threads", bad, env=env)
+        assert r.returncode == 2 and "--threads" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_cli_plan_without_gpu_is_a_cpu_plan(fixture_models) -> None:

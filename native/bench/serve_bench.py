@@ -973,6 +973,7 @@ def main(argv: list[str] | None = None) -> int:
                 desc += f", prefill weight {weight:g}" if len(weights) > 1 else ""
                 streamed = share if share is not None else plan.stream_share  # a --stream-shares row overrides the plan
                 desc += f", stream {streamed:g}" if len(shares) > 1 or streamed else ""
+                desc += f", -t {plan.threads}" if plan.threads else ""
                 desc += env_desc(env)
                 desc += "" if plan.copy_ahead else ", no copies ahead"
                 desc += f", {spec.kind}" if spec else ""
