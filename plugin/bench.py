@@ -74,6 +74,21 @@ def fit_within(args: list[str], cap: int, held_by: Callable[[list[str]], int | N
                        f"{cap / MIB:.0f} MiB budget, after {tries} launches with a larger -fitt each time")
 
 
+def with_threads(args: list[str], threads: int | None) -> list[str]:
+    """Server args with their CPU thread count replaced: None keeps it, 0 drops it (llama.cpp's
+    default, a thread per physical core), N sets -t N."""
+    if threads is None:
+        return list(args)
+    out, i = [], 0
+    while i < len(args):
+        if args[i] in ("-t", "--threads"):
+            i += 2
+            continue
+        out.append(args[i])
+        i += 1
+    return out + (["-t", str(threads)] if threads else [])
+
+
 def bench_prompts(prompt_files: list[Path], max_prompts: int) -> list[str]:
     """The prompts: those of the files given, else the bundled profiling sets alternating (a cap
     takes some of each); at most max_prompts (0: all)."""
@@ -166,11 +181,14 @@ class Comparison:
 
 def compare(name: str, *, rounds: int = 2, n_predict: int = 64, prefill_reps: int = 3,
             prompt_files: list[Path] | None = None, max_prompts: int = 8, chat: bool = False,
-            stock_vram: str = "fit", progress: ProgressFn = silent) -> Comparison:
+            stock_vram: str = "fit", threads: int | None = None, stock_threads: int | None = None,
+            progress: ProgressFn = silent) -> Comparison:
     """Run an installed model's plan and stock --fit at the same budget in turns (see the module);
     raises where the model is being served (the GPU must be the two servers' alone) or a launch or
     prompt fails. stock_vram "budget": before the rounds, stock's -fitt is raised until its server
-    holds no more than the budget (fit_within; one GPU), as moeplug's plan does."""
+    holds no more than the budget (fit_within; one GPU), as moeplug's plan does. threads: moeplug's
+    CPU threads for this comparison in place of the plan's (0: llama.cpp's default; the installed plan
+    is not changed); stock_threads: stock's (None or 0: llama.cpp's default, as users run it)."""
     if stock_vram not in STOCK_VRAM:
         raise MoeplugError(f"stock VRAM {stock_vram!r}: one of {', '.join(STOCK_VRAM)}")
     m = read_installed(name)
@@ -187,7 +205,8 @@ def compare(name: str, *, rounds: int = 2, n_predict: int = 64, prefill_reps: in
     load = ["-lm", "none"] if plan.load_mode == "pinned" else []
     stock_args = ["-c", str(plan.ctx), "--fit", "on", "-fitt", fit_target(plan.vram_budget_bytes,
                                                                          [g.free_bytes for g in found]), *load]
-    sides = {"moeplug": Side(list(plan.server_args), m.server_env()), "stock": Side(stock_args, {})}
+    sides = {"moeplug": Side(with_threads(plan.server_args, threads), m.server_env()),
+             "stock": Side(with_threads(stock_args, stock_threads), {})}
     notes = []
     if not found:
         notes.append("no NVIDIA GPU: both servers run on the CPU here, so the ratios say nothing of what the "

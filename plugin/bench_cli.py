@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from moeplug.options import GENERATE, PROMPT_CAP, REPEATS, ROUNDS, STOCK_VRAM, add_json
+from moeplug.options import GENERATE, PROMPT_CAP, REPEATS, ROUNDS, SERVER_THREADS, STOCK_VRAM, add_json
 from moeplug.output import Output, human_bytes, table
 
 WHAT = {"text": "prompts", "chat": "chat turns (each prompt a conversation on the prompt cache)"}
@@ -19,6 +19,11 @@ def _ratio(d: dict[str, Any]) -> str:
     iv = d.get("ratio_interval")
     within = f"; 95% interval over rounds {iv[0]:.2f}x-{iv[1]:.2f}x" if iv else ""
     return f"{d['ratio_median']:.2f}x (lowest {d['ratio_lowest']:.2f}x{within})"
+
+
+def _threads(args: list[str]) -> str:
+    """A side's -t, or llama.cpp's default."""
+    return args[args.index("-t") + 1] if "-t" in args else "llama.cpp's default"
 
 
 def comparison_text(c: Any) -> str:
@@ -40,6 +45,7 @@ def comparison_text(c: Any) -> str:
         if c.prefill_reps > 1 and w == "text":
             lines.append(f"each prompt's first request alone (the slots another prompt left): prefill "
                          f"{_ratio(d['first'])}")
+    lines.append("CPU threads: " + ", ".join(f"{side} {_threads(s['args'])}" for side, s in doc["sides"].items()))
     vram = {side: [v for v in s["vram_bytes"] if v is not None] for side, s in doc["sides"].items()}
     if all(vram.values()):
         lines.append("VRAM held: " + ", ".join(f"{side} {human_bytes(max(v))}" for side, v in vram.items()))
@@ -57,7 +63,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out = Output.for_args(args)
     done = compare(args.model, rounds=args.rounds, n_predict=args.n_predict, prefill_reps=args.prefill_reps,
                    prompt_files=[Path(p) for p in args.prompt_file], max_prompts=args.max_prompts, chat=args.chat,
-                   stock_vram=args.stock_vram, progress=out.progress)
+                   stock_vram=args.stock_vram, threads=args.threads, stock_threads=args.stock_threads,
+                   progress=out.progress)
     return out.result(done, comparison_text)
 
 
@@ -81,5 +88,11 @@ def register(sub: Any) -> None:
                    help="fit: stock --fit given the budget as users run it (llama.cpp's estimate leaves out some of "
                         "what its server holds, so it may hold more); budget: first raise stock's -fitt, a launch "
                         "at a time, until it holds no more than the budget, as the plan does (one GPU)")
+    p.add_argument("--threads", "-t", type=SERVER_THREADS, metavar="N",
+                   help="moeplug's CPU threads for this comparison, in place of the plan's (0: llama.cpp's default; "
+                        "the installed plan is not changed: 'moeplug serve NAME --threads N' keeps a count)")
+    p.add_argument("--stock-threads", type=SERVER_THREADS, metavar="N",
+                   help="stock's CPU threads (default: llama.cpp's, as users run it): with the same count on both "
+                        "sides the ratio is the cache's alone")
     add_json(p)
     p.set_defaults(func=cmd_bench)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import CliResult, run_cli_process, xdg_homes
 
-from moeplug.bench import FIT_PAD_MIB, fit_within, raised_fit_target
+from moeplug.bench import FIT_PAD_MIB, fit_within, raised_fit_target, with_threads
 from moeplug.errors import MoeplugError
 from moeplug.sizes import MIB
 
@@ -130,12 +130,41 @@ def test_fit_within_raises_stock_until_it_holds_the_budget(held_mib: list[int | 
     assert seen == fitts
 
 
+def test_bench_threads_on_either_side(home: dict[str, str]) -> None:
+    """--threads N runs moeplug's side on N threads in place of the plan's (the installed plan kept),
+    --stock-threads N stock's; the servers' logs say so, and the text names each side's count."""
+    plan_before = installed(home)["plan"]
+    r = moeplug(home, "bench", "demo", "--rounds", "1", "-n", "2", "--max-prompts", "1", "--prefill-reps", "1",
+                "--threads", "1", "--stock-threads", "2", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    mine, stock = doc["sides"]["moeplug"]["args"], doc["sides"]["stock"]["args"]
+    assert mine == [a for a in with_threads(plan_before["server_args"], 0)] + ["-t", "1"]
+    assert stock[-2:] == ["-t", "2"] and stock[:6] == ["-c", "1024", "--fit", "on", "-fitt", "0"]
+    assert installed(home)["plan"] == plan_before
+    # the last launch of round 1 was stock's: its log is the one left
+    log = (Path(home["XDG_STATE_HOME"]) / "moeplug" / "logs" / "server-bench-demo.log").read_text()
+    assert "n_threads = 2 (n_threads_batch = 2)" in log
+    text = moeplug(home, "bench", "demo", "--rounds", "1", "-n", "2", "--max-prompts", "1", "--prefill-reps", "1",
+                   "--threads", "0")
+    assert text.returncode == 0 and "CPU threads: moeplug llama.cpp's default, stock llama.cpp's default" in text.stdout
+
+
+def test_with_threads_replaces_the_count() -> None:
+    assert with_threads(["-c", "512", "-t", "8", "-ngl", "99"], None) == ["-c", "512", "-t", "8", "-ngl", "99"]
+    assert with_threads(["-c", "512", "-t", "8", "-ngl", "99"], 3) == ["-c", "512", "-ngl", "99", "-t", "3"]
+    assert with_threads(["--threads", "8", "-c", "512"], 0) == ["-c", "512"]
+    assert with_threads(["-c", "512"], 4) == ["-c", "512", "-t", "4"]
+
+
 def test_bench_bad_input_is_one_line(home: dict[str, str], tmp_path: Path) -> None:
     for args, code, said in ((("bench", "nothing"), 1, "'nothing' is not installed"),
                              (("bench", "demo", "--rounds", "0"), 2, "--rounds"),
                              (("bench", "demo", "--prefill-reps", "33"), 2, "--prefill-reps"),
                              (("bench", "demo", "-n", "0"), 2, "-n/--n-predict"),
                              (("bench", "demo", "--stock-vram", "all"), 2, "--stock-vram"),
+                             (("bench", "demo", "--threads", "-2"), 2, "--threads"),
+                             (("bench", "demo", "--stock-threads", "x"), 2, "--stock-threads"),
                              (("bench", "demo", "--prompt-file", str(tmp_path / "none.txt")), 1, "none.txt")):
         r = moeplug(home, *args)
         assert r.returncode == code and said in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
