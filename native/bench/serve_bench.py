@@ -776,7 +776,8 @@ def main(argv: list[str] | None = None) -> int:
                     "beside the rest of the plan's VRAM (25%%,50%%)")
     ap.add_argument("--workloads", default="text,replay,random", help=f"of {', '.join(WORKLOADS)} (chat: not by default)")
     ap.add_argument("--ctx", type=int, default=4096, help="context of both servers")
-    ap.add_argument("--threads", "-t", type=int, help="threads of both servers (default: llama.cpp's)")
+    ap.add_argument("--threads", "-t", type=int, help="threads of both servers (default: llama.cpp's for stock, the "
+                    "plan's for moeplug: half the physical cores where partly resident layers share tokens with the CPU)")
     ap.add_argument("--parallel", "-np", type=int, default=1, help="parallel slots of both servers")
     ap.add_argument("--n-predict", "-n", type=int, default=128, help="tokens generated per prompt")
     ap.add_argument("--max-prompts", type=int, default=0, help="at most this many prompts per text/replay set (0: all)")
