@@ -24,7 +24,7 @@ from moeplug.output import human_bytes
 from moeplug.paths import data_dir
 from moeplug.plan import Plan, make_plan
 from moeplug.profile.format import Profile
-from moeplug.probes import available_ram_bytes, physical_cores
+from moeplug.probes import available_ram_bytes, usable_cores
 from moeplug.profile.runner import DEFAULT_PROMPT_SETS
 from moeplug.progress import Note, ProgressFn, silent
 from moeplug.refs import ModelRef, ResolvedModel, parse_ref, resolve_ref
@@ -204,7 +204,7 @@ def plan_for(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pro
     need = gpu_need(fit_tool, info.path, ctx) if fit_tool is not None and one_gpu else None
     plan = make_plan(info, ctx, budget, profile, available_ram_bytes(), slots_in_ram, need=need, policy=policy,
                      profile=loaded, spec=spec, draft_need=draft_need_for(spec, ctx, fit_tool if one_gpu else None),
-                     copy_ahead=copy_ahead, cpu_cores=physical_cores(), threads=threads,
+                     copy_ahead=copy_ahead, cpu_cores=usable_cores(), threads=threads,
                      **({} if prefill_weight is None else {"prefill_weight": prefill_weight}))
     note = one_budget_note(budget, found)
     plan.notes += [note] if note else []

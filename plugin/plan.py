@@ -198,7 +198,7 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
     batch's later expert weights are copied while the split before computes (None: the planner's
     choice: on, unless the plan with them keeps at most COPY_AHEAD_FEW_PARTIAL of the MoE layers
     partly resident, where their second weight copy's bytes go to slots instead). cpu_cores: this
-    machine's physical cores (probes.physical_cores); threads: the server's CPU threads as the user
+    machine's physical cores, no more than a CPU quota allows (probes.usable_cores); threads: the server's CPU threads as the user
     asked (0: llama.cpp's default; None: the planner's, server_threads)."""
     return with_threads(_plan_copies(info, ctx, vram_budget, profile_path, ram_available, slots_in_ram, expert_room,
                                      need, policy, profile, spec, draft_need, prefill_weight, copy_ahead),
@@ -228,7 +228,7 @@ def with_threads(plan: Plan, cpu_cores: int | None, asked: int | None) -> Plan:
     if n is not None:
         plan.server_args += ["-t", str(n)]
         plan.notes.append(f"{n} CPU threads (-t {n}), as asked" if asked else
-                          f"{n} CPU threads (-t {n}), half of the {cpu_cores} physical cores: the CPU's share of each "
+                          f"{n} CPU threads (-t {n}), half of the {cpu_cores} physical cores it may use: the CPU's share of each "
                           f"partly resident layer is small, and a thread team on every core stalls prompt batches "
                           f"when the OS puts one member aside ('--threads N' to choose, 0 for llama.cpp's default)")
     return plan

@@ -128,7 +128,7 @@ def test_the_server_runs_on_half_the_cores_where_the_cpu_computes_misses(tmp_pat
     plan = make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile, cpu_cores=16)
     assert any(0 < n < info.n_expert for n in plan.slots_per_layer) and "--moe-cache-slots" in plan.server_args
     assert plan.threads == 8 and plan.threads_asked is None and plan.server_args[-2:] == ["-t", "8"]
-    assert any("half of the 16 physical cores" in n for n in plan.notes)
+    assert any("half of the 16 physical cores it may use" in n for n in plan.notes)
     assert plan.to_json()["threads"] == 8
     for cores in (None, 6, 7):
         few = make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile, cpu_cores=cores)
@@ -158,6 +158,21 @@ def test_physical_cores_counts_hyperthread_siblings_once() -> None:
 
     cores = physical_cores()
     assert cores is not None and 1 <= cores <= len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize("files,cores", [({"cpu.max": "400000 100000\n"}, 4), ({"cpu.max": "150000 100000\n"}, 2),
+                                         ({"cpu.max": "max 100000\n"}, None), ({}, None),
+                                         ({"cpu/cpu.cfs_quota_us": "200000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 2),
+                                         ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None)])
+def test_a_cpu_quota_caps_the_cores(tmp_path: Path, files: dict[str, str], cores: int | None) -> None:
+    """A container's CPU quota (cgroup v2 cpu.max, v1 cfs quota/period) counts as that many cores,
+    rounded up; none, or unlimited, leaves the physical cores."""
+    from moeplug.probes import cpu_quota_cores
+
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cpu_quota_cores(tmp_path) == cores
 
 
 def test_the_copy_ahead_is_counted_where_experts_stay_in_ram(fixture_models, tmp_path: Path) -> None:
