@@ -92,7 +92,7 @@ def register(sub: Any) -> None:
                    help="moeplug's CPU threads for this comparison, in place of the plan's (0: llama.cpp's default; "
                         "the installed plan is not changed: 'moeplug serve NAME --threads N' keeps a count)")
     p.add_argument("--stock-threads", type=SERVER_THREADS, metavar="N",
-                   help="stock's CPU threads (default: llama.cpp's, as users run it): with the same count on both "
-                        "sides the ratio is the cache's alone")
+                   help="stock's CPU threads, 0-1024 (0, the default: llama.cpp's, as users run it): with the same count "
+                        "on both sides the ratio is the cache's alone")
     add_json(p)
     p.set_defaults(func=cmd_bench)
