@@ -29,6 +29,7 @@ from moeplug.options import STOCK_VRAM
 from moeplug.profile.runner import DEFAULT_PROMPT_SETS, read_prompts, resolve_prompt_set
 from moeplug.progress import Note, ProgressFn, silent
 from moeplug.server import complete
+from moeplug.server_flags import with_threads
 from moeplug.serving import find_record, launch_verified, model_lock, stop
 from moeplug.sizes import MIB
 
@@ -72,21 +73,6 @@ def fit_within(args: list[str], cap: int, held_by: Callable[[list[str]], int | N
         args[i] = raised_fit_target(args[i], held, cap)
     raise MoeplugError(f"stock --fit still held {tried[-1]['held_bytes'] / MIB:.0f} MiB, over the "
                        f"{cap / MIB:.0f} MiB budget, after {tries} launches with a larger -fitt each time")
-
-
-def with_threads(args: list[str], threads: int | None) -> list[str]:
-    """Server args with their CPU thread count replaced: None keeps it, 0 drops it (llama.cpp's
-    default, a thread per physical core), N sets -t N."""
-    if threads is None:
-        return list(args)
-    out, i = [], 0
-    while i < len(args):
-        if args[i] in ("-t", "--threads"):
-            i += 2
-            continue
-        out.append(args[i])
-        i += 1
-    return out + (["-t", str(threads)] if threads else [])
 
 
 def bench_prompts(prompt_files: list[Path], max_prompts: int) -> list[str]:

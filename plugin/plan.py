@@ -52,7 +52,7 @@ from moeplug.model_inspect import ModelInfo
 from moeplug.multi_gpu import plan_split
 from moeplug.output import human_bytes
 from moeplug.profile.format import Profile
-from moeplug.server_flags import DYNAMIC_ARGS, experts_in_ram_args, placement_args
+from moeplug.server_flags import DYNAMIC_ARGS, experts_in_ram_args, placement_args, with_threads
 from moeplug.speculation import SpecNeed, Speculation, nextn_blocks, nextn_weight_bytes, spec_need
 from moeplug.sizes import GIB
 
@@ -198,9 +198,9 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
     batch's later expert weights are copied while the split before computes (None: the planner's
     choice: on, unless the plan with them keeps at most COPY_AHEAD_FEW_PARTIAL of the MoE layers
     partly resident, where their second weight copy's bytes go to slots instead). cpu_cores: this
-    machine's physical cores, no more than a CPU quota allows (probes.usable_cores); threads: the server's CPU threads as the user
-    asked (0: llama.cpp's default; None: the planner's, server_threads)."""
-    return with_threads(_plan_copies(info, ctx, vram_budget, profile_path, ram_available, slots_in_ram, expert_room,
+    machine's physical cores, no more than a CPU quota allows (probes.usable_cores); threads: the
+    server's CPU threads as the user asked (0: llama.cpp's default; None: the planner's, server_threads)."""
+    return threaded(_plan_copies(info, ctx, vram_budget, profile_path, ram_available, slots_in_ram, expert_room,
                                      need, policy, profile, spec, draft_need, prefill_weight, copy_ahead),
                         cpu_cores, threads)
 
@@ -221,12 +221,12 @@ def server_threads(plan: Plan, cpu_cores: int | None, asked: int | None) -> int 
     return cpu_cores // 2 if cpu_cores and cpu_cores >= SERVER_THREADS_MIN_CORES else None
 
 
-def with_threads(plan: Plan, cpu_cores: int | None, asked: int | None) -> Plan:
+def threaded(plan: Plan, cpu_cores: int | None, asked: int | None) -> Plan:
     """The plan with its server's thread count (server_threads) in its flags, its notes and `threads`."""
     n = server_threads(plan, cpu_cores, asked)
     plan.threads, plan.threads_asked = n, asked
     if n is not None:
-        plan.server_args += ["-t", str(n)]
+        plan.server_args = with_threads(plan.server_args, n)
         plan.notes.append(f"{n} CPU threads (-t {n}), as asked" if asked else
                           f"{n} CPU threads (-t {n}), half of the {cpu_cores} physical cores it may use: the CPU's share of each "
                           f"partly resident layer is small, and a thread team on every core stalls prompt batches "

@@ -26,6 +26,21 @@ def env_of(args: list[str]) -> dict[str, str]:
             for flag, value in zip(args[::2], args[1::2])}
 
 
+def with_threads(args: list[str], threads: int | None) -> list[str]:
+    """Server args with their CPU thread count replaced: None keeps it, 0 drops it (llama.cpp's
+    default, a thread per physical core), N sets -t N."""
+    if threads is None:
+        return list(args)
+    out, i = [], 0
+    while i < len(args):
+        if args[i] in ("-t", "--threads"):
+            i += 2
+            continue
+        out.append(args[i])
+        i += 1
+    return out + (["-t", str(threads)] if threads else [])
+
+
 # llama.cpp's own pattern for the routed-expert tensors of a block (common.h, LLM_FFN_EXPS_REGEX)
 _EXPS_PATTERN = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
 
