@@ -314,6 +314,34 @@ def test_serve_bench_stock_within_the_budget(patched_build, stock_build, bench_m
     assert bad.returncode == 2 and "--stock-vram: 'fit,fit'" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_serve_bench_row_args_and_stock_threads(patched_build, stock_build, bench_model: Path, tmp_path: Path) -> None:
+    """--row-args 'none;--no-op-offload': a moeplug row per set of extra server flags, last in its
+    flags; --stock-threads 0,1: a stock row per thread count, 0 with no -t at all (llama.cpp's default,
+    also where --threads gave both sides one), 1 running the server on one thread (its log says so);
+    every moeplug row against every stock row."""
+    logs = tmp_path / "logs"
+    stdout, doc = run_bench(patched_build, stock_build, bench_model, tmp_path, "--workloads", "random",
+                            "--rounds", "1", "--row-args", "none;--no-op-offload", "--stock-threads", "0,1",
+                            "--keep-logs", str(logs))
+    rows = doc["tables"]["random"]
+    assert [(r["moeplug"].endswith(", --no-op-offload"), r["stock"]) for r in rows] == [
+        (False, "--fit, default -t"), (False, "--fit, -t 1"), (True, "--fit, default -t"), (True, "--fit, -t 1")]
+    mine = [c for c in doc["configs"] if c["side"] == "moeplug"]
+    stocks = [c for c in doc["configs"] if c["side"] == "stock"]
+    assert "--no-op-offload" not in mine[0]["server_args"] and mine[1]["server_args"][-1] == "--no-op-offload"
+    assert "-t" not in stocks[0]["server_args"] and stocks[1]["server_args"][-2:] == ["-t", "1"]
+    assert all(len(v) == 1 for c in doc["configs"] for v in c["samples"].values())  # all served the round
+    one = [p for p in logs.iterdir() if "-stock-" in p.name and "n_threads = 1 (" in p.read_text()]
+    assert len(one) == 1, sorted(p.name for p in logs.iterdir())
+    for flag, value, said in (("--row-args", "none;", "--row-args: 'none;': an empty set"),
+                              ("--row-args", "no-op", "--row-args: 'no-op': flags of llama-server"),
+                              ("--stock-threads", "8,8", "--stock-threads: '8,8': distinct counts"),
+                              ("--stock-threads", "x", "--stock-threads: 'x': thread counts")):
+        bad = subprocess.run([sys.executable, str(SERVE_BENCH), flag, value], capture_output=True, text=True,
+                             timeout=60)
+        assert bad.returncode == 2 and said in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+
 def test_serve_bench_keeps_logs_with_the_timeline(patched_build, stock_build, bench_model: Path, tmp_path: Path) -> None:
     """--env GGML_SCHED_TIMELINE=4 reaches both servers, --keep-logs copies each round's log, and
     native/bench/timeline.py reads the patched server's reports from it (the stock build has no

@@ -66,6 +66,7 @@ import itertools
 import json
 import os
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -716,6 +717,36 @@ def copy_aheads(ap: argparse.ArgumentParser, text: str) -> list[bool | None]:
     return [None if x == "auto" else x == "on" for x in parts] or [None]
 
 
+def row_args(ap: argparse.ArgumentParser, text: str) -> list[list[str]]:
+    """--row-args 'none;--no-op-offload': a moeplug row per set of extra server flags ('none': no extra);
+    [[]] when empty."""
+    if not text:
+        return [[]]
+    sets = []
+    for part in text.split(";"):
+        try:
+            words = shlex.split(part)
+        except ValueError as exc:
+            ap.error(f"--row-args: {part!r}: {exc}")
+        if not words:
+            ap.error(f"--row-args: {text!r}: an empty set; write none for a row without extra flags")
+        if words != ["none"] and not words[0].startswith("-"):
+            ap.error(f"--row-args: {part!r}: flags of llama-server, e.g. none;--no-op-offload")
+        sets.append([] if words == ["none"] else words)
+    return sets
+
+
+def stock_thread_counts(ap: argparse.ArgumentParser, text: str) -> list[int]:
+    """--stock-threads 0,8: a stock row per thread count (0: llama.cpp's default); [] when empty."""
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--stock-threads: {text!r}: thread counts, e.g. 0,8 (0: llama.cpp's default)")
+    if any(n < 0 for n in counts) or len(set(counts)) < len(counts):
+        ap.error(f"--stock-threads: {text!r}: distinct counts of 0 or more (0: llama.cpp's default)")
+    return counts
+
+
 def env_desc(env: dict[str, str]) -> str:
     """A row's --row-env value for its description ('' for none)."""
     return "".join(f", {k}={v}" for k, v in env.items())
@@ -777,7 +808,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="text,replay,random", help=f"of {', '.join(WORKLOADS)} (chat: not by default)")
     ap.add_argument("--ctx", type=int, default=4096, help="context of both servers")
     ap.add_argument("--threads", "-t", type=int, help="threads of both servers (default: llama.cpp's for stock, the "
-                    "plan's for moeplug: half the physical cores where partly resident layers share tokens with the CPU)")
+                    "plan's for moeplug: half the physical cores where few layers are partly resident)")
     ap.add_argument("--parallel", "-np", type=int, default=1, help="parallel slots of both servers")
     ap.add_argument("--n-predict", "-n", type=int, default=128, help="tokens generated per prompt")
     ap.add_argument("--max-prompts", type=int, default=0, help="at most this many prompts per text/replay set (0: all)")
@@ -798,6 +829,10 @@ def main(argv: list[str] | None = None) -> int:
                          "hottest carrying this share from host memory), e.g. 0,0.4 (default: the plan's)")
     ap.add_argument("--row-env", default="", help="moeplug rows per value of an environment variable of its server, "
                     "e.g. GGML_CUDA_EXPERT_COPY_AHEAD_BLOCKS=unset,64 ('unset': as the caller's)")
+    ap.add_argument("--row-args", default="", help="moeplug rows per set of extra llama-server flags, sets split by "
+                    "';', e.g. 'none;--no-op-offload' (none: no extra flags)")
+    ap.add_argument("--stock-threads", default="", help="stock rows per thread count, e.g. 0,8 (0: llama.cpp's default; "
+                    "default: --threads, else llama.cpp's)")
     ap.add_argument("--env", default="", help="environment variables of every server, stock's and moeplug's: "
                     "NAME=VALUE[,NAME=VALUE], e.g. GGML_SCHED_TIMELINE=64 (a --row-env value wins on its row)")
     ap.add_argument("--keep-logs", type=Path, metavar="DIR", help="copy each round's server log here "
@@ -865,6 +900,8 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= a.prefill_reps <= 32:
         ap.error("--prefill-reps: from 1 to 32")
     envs = row_envs(ap, a.row_env)
+    extras = row_args(ap, a.row_args)
+    stock_threads = stock_thread_counts(ap, a.stock_threads)
     every_env = server_env(ap, a.env)
     from moeplug.options import STOCK_VRAM
 
@@ -945,17 +982,22 @@ def main(argv: list[str] | None = None) -> int:
         for group, profile, extra, mine_bin, stock_bin, stock_id in groups:
             if not group:
                 continue
-            variants = [(p, w, s, e, c) for p in policies for w in weights for s in shares for e in envs for c in aheads]
+            variants = [(p, w, s, e, c, x) for p in policies for w in weights for s in shares for e in envs
+                        for c in aheads for x in extras]
             plans = [plan_for(info, a.ctx, budget, profile, slots_on_cpu=False, fit_tool=fit_tool,
                               policy=p.removesuffix("+record"), spec=spec, prefill_weight=w, copy_ahead=c)
-                     for p, w, _, _, c in variants]
+                     for p, w, _, _, c, _ in variants]
             load = ["-lm", "none"] if plans[0].load_mode == "pinned" else []
-            stock_args = ["-c", str(a.ctx), "--fit", "on", "-fitt", fitt, *load, *common, *extra]
+            # --stock-threads replaces --threads on stock's side (0: no -t, llama.cpp's default)
+            stock_args = ["-c", str(a.ctx), "--fit", "on", "-fitt", fitt, *load,
+                          *(["-np", str(a.parallel)] if stock_threads else common), *extra]
             stocks = []
-            for vram in stock_vram:
+            for vram, threads in itertools.product(stock_vram, stock_threads or [None]):
                 theirs = Config(label, "stock", stock_bin, stock_id,
-                                stock_args + (spec.server_args(gpu=True) + spec_args if spec else []), group,
+                                stock_args + (["-t", str(threads)] if threads else [])
+                                + (spec.server_args(gpu=True) + spec_args if spec else []), group,
                                 desc="--fit" + (" within the budget" if vram == "budget" else "")
+                                     + ("" if threads is None else f", -t {threads}" if threads else ", default -t")
                                      + (f", {spec.kind}" if spec else ""),
                                 env=dict(every_env),
                                 vram_cap=budget if vram == "budget" and free is not None else None)
@@ -966,7 +1008,7 @@ def main(argv: list[str] | None = None) -> int:
                 baseline = Config(label, "stock", stock_bin, stock_id, stock_args, group, env=dict(every_env),
                                   desc="--fit, no speculation")
                 configs.append(baseline)
-            for plan, (policy, weight, share, env, _) in zip(plans, variants):
+            for plan, (policy, weight, share, env, _, more) in zip(plans, variants):
                 record = ["--moe-cache-record"] if policy.endswith("+record") else []
                 stream = ["--moe-cache-stream", f"{share:g}"] if share is not None else []
                 desc = describe_slots(plan.slots_per_layer, info.n_expert)
@@ -976,10 +1018,11 @@ def main(argv: list[str] | None = None) -> int:
                 desc += f", stream {streamed:g}" if len(shares) > 1 or streamed else ""
                 desc += f", -t {plan.threads}" if plan.threads else ""
                 desc += env_desc(env)
+                desc += f", {' '.join(more)}" if more else ""
                 desc += "" if plan.copy_ahead else ", no copies ahead"
                 desc += f", {spec.kind}" if spec else ""
                 mine = Config(label, "moeplug", mine_bin, patched.build_id,
-                              [*plan.server_args, *record, *stream, *spec_args, *common, *extra], group,
+                              [*plan.server_args, *record, *stream, *spec_args, *common, *more, *extra], group,
                               {**slots_env, **plan.server_env(), **every_env, **env}, desc,
                               plan=plan.to_json())
                 print(f"# {label} {'+'.join(group)}: moeplug {' '.join(mine.server_args)} | stock "
