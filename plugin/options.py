@@ -211,8 +211,8 @@ def add_prefill_weight(p: argparse.ArgumentParser, keep: bool = False) -> None:
 
 def add_threads(p: argparse.ArgumentParser, keep: bool = False) -> None:
     """--threads N: the server's CPU threads (plan.server_threads)."""
-    default = "the installed plan's choice" if keep else "half the physical cores where the CPU computes the misses of " \
-                                                          "partly resident layers, on 8 cores or more; else llama.cpp's"
+    default = "the installed plan's choice" if keep else "half the physical cores where at most a quarter of the MoE " \
+                                                          "layers are partly resident, on 8 cores or more; else llama.cpp's"
     p.add_argument("--threads", "-t", type=SERVER_THREADS, default=None, metavar="N",
                    help=f"CPU threads of the server, 0-1024 (0: llama.cpp's default, a thread per physical core; "
                         f"default: {default})")

@@ -186,6 +186,12 @@ def _fit_warnings(fit: float, hit: float | None) -> list[str]:
 # -4% to +3%, decode 0-8% slower)
 COPY_AHEAD_FEW_PARTIAL = 0.25
 SERVER_THREADS_MIN_CORES = 8  # below it, llama.cpp's default thread count (server_threads)
+# the share of the MoE layers at or below which partly resident layers leave the CPU so little of a token
+# that half the cores serve it better than all (server_threads; twenty-seventh session, through the server
+# on the H200 box, 8 threads against 16 in one run: Qwen3 shape at 16 GiB, 6 of 48 layers partly resident,
+# prefill +3-6% and decode -2% (twenty-sixth session); at 12 GiB, 29 of 48, decode 4-8% slower; at 8 GiB,
+# 46 of 48, -7% to +8%; gpt-oss shape at 25% and 50%, 24 of 24, decode 5-14% and prefill 6-13% slower)
+SERVER_THREADS_FEW_PARTIAL = 0.25
 
 
 def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, profile_path: Path | None = None,
@@ -207,16 +213,20 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
 
 def server_threads(plan: Plan, cpu_cores: int | None, asked: int | None) -> int | None:
     """The -t a plan's server runs with, or None for llama.cpp's default (a thread per physical core).
-    Asked (> 0): that. Otherwise, where the GPU's slots and the CPU's misses share each partly resident
-    layer, half the physical cores on a machine of SERVER_THREADS_MIN_CORES or more: with every core
-    in the CPU backend's team, a team member that the OS has put aside for the thread driving the GPU,
-    the HTTP server or anything else holds the whole team at the next barrier, and prompt batches that
-    took ~30 ms took ~25 ms more now and then (the H200 box, 16 cores: native/BENCHMARKS.md, twenty-sixth
-    session)."""
+    Asked (> 0): that. Otherwise, where the GPU's slots and the CPU's misses share a few partly resident
+    layers (at most SERVER_THREADS_FEW_PARTIAL of the MoE layers), half the physical cores on a machine
+    of SERVER_THREADS_MIN_CORES or more: the CPU then computes a small share of each token, and with
+    every core in the CPU backend's team, a team member that the OS has put aside for the thread driving
+    the GPU, the HTTP server or anything else holds the whole team at the next barrier, so that prompt
+    batches that took ~30 ms took ~25 ms more now and then (the H200 box, 16 cores: native/BENCHMARKS.md,
+    twenty-sixth session). Where more layers are partly resident the CPU's share is larger and every
+    core pays: half of them decoded 4-14% slower there (twenty-seventh session)."""
     if asked is not None:
         return asked or None
-    partial = any(0 < n < plan.n_expert for n in plan.slots_per_layer)
+    partial = sum(0 < n < plan.n_expert for n in plan.slots_per_layer)
     if plan.backend != "cuda" or not partial or "--moe-cache-slots" not in plan.server_args:
+        return None
+    if partial > SERVER_THREADS_FEW_PARTIAL * len(plan.slots_per_layer):
         return None
     return cpu_cores // 2 if cpu_cores and cpu_cores >= SERVER_THREADS_MIN_CORES else None
 
@@ -228,9 +238,10 @@ def threaded(plan: Plan, cpu_cores: int | None, asked: int | None) -> Plan:
     if n is not None:
         plan.server_args = with_threads(plan.server_args, n)
         plan.notes.append(f"{n} CPU threads (-t {n}), as asked" if asked else
-                          f"{n} CPU threads (-t {n}), half of the {cpu_cores} physical cores it may use: the CPU's share of each "
-                          f"partly resident layer is small, and a thread team on every core stalls prompt batches "
-                          f"when the OS puts one member aside ('--threads N' to choose, 0 for llama.cpp's default)")
+                          f"{n} CPU threads (-t {n}), half of the {cpu_cores} physical cores it may use: few layers are partly "
+                          f"resident, so the CPU's share of a token is small, and a thread team on every core stalls "
+                          f"prompt batches when the OS puts one member aside ('--threads N' to choose, 0 for "
+                          f"llama.cpp's default)")
     return plan
 
 

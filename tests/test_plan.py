@@ -116,20 +116,34 @@ def big_expert_model(tmp_path: Path, arch: str = "gpt-oss") -> tuple[Path, Profi
     return path, prof
 
 
-def test_the_server_runs_on_half_the_cores_where_the_cpu_computes_misses(tmp_path: Path) -> None:
-    """Where partly resident layers share each token between the GPU's slots and the CPU's misses,
-    the plan runs the server on half the physical cores (8 or more; the H200 box's 16 took 8), last
-    in its flags so that it wins; fewer cores, no CPU pass (every expert in VRAM), no cache (no
-    profile: stock's placement) or no GPU leave llama.cpp's default. Asked for, the user's count
-    goes everywhere, 0 meaning llama.cpp's default; both are kept in the plan's JSON."""
-    model, profile = big_expert_model(tmp_path)
+def test_the_server_runs_on_half_the_cores_where_few_layers_are_partly_resident(tmp_path: Path) -> None:
+    """Where a few partly resident layers (at most a quarter of the MoE layers) share each token between
+    the GPU's slots and the CPU's misses, the plan runs the server on half the physical cores (8 or more;
+    the H200 box's 16 took 8), last in its flags so that it wins; more partly resident layers (the CPU's
+    share larger), fewer cores, no CPU pass (every expert in VRAM), no cache (no profile: stock's
+    placement) or no GPU leave llama.cpp's default. Asked for, the user's count goes everywhere, 0
+    meaning llama.cpp's default; both are kept in the plan's JSON."""
+    from moeplug.plan import SERVER_THREADS_FEW_PARTIAL
+    from moeplug.synth import ModelSpec, make_model
+
+    model = make_model(ModelSpec(arch="qwen3moe", layers=8, experts=16, used=2, embd=512, expert_ff=2048, dtype="f16",
+                                 seed=5), tmp_path / "eight-layers.gguf")[0]
+    counts = np.array([[4000, 3000, 2000, 1000] + [5] * 12] * 8, dtype=np.int64)
+    profile = Profile(fingerprint=None, tensors=[f"blk.{i}.ffn_down_exps.weight" for i in range(8)],  # type: ignore[arg-type]
+                      counts_prefill=counts * 0, counts_decode=counts, sources=[])
     info = inspect_model(model)
-    budget = fixed_bytes(info, 2048) + 3 * info.expert_bytes // 4
+    layer = info.expert_bytes // 8
+    budget = fixed_bytes(info, 2048) + 7 * layer + layer // 2  # room for 7.5 layers' experts
     plan = make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile, cpu_cores=16)
-    assert any(0 < n < info.n_expert for n in plan.slots_per_layer) and "--moe-cache-slots" in plan.server_args
+    partial = sum(0 < n < info.n_expert for n in plan.slots_per_layer)
+    assert 0 < partial <= SERVER_THREADS_FEW_PARTIAL * 8 and "--moe-cache-slots" in plan.server_args
     assert plan.threads == 8 and plan.threads_asked is None and plan.server_args[-2:] == ["-t", "8"]
     assert any("half of the 16 physical cores it may use" in n for n in plan.notes)
     assert plan.to_json()["threads"] == 8
+    spread = make_plan(info, 2048, fixed_bytes(info, 2048) + 4 * layer, tmp_path / "p.gguf", profile=profile,
+                       cpu_cores=16)  # half the experts' bytes: spread over most layers
+    assert sum(0 < n < info.n_expert for n in spread.slots_per_layer) > SERVER_THREADS_FEW_PARTIAL * 8
+    assert spread.threads is None and "-t" not in spread.server_args
     for cores in (None, 6, 7):
         few = make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile, cpu_cores=cores)
         assert few.threads is None and "-t" not in few.server_args
@@ -139,7 +153,7 @@ def test_the_server_runs_on_half_the_cores_where_the_cpu_computes_misses(tmp_pat
     assert full.whole_layers == len(info.layers) and full.threads is None and "-t" not in full.server_args
     stock = make_plan(info, 2048, budget, cpu_cores=16)  # no profile: stock's placement, no cache
     assert stock.threads is None and "-t" not in stock.server_args
-    asked = make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile, cpu_cores=16, threads=5)
+    asked = make_plan(info, 2048, fixed_bytes(info, 2048) + 4 * layer, tmp_path / "p.gguf", profile=profile, cpu_cores=16, threads=5)
     assert (asked.threads, asked.threads_asked, asked.server_args[-2:]) == (5, 5, ["-t", "5"])
     assert any("5 CPU threads (-t 5), as asked" in n for n in asked.notes)
     default = make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile, cpu_cores=16, threads=0)
