@@ -190,7 +190,7 @@ SERVER_THREADS_MIN_CORES = 8  # below it, llama.cpp's default thread count (serv
 # that half the cores serve it better than all (server_threads; twenty-seventh session, through the server
 # on the H200 box, 8 threads against 16 in one run: Qwen3 shape at 16 GiB, 6 of 48 layers partly resident,
 # prefill +3-6% and decode -2% (twenty-sixth session); at 12 GiB, 29 of 48, decode 4-8% slower; at 8 GiB,
-# 46 of 48, -7% to +8%; gpt-oss shape at 25% and 50%, 24 of 24, decode 5-14% and prefill 6-13% slower)
+# 46 of 48, -7% to +8%; gpt-oss shape at 25% and 50%, 24 of 24, decode 5-15% and prefill 6-13% slower)
 SERVER_THREADS_FEW_PARTIAL = 0.25
 
 
@@ -220,7 +220,7 @@ def server_threads(plan: Plan, cpu_cores: int | None, asked: int | None) -> int 
     the GPU, the HTTP server or anything else holds the whole team at the next barrier, so that prompt
     batches that took ~30 ms took ~25 ms more now and then (the H200 box, 16 cores: native/BENCHMARKS.md,
     twenty-sixth session). Where more layers are partly resident the CPU's share is larger and every
-    core pays: half of them decoded 4-14% slower there (twenty-seventh session)."""
+    core pays: half of them decoded 4-15% slower there (twenty-seventh session)."""
     if asked is not None:
         return asked or None
     partial = sum(0 < n < plan.n_expert for n in plan.slots_per_layer)
