@@ -25,7 +25,7 @@ from moeplug.install import (
     require_moe,
 )
 from moeplug.model_inspect import inspect_model
-from moeplug.plan import Plan
+from moeplug.plan import Plan, outdated
 from moeplug.progress import Note, ProgressFn, silent
 from moeplug.server import HOST
 from moeplug.serving import ServerRecord
@@ -75,7 +75,8 @@ def serve(name: str, *, port: int | None = None, vram_budget: int | list[int] | 
           host: str = HOST, spec: Speculation | KeepInstalled | None = KeepInstalled(),
           prefill_weight: float | None = None, threads: int | None = None, progress: ProgressFn = silent) -> Served:
     """Launch an installed model again (detached) with its build; re-planned when a budget or a
-    context is given, else with the plan it was installed with. Waits while another moeplug holds
+    context is given, or when an older planner made its plan (plan.outdated; not where its profile
+    is gone), else with the plan it was installed with. Waits while another moeplug holds
     the model (an install, a re-profile), then reads the model as that one left it. record: count
     the router's selections for `moeplug reprofile` (llama-server --moe-cache-record). host: where
     it listens (127.0.0.1 unless the user gave another address; then a warning). spec: another
@@ -93,6 +94,10 @@ def serve(name: str, *, port: int | None = None, vram_budget: int | list[int] | 
             if ctx is not None:
                 ctx = context_size(inspect_model(m.path), ctx, ctx_override)
             m = replan(m, ctx, vram_budget, spec, prefill_weight, threads)  # the new plan becomes the model's own; the hooks follow
+        elif outdated(m.plan) and (m.profile is None or Path(m.profile).exists()):
+            m = replan(m)  # its stored budget, context and choices, by this planner
+            progress(Note(f"{m.name}: its plan was made by an older moeplug planner; planned again with the same "
+                          f"budget, context and choices ('moeplug plan {m.name}' shows it)"))
         plan = m.plan
         served = launch_verified(m.name, Path(m.path), installed_build(m).binary("llama-server"), m.build_id,
                                  plan.server_args, plan.ctx, port=port, allow_fallback=allow_fallback,

@@ -264,7 +264,11 @@ def register(sub: Any) -> None:
     add_json(p)
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("serve", help="launch an installed model's llama-server and verify it")
+    p = sub.add_parser("serve", help="launch an installed model's llama-server and verify it",
+                       description="Launch an installed model's llama-server (detached) and verify it, with the "
+                                   "plan it was installed with; the options below re-plan it and keep that plan. "
+                                   "A plan an older moeplug planner made is made again with its stored budget, "
+                                   "context and choices.")
     p.add_argument("model", help="an installed name (see 'moeplug list')")
     add_plan_options(p, "re-plan for this budget, e.g. 12GiB, or 12GiB,12GiB for two GPUs (kept as the model's plan)",
                      "re-plan for this context size (kept as the model's plan)")

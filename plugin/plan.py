@@ -138,6 +138,8 @@ class Plan:
     # what the user asked for (0: llama.cpp's default), None for the planner's choice (kept on re-plans)
     threads: int | None = None
     threads_asked: int | None = None
+    # the planner's revision that made it (PLANNER_REVISION); 0: a record from before revisions
+    planner: int = 0
 
     def server_env(self) -> dict[str, str]:
         """The environment the plan's server runs with beside its flags."""
@@ -185,6 +187,10 @@ def _fit_warnings(fit: float, hit: float | None) -> list[str]:
 # checked again at 16 GiB in the twentieth and twenty-third sessions: with the copies ahead prefill
 # -4% to +3%, decode 0-8% slower)
 COPY_AHEAD_FEW_PARTIAL = 0.25
+# raised when a change to the planner makes the plans it stored before worth making again: `moeplug serve`
+# re-plans an installed model whose plan an older revision made, from its stored budget, context and
+# choices (1: the threads halved only where few layers are partly resident, twenty-seventh session)
+PLANNER_REVISION = 1
 SERVER_THREADS_MIN_CORES = 8  # below it, llama.cpp's default thread count (server_threads)
 # the share of the MoE layers at or below which partly resident layers leave the CPU so little of a token
 # that half the cores serve it better than all (server_threads; twenty-seventh session, through the server
@@ -206,9 +212,16 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
     partly resident, where their second weight copy's bytes go to slots instead). cpu_cores: this
     machine's physical cores, no more than a CPU quota allows (probes.usable_cores); threads: the
     server's CPU threads as the user asked (0: llama.cpp's default; None: the planner's, server_threads)."""
-    return threaded(_plan_copies(info, ctx, vram_budget, profile_path, ram_available, slots_in_ram, expert_room,
-                                     need, policy, profile, spec, draft_need, prefill_weight, copy_ahead),
-                        cpu_cores, threads)
+    plan = threaded(_plan_copies(info, ctx, vram_budget, profile_path, ram_available, slots_in_ram, expert_room,
+                                 need, policy, profile, spec, draft_need, prefill_weight, copy_ahead),
+                    cpu_cores, threads)
+    plan.planner = PLANNER_REVISION
+    return plan
+
+
+def outdated(plan: Plan) -> bool:
+    """Whether an older revision of the planner made this plan (PLANNER_REVISION)."""
+    return plan.planner < PLANNER_REVISION
 
 
 def server_threads(plan: Plan, cpu_cores: int | None, asked: int | None) -> int | None:

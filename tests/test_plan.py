@@ -858,3 +858,46 @@ def test_llama_fit_estimate_is_what_the_server_allocates(patched_build, fixture_
     plan = make_plan(info, ctx, 2 << 30, need=need)
     assert plan.vram_source == "llama-fit-params" and plan.margin_bytes == CUDA_CONTEXT_RESERVE
     assert (plan.non_expert_vram_bytes, plan.kv_cache_bytes, plan.compute_bytes) == (64 * MIB, 8 * MIB, 32 * MIB)
+
+
+@pytest.mark.native
+def test_serve_plans_again_a_model_an_older_planner_planned(patched_build, fixture_models, tmp_path: Path) -> None:
+    """A plan stored by an older planner (plan.PLANNER_REVISION above its `planner`, or none at all: a
+    record from before revisions) is made again by `moeplug serve`, with the model's stored budget,
+    context and choices, kept, and said in one line; a current plan is served as stored. Where the
+    profile it was planned from is gone, the old plan is served rather than one without the cache."""
+    from moeplug.plan import PLANNER_REVISION
+
+    env = xdg_homes(tmp_path / "home")
+    r = run_cli_process("install", str(fixture_models["qwen3moe"]), "--ctx", "512", "--no-serve", "--profile-tokens", "8",
+                        "--prefill-weight", "3", "--json", env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    name = json.loads(r.stdout)["name"]
+    record = Path(env["XDG_DATA_HOME"]) / "moeplug" / "installed" / f"{name}.json"
+    current = json.loads(record.read_text())
+    assert current["plan"]["planner"] == PLANNER_REVISION
+
+    def serve() -> tuple[str, dict]:
+        r = run_cli_process("serve", name, "--json", env=env)
+        try:
+            assert r.returncode == 0, r.stderr[-3000:]
+        finally:
+            run_cli_process("stop", "--all", env=env)
+        return r.stderr, json.loads(record.read_text())
+
+    said, after = serve()
+    assert "older moeplug planner" not in said and after == current  # current: served as stored
+    old = json.loads(json.dumps(current))
+    del old["plan"]["planner"]  # a record from before revisions, with what an old rule put in its flags
+    old["plan"]["server_args"] += ["-t", "1"]
+    old["plan"]["threads"] = 1
+    record.write_text(json.dumps(old))
+    said, after = serve()
+    assert f"{name}: its plan was made by an older moeplug planner; planned again" in said, said[-2000:]
+    assert after["plan"]["planner"] == PLANNER_REVISION and after["plan"]["server_args"] == current["plan"]["server_args"]
+    assert after["plan"]["threads"] is None and after["plan"]["prefill_weight"] == 3.0 and after["ctx"] == 512
+    gone = json.loads(json.dumps(old))
+    gone["profile"] = str(tmp_path / "deleted.profile.gguf")
+    record.write_text(json.dumps(gone))
+    said, after = serve()
+    assert "older moeplug planner" not in said and after == gone
