@@ -14,6 +14,7 @@ from typing import Any
 from moeplug.errors import EXIT_ERROR, EXIT_OK, MoeplugError
 from moeplug.estimates import context_size
 from moeplug.install import (
+    InstalledModel,
     warn_exposure,
     installed_build,
     list_installed,
@@ -70,6 +71,33 @@ class Served:
         return {"name": self.name, "server": self.server.to_json()}
 
 
+def up_to_date(m: InstalledModel, progress: ProgressFn = silent) -> InstalledModel:
+    """The installed model, its plan made again and kept where an older planner made it (plan.outdated),
+    with its stored budget, context and choices, said in one line; as it is where its plan is current or
+    the profile it was planned from is gone (a plan made now would lose the cache). The caller holds
+    the model's lock (serving.model_lock)."""
+    if not outdated(m.plan) or (m.profile is not None and not Path(m.profile).exists()):
+        return m
+    m = replan(m)
+    progress(Note(f"{m.name}: its plan was made by an older moeplug planner; planned again with the same "
+                  f"budget, context and choices ('moeplug plan {m.name}' shows it)"))
+    return m
+
+
+def installed_up_to_date(progress: ProgressFn = silent) -> list[InstalledModel]:
+    """Every installed model, those an older planner planned made again first (up_to_date): what a
+    hook writes into a proxy's configuration, which starts the servers without `moeplug serve`."""
+    from moeplug.serving import model_lock
+
+    models = []
+    for m in list_installed():
+        if outdated(m.plan):
+            with model_lock(m.name, progress):
+                m = up_to_date(read_installed(m.name), progress)
+        models.append(m)
+    return models
+
+
 def serve(name: str, *, port: int | None = None, vram_budget: int | list[int] | None = None, ctx: int | None = None,
           ctx_override: bool = False, allow_fallback: bool = False, metrics: bool = False, record: bool = False,
           host: str = HOST, spec: Speculation | KeepInstalled | None = KeepInstalled(),
@@ -94,10 +122,8 @@ def serve(name: str, *, port: int | None = None, vram_budget: int | list[int] | 
             if ctx is not None:
                 ctx = context_size(inspect_model(m.path), ctx, ctx_override)
             m = replan(m, ctx, vram_budget, spec, prefill_weight, threads)  # the new plan becomes the model's own; the hooks follow
-        elif outdated(m.plan) and (m.profile is None or Path(m.profile).exists()):
-            m = replan(m)  # its stored budget, context and choices, by this planner
-            progress(Note(f"{m.name}: its plan was made by an older moeplug planner; planned again with the same "
-                          f"budget, context and choices ('moeplug plan {m.name}' shows it)"))
+        else:
+            m = up_to_date(m, progress)
         plan = m.plan
         served = launch_verified(m.name, Path(m.path), installed_build(m).binary("llama-server"), m.build_id,
                                  plan.server_args, plan.ctx, port=port, allow_fallback=allow_fallback,

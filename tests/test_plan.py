@@ -864,7 +864,8 @@ def test_llama_fit_estimate_is_what_the_server_allocates(patched_build, fixture_
 def test_serve_plans_again_a_model_an_older_planner_planned(patched_build, fixture_models, tmp_path: Path) -> None:
     """A plan stored by an older planner (plan.PLANNER_REVISION above its `planner`, or none at all: a
     record from before revisions) is made again by `moeplug serve`, with the model's stored budget,
-    context and choices, kept, and said in one line; a current plan is served as stored. Where the
+    context and choices, kept, and said in one line; a current plan is served as stored. A hook's
+    configuration (a proxy starts the servers) is written from the plan made again too. Where the
     profile it was planned from is gone, the old plan is served rather than one without the cache."""
     from moeplug.plan import PLANNER_REVISION
 
@@ -896,6 +897,11 @@ def test_serve_plans_again_a_model_an_older_planner_planned(patched_build, fixtu
     assert f"{name}: its plan was made by an older moeplug planner; planned again" in said, said[-2000:]
     assert after["plan"]["planner"] == PLANNER_REVISION and after["plan"]["server_args"] == current["plan"]["server_args"]
     assert after["plan"]["threads"] is None and after["plan"]["prefill_weight"] == 3.0 and after["ctx"] == 512
+    record.write_text(json.dumps(old))  # a proxy's hook starts servers without moeplug serve: it re-plans too
+    r = run_cli_process("hook", "llama-server", "--print", "--json", env=env)
+    assert r.returncode == 0 and f"{name}: its plan was made by an older moeplug planner" in r.stderr, r.stderr[-2000:]
+    section = json.loads(r.stdout)["sections"][name]
+    assert "\nt = 1\n" not in section and json.loads(record.read_text())["plan"] == after["plan"]  # the preset's -t
     gone = json.loads(json.dumps(old))
     gone["profile"] = str(tmp_path / "deleted.profile.gguf")
     record.write_text(json.dumps(gone))

@@ -26,16 +26,17 @@ EXAMPLES = """examples:
 """
 
 
-def _installed() -> list[Any]:
-    from moeplug.install import list_installed
+def _installed(args: argparse.Namespace) -> list[Any]:
+    """The installed models, plans an older planner made made again first (what the proxy will start)."""
+    from moeplug.actions import installed_up_to_date
 
-    return list_installed()
+    return installed_up_to_date(Output.for_args(args).progress)
 
 
-def _commands() -> list[Any]:
+def _commands(args: argparse.Namespace) -> list[Any]:
     from moeplug.hooks.command import model_commands
 
-    return model_commands(_installed())
+    return model_commands(_installed(args))
 
 
 def _report_text(record: Any, changed: bool, file: str) -> str:
@@ -58,13 +59,13 @@ def cmd_llama_server(args: argparse.Namespace) -> int:
     from moeplug.hooks.maintain import add_hook
 
     if args.print:
-        commands = _commands()
+        commands = _commands(args)
         return Output.for_args(args).result({"sections": {c.name: presets.section(c) for c in commands}},
                                             lambda _: presets.render(commands).rstrip("\n"))
     if not args.preset:
         raise MoeplugError("hook llama-server: give --preset FILE (or --print)", EXIT_USAGE)
-    record, changed = add_hook("llama-server", Path(args.preset), _installed())
-    command = presets.router_command(_commands(), Path(record.path), args.models_max, args.port)
+    record, changed = add_hook("llama-server", Path(args.preset), _installed(args))
+    command = presets.router_command(_commands(args), Path(record.path), args.models_max, args.port)
     after = ("\nrun the router with moeplug's patched llama-server (its children run the same binary):\n"
              f"  {command}") if command else ""
     return _report(args, record, changed, {"router_command": command}, after)
@@ -76,13 +77,13 @@ def cmd_llama_swap(args: argparse.Namespace) -> int:
 
     schema = Path(args.schema) if args.schema else None
     if args.print:
-        doc = llama_swap.fragment(_commands(), args.ttl if args.ttl is not None else llama_swap.DEFAULT_TTL)
+        doc = llama_swap.fragment(_commands(args), args.ttl if args.ttl is not None else llama_swap.DEFAULT_TTL)
         llama_swap.validate(doc, schema)
         return Output.for_args(args).result(doc, lambda d: llama_swap.render(d).rstrip("\n"))
     if bool(args.config_dir) == bool(args.file):
         raise MoeplugError("hook llama-swap: give --config-dir DIR or --file PATH (or --print)", EXIT_USAGE)
     target, path = ("llama-swap", args.config_dir) if args.config_dir else ("llama-swap-file", args.file)
-    record, changed = add_hook(target, Path(path), _installed(), ttl=args.ttl, schema=schema)
+    record, changed = add_hook(target, Path(path), _installed(args), ttl=args.ttl, schema=schema)
     return _report(args, record, changed, {},
                    "\nllama-swap reads it on start; with -watch-config (or a SIGHUP) it reloads it")
 
@@ -93,7 +94,7 @@ def cmd_ollama(args: argparse.Namespace) -> int:
 
     out = Output.for_args(args)
     install = ollama.find_install(Path(args.ollama_dir) if args.ollama_dir else None)
-    record, next_step = add_ollama_hook(install, _installed(), out.progress)
+    record, next_step = add_ollama_hook(install, _installed(args), out.progress)
     doc = {"hook": asdict(record), "file": str(install.lib_dir / ollama.SERVER), "environment": ollama.environment(),
            "next": next_step}
     return out.result(doc, lambda d: (f"Ollama at {install.lib_dir} now runs moeplug's llama-server; every model "
