@@ -23,6 +23,7 @@ from moeplug.install import (
     read_installed,
     replan,
     replan_profile_users,
+    up_to_date,
     require_moe,
 )
 from moeplug.model_inspect import inspect_model
@@ -69,19 +70,6 @@ class Served:
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "server": self.server.to_json()}
-
-
-def up_to_date(m: InstalledModel, progress: ProgressFn = silent) -> InstalledModel:
-    """The installed model, its plan made again and kept where an older planner made it (plan.outdated),
-    with its stored budget, context and choices, said in one line; as it is where its plan is current or
-    the profile it was planned from is gone (a plan made now would lose the cache). The caller holds
-    the model's lock (serving.model_lock)."""
-    if not outdated(m.plan) or (m.profile is not None and not Path(m.profile).exists()):
-        return m
-    m = replan(m)
-    progress(Note(f"{m.name}: its plan was made by an older moeplug planner; planned again with the same "
-                  f"budget, context and choices ('moeplug plan {m.name}' shows it)"))
-    return m
 
 
 def installed_up_to_date(progress: ProgressFn = silent) -> list[InstalledModel]:

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from moeplug.errors import MoeplugError
 from moeplug.gpu import gpus, process_vram_bytes
-from moeplug.install import installed_build, read_installed
+from moeplug.install import installed_build, read_installed, up_to_date
 from moeplug.measure import ERRORS, Timings, chat_turns, median_ratio_interval, time_chat, time_prompts
 from moeplug.options import STOCK_VRAM
 from moeplug.profile.runner import DEFAULT_PROMPT_SETS, read_prompts, resolve_prompt_set
@@ -177,7 +177,8 @@ def compare(name: str, *, rounds: int = 2, n_predict: int = 64, prefill_reps: in
     is not changed); stock_threads: stock's (None or 0: llama.cpp's default, as users run it)."""
     if stock_vram not in STOCK_VRAM:
         raise MoeplugError(f"stock VRAM {stock_vram!r}: one of {', '.join(STOCK_VRAM)}")
-    m = read_installed(name)
+    with model_lock(name, progress):
+        m = up_to_date(read_installed(name), progress)  # the plan serve would run
     served = find_record(name)
     if served is not None and served.alive():
         raise MoeplugError(f"'{name}' is being served (pid {served.pid}): 'moeplug stop {name}' first, so that the "

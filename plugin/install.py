@@ -22,7 +22,7 @@ from moeplug.estimates import context_size
 from moeplug.gpu import gpus, one_budget_note, vram_budgets
 from moeplug.output import human_bytes
 from moeplug.paths import data_dir
-from moeplug.plan import Plan, make_plan
+from moeplug.plan import Plan, make_plan, outdated
 from moeplug.profile.format import Profile
 from moeplug.probes import available_ram_bytes, usable_cores
 from moeplug.profile.runner import DEFAULT_PROMPT_SETS
@@ -317,6 +317,19 @@ def replan(m: InstalledModel, ctx: int | None = None, vram_budget: int | list[in
     write_installed(record)
     refresh_hooks(list_installed())
     return record
+
+
+def up_to_date(m: InstalledModel, progress: ProgressFn = silent) -> InstalledModel:
+    """The installed model, its plan made again and kept where an older planner made it (plan.outdated),
+    with its stored budget, context and choices, said in one line; as it is where its plan is current or
+    the profile it was planned from is gone (a plan made now would lose the cache). The caller holds
+    the model's lock (serving.model_lock)."""
+    if not outdated(m.plan) or (m.profile is not None and not Path(m.profile).exists()):
+        return m
+    m = replan(m)
+    progress(Note(f"{m.name}: its plan was made by an older moeplug planner; planned again with the same "
+                  f"budget, context and choices ('moeplug plan {m.name}' shows it)"))
+    return m
 
 
 def replan_profile_users(profile: Path) -> list[InstalledModel]:
