@@ -177,12 +177,13 @@ def compare(name: str, *, rounds: int = 2, n_predict: int = 64, prefill_reps: in
     is not changed); stock_threads: stock's (None or 0: llama.cpp's default, as users run it)."""
     if stock_vram not in STOCK_VRAM:
         raise MoeplugError(f"stock VRAM {stock_vram!r}: one of {', '.join(STOCK_VRAM)}")
-    with model_lock(name, progress):
-        m = up_to_date(read_installed(name), progress)  # the plan serve would run
+    read_installed(name)  # an unknown name fails first
     served = find_record(name)
     if served is not None and served.alive():
         raise MoeplugError(f"'{name}' is being served (pid {served.pid}): 'moeplug stop {name}' first, so that the "
                            f"two servers have the GPU to themselves")
+    with model_lock(name, progress):
+        m = up_to_date(read_installed(name), progress)  # the plan serve would run
     texts = bench_prompts(prompt_files or [], max_prompts)
     workloads: dict[str, list[Any]] = {"text": texts}
     if chat:

@@ -187,9 +187,10 @@ def _fit_warnings(fit: float, hit: float | None) -> list[str]:
 # checked again at 16 GiB in the twentieth and twenty-third sessions: with the copies ahead prefill
 # -4% to +3%, decode 0-8% slower)
 COPY_AHEAD_FEW_PARTIAL = 0.25
-# raised when a change to the planner makes the plans it stored before worth making again: `moeplug serve`
-# re-plans an installed model whose plan an older revision made, from its stored budget, context and
-# choices (1: the threads halved only where few layers are partly resident, twenty-seventh session)
+# raised when a change to the planner makes the plans it stored before worth making again: `moeplug serve`,
+# `moeplug bench` and the hooks re-plan an installed model whose plan an older revision made, from its
+# stored budget, context and choices (install.up_to_date; 1: the threads halved only where few layers are
+# partly resident, twenty-seventh session)
 PLANNER_REVISION = 1
 SERVER_THREADS_MIN_CORES = 8  # below it, llama.cpp's default thread count (server_threads)
 # the share of the MoE layers at or below which partly resident layers leave the CPU so little of a token
