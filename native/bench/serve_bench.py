@@ -904,6 +904,7 @@ def main(argv: list[str] | None = None) -> int:
     stock_threads = stock_thread_counts(ap, a.stock_threads)
     every_env = server_env(ap, a.env)
     from moeplug.options import STOCK_VRAM
+    from moeplug.server_flags import with_threads
 
     stock_vram = [v.strip() for v in a.stock_vram.split(",") if v.strip()]
     if not stock_vram or any(v not in STOCK_VRAM for v in stock_vram) or len(set(stock_vram)) < len(stock_vram):
@@ -988,13 +989,11 @@ def main(argv: list[str] | None = None) -> int:
                               policy=p.removesuffix("+record"), spec=spec, prefill_weight=w, copy_ahead=c)
                      for p, w, _, _, c, _ in variants]
             load = ["-lm", "none"] if plans[0].load_mode == "pinned" else []
-            # --stock-threads replaces --threads on stock's side (0: no -t, llama.cpp's default)
-            stock_args = ["-c", str(a.ctx), "--fit", "on", "-fitt", fitt, *load,
-                          *(["-np", str(a.parallel)] if stock_threads else common), *extra]
+            stock_args = ["-c", str(a.ctx), "--fit", "on", "-fitt", fitt, *load, *common, *extra]
             stocks = []
             for vram, threads in itertools.product(stock_vram, stock_threads or [None]):
                 theirs = Config(label, "stock", stock_bin, stock_id,
-                                stock_args + (["-t", str(threads)] if threads else [])
+                                with_threads(stock_args, threads)  # --stock-threads replaces --threads (0: none)
                                 + (spec.server_args(gpu=True) + spec_args if spec else []), group,
                                 desc="--fit" + (" within the budget" if vram == "budget" else "")
                                      + ("" if threads is None else f", -t {threads}" if threads else ", default -t")
