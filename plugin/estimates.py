@@ -14,7 +14,11 @@ from moeplug.sizes import GIB, MIB
 
 SAFETY_MARGIN = 512 * MIB
 CUDA_POOL_HEADROOM = 256 * MIB
-DEFAULT_UBATCH = 512
+DEFAULT_UBATCH = 512  # llama-server's physical batch (-ub)
+DEFAULT_BATCH = 2048  # and its logical batch (-b), never below the physical one
+# the smallest -ub moeplug plans for: llama.cpp offloads a prompt batch's host weights to the GPU
+# from 32 tokens (ggml_backend_cuda's op offload threshold); below it every batch runs on the CPU
+MIN_UBATCH = 32
 DEFAULT_CTX = 4096
 
 
@@ -135,6 +139,28 @@ def cache_compute_single_copy(info: ModelInfo, extra: int) -> int:
     gpt-oss shape. Never more than with the copies ahead."""
     single = largest_expert_weight(info.layers) + extra - logits_bytes(info)
     return min(single, cache_compute_extra(info, extra))
+
+
+# what each prompt token of a ubatch beyond llama.cpp's 512 adds to a CUDA server's memory, in units of
+# the routed experts' activations of one token (4 bytes x n_expert_used x (2 expert_ff + 2 n_embd): the
+# gate and up outputs, the down output and its input gathered per expert), compute buffer and CUDA pool
+# together (NVML): from 512 to 2048 the servers grew by 156 (moeplug, copies ahead) to 274 MiB (stock
+# --fit) on the Qwen3 shape, where the unit gives 264, and by 203 on the gpt-oss shape, where it gives
+# 270 (twenty-eighth session, native/BENCHMARKS.md)
+UBATCH_GROWTH_FACTOR = 1.05
+
+
+def ubatch_growth_bytes(info: ModelInfo, ubatch: int) -> int:
+    """What a server on a GPU holds beyond llama.cpp's own estimate at its default ubatch (512) when it
+    runs prompt batches of `ubatch` tokens; nothing at 512 or less (llama.cpp's estimate then counts
+    a ubatch of logits the server does not hold, left as headroom). llama.cpp's estimate asked at the
+    larger ubatch counts that many more logits instead: 890 MiB more at 2048 on the Qwen3 shape, which
+    the servers did not hold."""
+    md, arch = info.metadata, info.arch
+    n_embd = scalar_or_max(md.get(f"{arch}.embedding_length")) or 0
+    n_ff = info.expert_ff or scalar_or_max(md.get(f"{arch}.feed_forward_length")) or 4 * n_embd
+    per_token = 4 * info.n_expert_used * 2 * (n_ff + n_embd)
+    return int(UBATCH_GROWTH_FACTOR * max(0, ubatch - DEFAULT_UBATCH) * per_token)
 
 
 def bytes_per_slot(info: ModelInfo) -> int:

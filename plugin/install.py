@@ -18,7 +18,7 @@ from moeplug.errors import MoeplugError, NotApplicableError
 from moeplug.fsutil import write_text_atomic
 from moeplug.hooks import refresh_hooks
 from moeplug.model_inspect import ModelInfo, inspect_model
-from moeplug.estimates import context_size
+from moeplug.estimates import DEFAULT_UBATCH, context_size
 from moeplug.gpu import gpus, one_budget_note, vram_budgets
 from moeplug.output import human_bytes
 from moeplug.paths import data_dir
@@ -187,14 +187,14 @@ def remake_profile(name: str, prompt_sets: list[str] | None = None, progress: Pr
 def plan_for(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, profile: Path | None,
              slots_on_cpu: bool, loaded: Profile | None = None, fit_tool: Path | None = None,
              policy: str = "auto", spec: Speculation | None = None, prefill_weight: float | None = None,
-             copy_ahead: bool | None = None, threads: int | None = None) -> Plan:
+             copy_ahead: bool | None = None, threads: int | None = None, ubatch: int = DEFAULT_UBATCH) -> Plan:
     """The plan at a budget (None: the free VRAM of each GPU; a list: one per GPU). loaded: the
     profile to plan from when it is not (yet) the file at `profile`. fit_tool: the build's
     llama-fit-params, whose estimate of the GPU's other buffers replaces moeplug's own where it
     sees a GPU (one GPU only). spec: speculative decoding. prefill_weight: prompt tokens per
     generated token (None: the planner's default, allocate.PREFILL_WEIGHT). copy_ahead: plan.make_plan's.
     threads: the server's CPU threads as asked (0: llama.cpp's default; None: the planner's choice
-    for this machine's cores, plan.server_threads)."""
+    for this machine's cores, plan.server_threads). ubatch: the server's physical batch (-ub; make_plan)."""
     from moeplug.fit_estimate import gpu_need
 
     found = gpus()
@@ -204,7 +204,7 @@ def plan_for(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pro
     need = gpu_need(fit_tool, info.path, ctx) if fit_tool is not None and one_gpu else None
     plan = make_plan(info, ctx, budget, profile, available_ram_bytes(), slots_in_ram, need=need, policy=policy,
                      profile=loaded, spec=spec, draft_need=draft_need_for(spec, ctx, fit_tool if one_gpu else None),
-                     copy_ahead=copy_ahead, cpu_cores=usable_cores(), threads=threads,
+                     copy_ahead=copy_ahead, cpu_cores=usable_cores(), threads=threads, ubatch=ubatch,
                      **({} if prefill_weight is None else {"prefill_weight": prefill_weight}))
     note = one_budget_note(budget, found)
     plan.notes += [note] if note else []
@@ -237,12 +237,13 @@ def install(text: str, *, ctx: int | None = None, vram_budget: int | list[int] |
             jobs: int = 0, profile_tokens: int | None = None, prompt_sets: list[str] | None = None, serve: bool = True,
             port: int | None = None, allow_fallback: bool = False, metrics: bool = False, ctx_override: bool = False,
             host: str = HOST, spec: Speculation | None = None, prefill_weight: float | None = None,
-            threads: int | None = None, progress: ProgressFn = silent) -> Installed:
+            threads: int | None = None, ubatch: int | None = None, progress: ProgressFn = silent) -> Installed:
     """Install (and unless serve=False, serve) a model. ctx None: 4096, or less for a model trained
     with less; above the training context only with ctx_override. host: where the server listens.
     spec: speculative decoding, planned for and kept in the installed plan (serve reuses it).
     prefill_weight: prompt tokens per generated token to plan for (None: the planner's default),
-    kept in the installed plan as well, as threads is (the server's CPU threads; None: the planner's)."""
+    kept in the installed plan as well, as threads is (the server's CPU threads; None: the planner's) and
+    ubatch (the server's physical batch, -ub; None: llama.cpp's 512)."""
     from moeplug.native.build import build, resolve_options
     from moeplug.serving import launch_verified, model_lock
 
@@ -265,7 +266,7 @@ def install(text: str, *, ctx: int | None = None, vram_budget: int | list[int] |
                                  list(prompt_sets or DEFAULT_PROMPT_SETS), progress=progress)
         slots_on_cpu = is_demo and result.manifest.get("backend") == "cpu"
         plan = plan_for(info, ctx, vram_budget, profile, slots_on_cpu, fit_tool=result.binary("llama-fit-params"),
-                        spec=spec, prefill_weight=prefill_weight, threads=threads)
+                        spec=spec, prefill_weight=prefill_weight, threads=threads, ubatch=ubatch or DEFAULT_UBATCH)
         record = InstalledModel(name=name, ref=text, path=str(resolved.path), profile=str(profile),
                                 build_id=result.build_id, ctx=ctx, plan=plan,
                                 slots_on_cpu=slots_on_cpu and plan.backend == "cpu")
@@ -289,11 +290,12 @@ def warn_exposure(host: str, progress: ProgressFn) -> None:
 
 def plan_installed(m: InstalledModel, ctx: int | None = None, vram_budget: int | list[int] | None = None,
                    profile: Profile | None = None, spec: Speculation | KeepInstalled | None = KeepInstalled(),
-                   prefill_weight: float | None = None, threads: int | None = None) -> Plan:
+                   prefill_weight: float | None = None, threads: int | None = None,
+                   ubatch: int | None = None) -> Plan:
     """An installed model's plan made again, for another budget or context (None: the stored
     ones), from its profile (or `profile`, the one about to replace it), with its speculation
     (or `spec`: a Speculation, None for none), its prefill weight (or `prefill_weight`) and the
-    threads its user asked for (or `threads`); nothing is stored (replan keeps it)."""
+    threads its user asked for (or `threads`) and its ubatch (or `ubatch`); nothing is stored (replan keeps it)."""
     budget = vram_budget if vram_budget is not None else m.plan.budget
     path = Path(m.profile) if m.profile and (profile is not None or Path(m.profile).exists()) else None
     try:
@@ -304,15 +306,17 @@ def plan_installed(m: InstalledModel, ctx: int | None = None, vram_budget: int |
         spec = spec.resolve(m.plan.speculation)
     weight = m.plan.prefill_weight if prefill_weight is None else prefill_weight
     return plan_for(inspect_model(m.path), ctx or m.ctx, budget, path, m.slots_on_cpu, profile, fit_tool=fit_tool,
-                    spec=spec, prefill_weight=weight, threads=m.plan.threads_asked if threads is None else threads)
+                    spec=spec, prefill_weight=weight, threads=m.plan.threads_asked if threads is None else threads,
+                    ubatch=m.plan.ubatch if ubatch is None else ubatch)
 
 
 def replan(m: InstalledModel, ctx: int | None = None, vram_budget: int | list[int] | None = None,
            spec: Speculation | KeepInstalled | None = KeepInstalled(), prefill_weight: float | None = None,
-           threads: int | None = None) -> InstalledModel:
-    """Plan an installed model again (a new budget, context, speculation or prefill weight, or its
-    profile changed: the stored ones otherwise) and keep that plan as the model's own; the hooks follow."""
-    plan = plan_installed(m, ctx, vram_budget, spec=spec, prefill_weight=prefill_weight, threads=threads)
+           threads: int | None = None, ubatch: int | None = None) -> InstalledModel:
+    """Plan an installed model again (a new budget, context, speculation, prefill weight, threads or ubatch,
+    or its profile changed: the stored ones otherwise) and keep that plan as the model's own; the hooks follow."""
+    plan = plan_installed(m, ctx, vram_budget, spec=spec, prefill_weight=prefill_weight, threads=threads,
+                          ubatch=ubatch)
     record = replace(m, ctx=ctx or m.ctx, plan=plan)
     write_installed(record)
     refresh_hooks(list_installed())

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moeplug.options import (JOBS, TOKENS, add_backend, add_json, add_plan_options, add_prefill_weight, add_serve_options,
+from moeplug.options import (JOBS, TOKENS, Number, add_backend, add_json, add_plan_options, add_prefill_weight, add_serve_options,
                              add_spec_options, add_threads)
+from moeplug.estimates import DEFAULT_UBATCH, MIN_UBATCH
 from moeplug.output import Output, human_bytes, table
 from moeplug.plan import Plan, describe_slots
 from moeplug.server import HOST
@@ -43,6 +44,8 @@ def plan_text(p: Plan) -> str:
             "copied one at a time, as stock's (the second copy's bytes hold slots)"]] if p.vram_budget_bytes else []),
         ["load mode", p.load_mode],
         ["CPU threads", f"{p.threads} (-t)" if p.threads else "llama.cpp's default"],
+        ["prompt batch", f"{p.ubatch} tokens (-ub)" + (" (llama.cpp's default; --ubatch 2048 prefills long prompts "
+                                                      "faster)" if p.ubatch == DEFAULT_UBATCH else "")],
     ]
     lines = [table(["plan", ""], rows, "lr")] + ([devices_text(p)] if p.devices else [])
     lines += ["server args: " + shlex.join(p.server_args)]  # quoted: -ot has | ( )
@@ -123,6 +126,19 @@ def install_text(done: Any) -> str:
     return "\n".join(lines + ([served_text(done.name, done.server)] if done.server else []))
 
 
+# the server's prompt batch (-ub): an option of install, plan and serve, and bench's --stock-ubatch
+UBATCH = Number(int, MIN_UBATCH, 65536, "a number of prompt tokens per batch")
+
+
+def add_ubatch(p: argparse.ArgumentParser, keep: bool = False) -> None:
+    """--ubatch N: the server's physical batch (plan.make_plan)."""
+    default = "the installed plan's" if keep else f"{DEFAULT_UBATCH}, llama.cpp's"
+    p.add_argument("--ubatch", "-ub", type=UBATCH, default=None, metavar="N",
+                   help=f"prompt tokens per batch on the GPU (llama-server -ub), {MIN_UBATCH}-65536: prompt batches "
+                        f"upload the experts of every layer that is not whole once per batch, so 2048 prefills long "
+                        f"prompts faster, and holds slightly more VRAM, which the slots give up (default: {default})")
+
+
 def cmd_install(args: argparse.Namespace) -> int:
     from moeplug.install import install
     from moeplug.speculation import parse_spec
@@ -133,7 +149,8 @@ def cmd_install(args: argparse.Namespace) -> int:
                    profile_tokens=args.profile_tokens, prompt_sets=[s for s in args.prompts.split(",") if s],
                    serve=not args.no_serve, port=args.port, allow_fallback=args.allow_fallback, metrics=args.metrics,
                    ctx_override=args.ctx_override, host=args.host or HOST, spec=spec,
-                   prefill_weight=args.prefill_weight, threads=args.threads, progress=out.progress)
+                   prefill_weight=args.prefill_weight, threads=args.threads, ubatch=args.ubatch,
+                   progress=out.progress)
     return out.result(done, install_text)
 
 
@@ -146,7 +163,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     out = Output.for_args(args)
     plan = plan_model(args.model, ctx=args.ctx, vram_budget=args.vram_budget,
                       profile=Path(args.profile) if args.profile else None, ctx_override=args.ctx_override,
-                      spec=spec, prefill_weight=args.prefill_weight, threads=args.threads, progress=out.progress)
+                      spec=spec, prefill_weight=args.prefill_weight, threads=args.threads, ubatch=args.ubatch,
+                      progress=out.progress)
     return out.result(plan, plan_text)
 
 
@@ -159,8 +177,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     served = serve(args.model, port=args.port, vram_budget=args.vram_budget, ctx=args.ctx,
                    ctx_override=args.ctx_override, allow_fallback=args.allow_fallback, metrics=args.metrics,
                    record=args.record, host=args.host or HOST, spec=spec, prefill_weight=args.prefill_weight,
-                   threads=args.threads,
-                   progress=out.progress)
+                   threads=args.threads, ubatch=args.ubatch, progress=out.progress)
     return out.result(served, lambda s: served_text(s.name, s.server))
 
 
@@ -249,6 +266,7 @@ def register(sub: Any) -> None:
     p.add_argument("--no-serve", action="store_true", help="stop after planning")
     add_prefill_weight(p)
     add_threads(p)
+    add_ubatch(p)
     add_spec_options(p)
     add_serve_options(p)
     add_json(p)
@@ -260,6 +278,7 @@ def register(sub: Any) -> None:
     p.add_argument("--profile", help="profile file (default: the model's stored profile, if any)")
     add_prefill_weight(p, keep=True)
     add_threads(p, keep=True)
+    add_ubatch(p, keep=True)
     add_spec_options(p, shorthands=True, keep=True)
     add_json(p)
     p.set_defaults(func=cmd_plan)
@@ -277,6 +296,7 @@ def register(sub: Any) -> None:
                    help="count the router's selections (llama-server --moe-cache-record) for 'moeplug reprofile'")
     add_prefill_weight(p, keep=True)
     add_threads(p, keep=True)
+    add_ubatch(p, keep=True)
     add_spec_options(p, keep=True)
     add_json(p)
     p.set_defaults(func=cmd_serve)

@@ -36,6 +36,8 @@ from moeplug.errors import MoeplugError
 from moeplug.fit_estimate import CACHE_COMPUTE_EXTRA, CUDA_CONTEXT_RESERVE, DeviceNeed
 from moeplug.estimates import (
     CUDA_POOL_HEADROOM,
+    DEFAULT_UBATCH,
+    MIN_UBATCH,
     SAFETY_MARGIN,
     bytes_per_slot,
     cache_compute_extra,
@@ -46,13 +48,14 @@ from moeplug.estimates import (
     expert_side_bytes,
     kv_cache_bytes,
     stock_ncmoe,
+    ubatch_growth_bytes,
     whole_layers_first,
 )
 from moeplug.model_inspect import ModelInfo
 from moeplug.multi_gpu import plan_split
 from moeplug.output import human_bytes
 from moeplug.profile.format import Profile
-from moeplug.server_flags import DYNAMIC_ARGS, experts_in_ram_args, placement_args, with_threads
+from moeplug.server_flags import DYNAMIC_ARGS, experts_in_ram_args, placement_args, ubatch_args, with_threads
 from moeplug.speculation import SpecNeed, Speculation, nextn_blocks, nextn_weight_bytes, spec_need
 from moeplug.sizes import GIB
 
@@ -61,9 +64,10 @@ WARN_FIT_STRONG = 0.15
 
 
 def _layer_costs(info: ModelInfo, profile: Profile | None, tokens_per_step: int = 1,
-                 prefill_weight: float = PREFILL_WEIGHT, copy_ahead: bool = True) -> list[LayerCost]:
+                 prefill_weight: float = PREFILL_WEIGHT, copy_ahead: bool = True,
+                 ubatch: int = DEFAULT_UBATCH) -> list[LayerCost]:
     curves = hit_curves(profile, len(info.layers), info.n_expert)
-    prompts = prefill_uploads(profile, len(info.layers), info.n_expert) if prefill_weight > 0 else None
+    prompts = prefill_uploads(profile, len(info.layers), info.n_expert, ubatch) if prefill_weight > 0 else None
     return [LayerCost(layer.bytes_per_expert, layer.n_expert, info.n_expert_used, curve, tokens_per_step,
                       prompts[0][i] if prompts else None, prompts[1] if prompts else 0.0, prefill_weight,
                       copy_ahead)
@@ -140,6 +144,8 @@ class Plan:
     threads_asked: int | None = None
     # the planner's revision that made it (PLANNER_REVISION); 0: a record from before revisions
     planner: int = 0
+    # the server's physical batch (-ub; make_plan): llama.cpp's 512 unless the user asked for more
+    ubatch: int = DEFAULT_UBATCH
 
     def server_env(self) -> dict[str, str]:
         """The environment the plan's server runs with beside its flags."""
@@ -206,15 +212,21 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
               need: DeviceNeed | None = None, policy: str = "auto", profile: Profile | None = None,
               spec: Speculation | None = None, draft_need: DeviceNeed | None = None,
               prefill_weight: float = PREFILL_WEIGHT, copy_ahead: bool | None = None,
-              cpu_cores: int | None = None, threads: int | None = None) -> Plan:
+              cpu_cores: int | None = None, threads: int | None = None, ubatch: int = DEFAULT_UBATCH) -> Plan:
     """The plan at a budget (_make_plan says what each argument is). copy_ahead: whether a prompt
     batch's later expert weights are copied while the split before computes (None: the planner's
     choice: on, unless the plan with them keeps at most COPY_AHEAD_FEW_PARTIAL of the MoE layers
     partly resident, where their second weight copy's bytes go to slots instead). cpu_cores: this
     machine's physical cores, no more than a CPU quota allows (probes.usable_cores); threads: the
-    server's CPU threads as the user asked (0: llama.cpp's default; None: the planner's, server_threads)."""
+    server's CPU threads as the user asked (0: llama.cpp's default; None: the planner's, server_threads).
+    ubatch: the server's physical batch (-ub), the most prompt tokens one pass of the graph takes: a
+    prompt batch uploads the experts of the layers not whole once per ubatch, so a larger one prefills
+    a long prompt with fewer uploads per token, and the larger activations take VRAM from the slots
+    (estimates.ubatch_growth_bytes beside need, llama.cpp's estimate at its default ubatch)."""
+    if ubatch < MIN_UBATCH:
+        raise MoeplugError(f"--ubatch {ubatch}: at least {MIN_UBATCH} (a prompt batch below it is not offloaded)")
     plan = threaded(_plan_copies(info, ctx, vram_budget, profile_path, ram_available, slots_in_ram, expert_room,
-                                 need, policy, profile, spec, draft_need, prefill_weight, copy_ahead),
+                                 need, policy, profile, spec, draft_need, prefill_weight, copy_ahead, ubatch),
                     cpu_cores, threads)
     plan.planner = PLANNER_REVISION
     return plan
@@ -262,12 +274,12 @@ def threaded(plan: Plan, cpu_cores: int | None, asked: int | None) -> Plan:
 def _plan_copies(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, profile_path: Path | None,
                  ram_available: int | None, slots_in_ram: int, expert_room: int | None, need: DeviceNeed | None,
                  policy: str, profile: Profile | None, spec: Speculation | None, draft_need: DeviceNeed | None,
-                 prefill_weight: float, copy_ahead: bool | None) -> Plan:
+                 prefill_weight: float, copy_ahead: bool | None, ubatch: int) -> Plan:
     """make_plan without the thread count: with or without the copies ahead, or the planner's choice."""
     def planned(ahead: bool) -> Plan:
         return _make_plan(info, ctx, vram_budget, profile_path, ram_available=ram_available, slots_in_ram=slots_in_ram,
                           expert_room=expert_room, need=need, policy=policy, profile=profile, spec=spec,
-                          draft_need=draft_need, prefill_weight=prefill_weight, copy_ahead=ahead)
+                          draft_need=draft_need, prefill_weight=prefill_weight, copy_ahead=ahead, ubatch=ubatch)
 
     if copy_ahead is not None:
         return planned(copy_ahead)
@@ -290,7 +302,8 @@ def _make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, p
               ram_available: int | None = None, slots_in_ram: int = 0, expert_room: int | None = None,
               need: DeviceNeed | None = None, policy: str = "auto", profile: Profile | None = None,
               spec: Speculation | None = None, draft_need: DeviceNeed | None = None,
-              prefill_weight: float = PREFILL_WEIGHT, copy_ahead: bool = True) -> Plan:
+              prefill_weight: float = PREFILL_WEIGHT, copy_ahead: bool = True,
+              ubatch: int = DEFAULT_UBATCH) -> Plan:
     """profile: the profile at profile_path when the caller has read it already (a re-profile's
     preview plans from the profile it is about to store there). slots_in_ram: without a GPU, hold
     that many slots per layer in RAM anyway (the demo's stand-in for a GPU,
@@ -306,9 +319,11 @@ def _make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, p
     batches); draft_need: llama.cpp's own estimate for a draft model (install.draft_need_for).
     prefill_weight: prompt tokens per generated token, what prompt batches weigh beside decoding
     (allocate.py; 0: decode only). copy_ahead: False plans for prompt batches that copy their expert
-    weights one at a time, as stock does (one GPU; the freed compute buffer holds slots)."""
+    weights one at a time, as stock does (one GPU; the freed compute buffer holds slots). ubatch: make_plan's."""
     if isinstance(vram_budget, list) and len(vram_budget) == 1:
         vram_budget = vram_budget[0]
+    if isinstance(vram_budget, list) and ubatch != DEFAULT_UBATCH:
+        raise MoeplugError(f"--ubatch {ubatch}: one GPU only (two GPUs are planned for llama.cpp's {DEFAULT_UBATCH})")
     if not info.layers:
         raise MoeplugError(f"{info.path}: no routed-expert tensors: a dense model, nothing for moeplug to plan")
     trunk = trunk_of(info)
@@ -319,7 +334,9 @@ def _make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, p
     k = spec.tokens_per_step if spec is not None else 1
     per_slot = bytes_per_slot(trunk)
     kv = kv_cache_bytes(info, ctx) if need is None else need.context
-    compute = compute_buffer_bytes(info) + CUDA_POOL_HEADROOM if need is None else need.compute
+    # need: llama.cpp's estimate at its default ubatch (install.plan_for), plus what a larger one adds
+    compute = (compute_buffer_bytes(info, ubatch) + CUDA_POOL_HEADROOM if need is None
+               else need.compute + ubatch_growth_bytes(info, ubatch))
     # with an MTP draft the NextN blocks' weights are the draft's; without one they count here as
     # before (llama.cpp skips some of them: hy_v3 still loads their FFN)
     nextn_other = nextn_weight_bytes(info) - (info.expert_bytes - trunk.expert_bytes) if mtp else 0
@@ -327,7 +344,7 @@ def _make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, p
     margin = SAFETY_MARGIN if need is None else CUDA_CONTEXT_RESERVE
     if profile is None and profile_path:
         profile = _read_profile(profile_path)
-    costs = _layer_costs(trunk, profile, k, prefill_weight, copy_ahead)
+    costs = _layer_costs(trunk, profile, k, prefill_weight, copy_ahead, ubatch)
     load_mode, load_notes = choose_load_mode(info, ram_available)
     n_layers = len(info.layers)
     n_trunk = len(trunk.layers)
@@ -339,7 +356,8 @@ def _make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, p
                 profile=str(profile_path) if profile_path else None,
                 speculation=spec.to_json() if spec else None, draft_weights_bytes=draft.weights,
                 draft_kv_cache_bytes=draft.kv_cache, draft_compute_bytes=draft.compute, tokens_per_step=k,
-                prefill_weight=prefill_weight, copy_ahead=copy_ahead)
+                prefill_weight=prefill_weight, copy_ahead=copy_ahead, ubatch=ubatch)
+    batch_args = ubatch_args(ubatch)
     lm_args = ["-lm", "none"] if load_mode == "pinned" else []
     spec_notes = [f"speculative decoding: {spec.describe()}; slots spread for verification batches of {k} "
                   f"tokens"] if spec else []
@@ -358,7 +376,7 @@ def _make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, p
     if vram_budget is None:
         # pinned memory only speeds up copies to a GPU: without one, mmap
         slots = [min(slots_in_ram, info.n_expert)] * n_layers
-        args = ["-c", str(ctx), "-ngl", "0"]
+        args = ["-c", str(ctx), *batch_args, "-ngl", "0"]
         note = "no NVIDIA GPU found: a CPU plan, every expert on the CPU, no slots"
         if slots[0]:
             args += ["--moe-cache-slots", str(slots[0])]
@@ -430,11 +448,11 @@ def _make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, p
             base["copy_ahead"] = True
     ncmoe = stock_ncmoe(trunk, room + ahead)  # two GPUs: their rooms pooled
     s = summary(slots, room)
-    args = ["-c", str(ctx), "-ngl", "99", *split_args, "-fit", "off", *lm_args]
+    args = ["-c", str(ctx), *batch_args, "-ngl", "99", *split_args, "-fit", "off", *lm_args]
     notes = list(load_notes) + spec_notes
     whole = sum(n >= info.n_expert for n in slots)
     if whole == n_trunk:
-        args += placement_args(info, s["slots_per_layer"], profile, profile_path)  # an MTP block's experts in RAM
+        args += placement_args(info, s["slots_per_layer"], profile, profile_path, ubatch=ubatch)  # an MTP block's experts in RAM
         notes.append("every expert fits in VRAM: full offload, no cache needed")
     elif sum(slots) == 0 and not mtp:
         args += ["--cpu-moe"]
@@ -445,7 +463,7 @@ def _make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, p
     else:
         partial = any(0 < n < info.n_expert for n in slots)
         base["cache_policy"] = "dynamic" if partial and profile and policy in ("auto", "dynamic") else "static"
-        args += placement_args(info, s["slots_per_layer"], profile, profile_path, base["cache_policy"])
+        args += placement_args(info, s["slots_per_layer"], profile, profile_path, base["cache_policy"], ubatch)
         if base["cache_policy"] == "dynamic":
             notes.append("the slots follow the prompt (--moe-cache-policy dynamic): a hot missed expert replaces "
                          "the coldest resident one between batches, uploaded while the next tokens compute")

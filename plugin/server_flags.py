@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moeplug.estimates import DEFAULT_UBATCH
+from moeplug.estimates import DEFAULT_BATCH, DEFAULT_UBATCH
 from moeplug.model_inspect import ModelInfo
 from moeplug.profile.format import Profile
 
@@ -63,11 +63,11 @@ def _slots_arg(info: ModelInfo, profile: Profile, slots: list[int]) -> str:
 
 
 def placement_args(info: ModelInfo, slots: list[int], profile: Profile | None, profile_path: Path | None,
-                   policy: str = "static") -> list[str]:
+                   policy: str = "static", ubatch: int = DEFAULT_UBATCH) -> list[str]:
     """llama-server flags (beside -ngl 99) for slots per MoE layer in block order. Whole
     layers load straight into VRAM like any offloaded layer (no copy of them stays in RAM); the
     others keep their experts in RAM, and the cache holds the slots of the partly resident ones
-    (policy "dynamic": they follow the prompt, --moe-cache-policy dynamic)."""
+    (policy "dynamic": they follow the prompt, --moe-cache-policy dynamic). ubatch: the server's -ub."""
     in_ram = [layer.block for layer, n in zip(info.layers, slots) if n < info.n_expert]
     partial = [n if n < info.n_expert else 0 for n in slots]
     args = experts_in_ram_args(in_ram)
@@ -76,7 +76,15 @@ def placement_args(info: ModelInfo, slots: list[int], profile: Profile | None, p
         # on CUDA with pinned weights a prompt batch runs the stock pass, its experts copied on the
         # GPU from the slots; where that cannot engage, every batch through the two passes: above the
         # max batch the stock graph would upload the resident experts too
-        args += ["--moe-cache-max-batch", str(DEFAULT_UBATCH)]
+        args += ["--moe-cache-max-batch", str(ubatch)]
         if policy == "dynamic":
             args += DYNAMIC_ARGS
     return args
+
+
+def ubatch_args(ubatch: int) -> list[str]:
+    """llama-server's batch flags for a physical batch of `ubatch` prompt tokens (none for its default):
+    the logical batch (-b) at least as large, as llama.cpp requires."""
+    if ubatch == DEFAULT_UBATCH:
+        return []
+    return ["-b", str(max(ubatch, DEFAULT_BATCH)), "-ub", str(ubatch)]

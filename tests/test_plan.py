@@ -6,7 +6,7 @@ import itertools
 import json
 import re
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,12 +19,12 @@ from moeplug.allocate import (LayerCost, _curve, _layer_counts, allocate, hit_cu
                               uniform_hits)
 from moeplug.errors import MoeplugError
 from moeplug.model_inspect import inspect_model
-from moeplug.estimates import (CUDA_POOL_HEADROOM, SAFETY_MARGIN, cache_compute_extra, compute_buffer_bytes,
+from moeplug.estimates import (CUDA_POOL_HEADROOM, SAFETY_MARGIN, cache_compute_extra, compute_buffer_bytes, ubatch_growth_bytes,
                                expert_copy_ahead_bytes, kv_cache_bytes, logits_bytes, stock_ncmoe,
                                vocab_size)
 from moeplug.plan import Plan, _layer_costs, make_plan
 from moeplug.server_flags import experts_in_ram_args, placement_args
-from moeplug.sizes import parse_size
+from moeplug.sizes import GIB, parse_size
 from moeplug.profile.format import Profile, ProfileSource, read_profile
 from moeplug.serving import parse_buffers
 from moeplug.server import start_server
@@ -114,6 +114,45 @@ def big_expert_model(tmp_path: Path, arch: str = "gpt-oss") -> tuple[Path, Profi
     prof = Profile(fingerprint=None, tensors=[f"blk.{i}.ffn_down_exps.weight" for i in range(2)],  # type: ignore[arg-type]
                    counts_prefill=counts * 0, counts_decode=counts, sources=[])
     return path, prof
+
+
+def test_a_larger_ubatch_is_planned_with_its_compute_buffer(tmp_path: Path) -> None:
+    """ubatch: the server's physical batch. Its compute buffer (a ubatch of logits, llama.cpp's estimate
+    asked at the same -ub where there is one) comes off the slots' room; the server gets -b and -ub,
+    the cache's max batch follows it, the plan keeps it, and an older record reads as llama.cpp's 512."""
+    from moeplug.errors import MoeplugError
+    from moeplug.fit_estimate import CACHE_COMPUTE_EXTRA, CUDA_CONTEXT_RESERVE, DeviceNeed
+    from moeplug.plan import Plan
+
+    model, profile = big_expert_model(tmp_path)
+    info = inspect_model(model)
+    budget = fixed_bytes(info, 2048) + expert_copy_ahead_bytes(info) + info.expert_bytes // 2
+    small, large = (make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile, ubatch=u) for u in (512, 768))
+    assert small.ubatch == 512 and large.ubatch == 768
+    assert large.compute_bytes - small.compute_bytes == compute_buffer_bytes(info, 768) - compute_buffer_bytes(info)
+    assert 0 < large.expert_vram_bytes < small.expert_vram_bytes and large.slots_total < small.slots_total
+    for plan, batch in ((small, None), (large, "768")):
+        args = plan.server_args
+        assert ("-ub" in args) == (batch is not None)
+        if batch:  # the logical batch stays llama.cpp's 2048 above a smaller one
+            assert args[2:6] == ["-b", "2048", "-ub", batch]
+        assert args[args.index("--moe-cache-max-batch") + 1] == (batch or "512")
+    assert make_plan(info, 2048, 2 * GIB + budget, tmp_path / "p.gguf", profile=profile,
+                     ubatch=4096).server_args[2:6] == ["-b", "4096", "-ub", "4096"]
+    # beside llama.cpp's estimate (asked at its default ubatch), what the larger activations add (not
+    # the larger ubatch of logits llama.cpp's estimate at that ubatch would count: the servers do not hold it)
+    need = DeviceNeed("CUDA0", model=64 * MIB, context=8 * MIB, compute=96 * MIB)
+    grown = ubatch_growth_bytes(info, 1024)
+    room = need.total + CUDA_CONTEXT_RESERVE + grown + cache_compute_extra(info, CACHE_COMPUTE_EXTRA) + \
+        info.expert_bytes // 2
+    measured = make_plan(info, 2048, room, tmp_path / "p.gguf", profile=profile, need=need, ubatch=1024)
+    assert 0 < measured.expert_vram_bytes < info.expert_bytes
+    assert grown == int(1.05 * 512 * 4 * 2 * 2 * (2048 + 512)) and ubatch_growth_bytes(info, 512) == 0
+    assert measured.compute_bytes == 96 * MIB + grown + cache_compute_extra(info, CACHE_COMPUTE_EXTRA)
+    assert Plan.from_json(large.to_json()).ubatch == 768
+    assert Plan.from_json({k: v for k, v in large.to_json().items() if k != "ubatch"}).ubatch == 512
+    with pytest.raises(MoeplugError, match="--ubatch 16: at least 32"):
+        make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile, ubatch=16)
 
 
 def test_the_server_runs_on_half_the_cores_where_few_layers_are_partly_resident(tmp_path: Path) -> None:
@@ -777,6 +816,31 @@ def test_the_prefill_weight_is_kept_with_the_installed_plan(patched_build, fixtu
     assert stored() == 2.0
 
 
+def served_once(env: dict[str, str], *command: str, during: Callable[[dict], None] | None = None) -> dict:
+    """A moeplug command that starts a server (install, serve), run with --json: its reply, after
+    `during` (given that reply) while the server runs; the server stopped again whatever happened."""
+    r = run_cli_process(*command, "--json", env=env)
+    try:
+        assert r.returncode == 0, r.stderr[-3000:]
+        done = json.loads(r.stdout)
+        if during is not None:
+            during(done)
+        return done
+    finally:
+        run_cli_process("stop", "--all", env=env)
+
+
+def stored_plan(env: dict[str, str]) -> dict:
+    """The installed model's plan as `moeplug list` shows it (one model installed)."""
+    return json.loads(run_cli_process("list", "--json", env=env).stdout)["models"][0]["plan"]
+
+
+def out_of_range_is_one_line(env: dict[str, str], name: str, flag: str, values: Sequence[str]) -> None:
+    for bad in values:
+        r = run_cli_process("plan", name, flag, bad, env=env)
+        assert r.returncode == 2 and flag in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 @pytest.mark.native
 def test_the_threads_asked_for_reach_the_server_and_stay_with_the_plan(patched_build, fixture_models,
                                                                       tmp_path: Path) -> None:
@@ -784,35 +848,50 @@ def test_the_threads_asked_for_reach_the_server_and_stay_with_the_plan(patched_b
     plan previews another count without storing it; serve --threads 0 re-plans for llama.cpp's
     default and keeps that; out of range is one line."""
     env = xdg_homes(tmp_path / "home")
-    r = run_cli_process("install", str(fixture_models["qwen3moe"]), "--ctx", "512", "--profile-tokens", "8",
-                        "--threads", "1", "--json", env=env)
-    try:
-        assert r.returncode == 0, r.stderr[-3000:]
-        done = json.loads(r.stdout)
-        assert done["plan"]["threads"] == 1 and done["plan"]["server_args"][-2:] == ["-t", "1"]
-        log = Path(done["server"]["log"]).read_text()
-        assert re.search(r"n_threads = 1 \(n_threads_batch = 1\)", log), log[-2000:]
-    finally:
-        run_cli_process("stop", "--all", env=env)
+    done = served_once(env, "install", str(fixture_models["qwen3moe"]), "--ctx", "512", "--profile-tokens", "8",
+                       "--threads", "1")
+    assert done["plan"]["threads"] == 1 and done["plan"]["server_args"][-2:] == ["-t", "1"]
+    log = Path(done["server"]["log"]).read_text()
+    assert re.search(r"n_threads = 1 \(n_threads_batch = 1\)", log), log[-2000:]
     name = done["name"]
-
-    def stored() -> dict:
-        return json.loads(run_cli_process("list", "--json", env=env).stdout)["models"][0]["plan"]
-
     assert json.loads(run_cli_process("plan", name, "--json", env=env).stdout)["threads"] == 1
     preview = json.loads(run_cli_process("plan", name, "--threads", "2", "--json", env=env).stdout)
-    assert preview["threads"] == 2 and stored()["threads"] == 1  # plan only previews
-    r = run_cli_process("serve", name, "--threads", "0", "--json", env=env)
-    try:
-        assert r.returncode == 0, r.stderr[-3000:]
-        log = Path(json.loads(r.stdout)["server"]["log"]).read_text()
-        assert not re.search(r"n_threads = 1 \(", log)
-    finally:
-        run_cli_process("stop", "--all", env=env)
-    assert (stored()["threads"], stored()["threads_asked"]) == (None, 0) and "-t" not in stored()["server_args"]
-    for bad in ("-1", "1025", "many"):
-        r = run_cli_process("plan", name, "--threads", bad, env=env)
-        assert r.returncode == 2 and "--threads" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert preview["threads"] == 2 and stored_plan(env)["threads"] == 1  # plan only previews
+    log = Path(served_once(env, "serve", name, "--threads", "0")["server"]["log"]).read_text()
+    assert not re.search(r"n_threads = 1 \(", log)
+    stored = stored_plan(env)
+    assert (stored["threads"], stored["threads_asked"]) == (None, 0) and "-t" not in stored["server_args"]
+    out_of_range_is_one_line(env, name, "--threads", ("-1", "1025", "many"))
+
+
+@pytest.mark.native
+def test_the_ubatch_asked_for_reaches_the_server_and_stays_with_the_plan(patched_build, fixture_models,
+                                                                       tmp_path: Path) -> None:
+    """install --ubatch N stores N with the plan and the server runs prompt batches of N (its log says
+    so); plan previews another without storing it; serve --ubatch re-plans and keeps the new one, and a
+    prompt longer than the ubatch is answered; out of range is one line."""
+    from moeplug.server import complete
+
+    env = xdg_homes(tmp_path / "home")
+    done = served_once(env, "install", str(fixture_models["qwen3moe"]), "--ctx", "512", "--profile-tokens", "8",
+                       "--ubatch", "64")
+    assert done["plan"]["ubatch"] == 64 and done["plan"]["server_args"][2:6] == ["-b", "2048", "-ub", "64"]
+    log = Path(done["server"]["log"]).read_text()
+    assert re.search(r"n_ubatch += 64\n", log), log[-2000:]
+    name = done["name"]
+    assert json.loads(run_cli_process("plan", name, "--json", env=env).stdout)["ubatch"] == 64
+    preview = json.loads(run_cli_process("plan", name, "--ubatch", "128", "--json", env=env).stdout)
+    assert preview["ubatch"] == 128 and stored_plan(env)["ubatch"] == 64  # plan only previews
+    assert "prompt batch" in run_cli_process("plan", name, env=env).stdout
+
+    def long_prompt(served: dict) -> None:
+        got = complete(served["server"]["url"], list(range(1, 101)), 4, ignore_eos=True)
+        assert got["timings"]["prompt_n"] == 100  # four batches of 32 tokens, the last partly full
+
+    served = served_once(env, "serve", name, "--ubatch", "32", during=long_prompt)
+    assert re.search(r"n_ubatch += 32\n", Path(served["server"]["log"]).read_text())
+    assert stored_plan(env)["ubatch"] == 32 and stored_plan(env)["server_args"][2:6] == ["-b", "2048", "-ub", "32"]
+    out_of_range_is_one_line(env, name, "--ubatch", ("16", "65537", "many"))
 
 
 def test_cli_plan_without_gpu_is_a_cpu_plan(fixture_models) -> None:
