@@ -335,6 +335,8 @@ def test_serve_bench_row_args_and_stock_threads(patched_build, stock_build, benc
     assert len(one) == 1, sorted(p.name for p in logs.iterdir())
     for flag, value, said in (("--row-args", "none;", "--row-args: 'none;': an empty set"),
                               ("--row-args", "no-op", "--row-args: 'no-op': flags of llama-server"),
+                              ("--stock-args", "ub 64", "--stock-args: 'ub 64': flags of llama-server"),
+                              ("--ubatches", "512,16", "--ubatches: whole numbers of 32 or more"),
                               ("--stock-threads", "8,8", "--stock-threads: '8,8': distinct counts"),
                               ("--stock-threads", "x", "--stock-threads: 'x': thread counts")):
         bad = subprocess.run([sys.executable, str(SERVE_BENCH), flag, value], capture_output=True, text=True,
@@ -471,3 +473,29 @@ def test_serve_bench_two_gpu_budgets(patched_build, stock_build, bench_model: Pa
         r = subprocess.run([sys.executable, str(SERVE_BENCH), "--budgets", bad], capture_output=True, text=True,
                            timeout=60)
         assert r.returncode == 2 and "GiB for each of two GPUs (8+8)" in r.stderr, r.stderr
+
+
+def test_serve_bench_ubatches_and_stock_args(patched_build, stock_build, bench_model: Path, tmp_path: Path) -> None:
+    """--ubatches 512,64: a moeplug row per physical batch its plan is made for (the server's -b and -ub);
+    --stock-args 'none;-ub 64 -b 64': a stock row per set of extra
+    flags, last in its flags; every moeplug row against every stock row, and the prompts of 100 tokens
+    prefill in two ubatches of 64 on the rows that ask for it (the logs say n_ubatch = 64)."""
+    logs = tmp_path / "logs"
+    stdout, doc = run_bench(patched_build, stock_build, bench_model, tmp_path, "--workloads", "random",
+                            "--random-tokens", "100", "--rounds", "1", "--ubatches", "512,64",
+                            "--stock-args", "none;-ub 64 -b 64", "--keep-logs", str(logs))
+    rows = doc["tables"]["random"]
+    assert [(r["moeplug"].split(", ")[-1], r["stock"]) for r in rows] == [
+        ("-ub 512", "--fit"), ("-ub 512", "--fit, -ub 64 -b 64"), ("-ub 64", "--fit"), ("-ub 64", "--fit, -ub 64 -b 64")]
+    mine = [c for c in doc["configs"] if c["side"] == "moeplug"]
+    stocks = [c for c in doc["configs"] if c["side"] == "stock"]
+    assert "-ub" not in mine[0]["server_args"] and mine[0]["plan"]["ubatch"] == 512
+    args = mine[1]["server_args"]
+    assert args[args.index("-ub") + 1] == "64" and args[args.index("-b") + 1] == "2048"
+    assert mine[1]["plan"]["ubatch"] == 64
+    assert "-ub" not in stocks[0]["server_args"] and stocks[1]["server_args"][-4:] == ["-ub", "64", "-b", "64"]
+    assert all(len(v) == 1 for c in doc["configs"] for v in c["samples"].values())  # all served the round
+    assert all(n == 100 for c in doc["configs"] for n in c["prompt_tokens"].values())
+    small = sorted(p.name.split("-random")[0] for p in logs.iterdir()
+                   if re.search(r"n_ubatch +=  *64\n", p.read_text()))
+    assert len(small) == 2 and sum("-stock-" in n for n in small) == 1, small

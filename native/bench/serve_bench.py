@@ -717,9 +717,9 @@ def copy_aheads(ap: argparse.ArgumentParser, text: str) -> list[bool | None]:
     return [None if x == "auto" else x == "on" for x in parts] or [None]
 
 
-def row_args(ap: argparse.ArgumentParser, text: str) -> list[list[str]]:
+def row_args(ap: argparse.ArgumentParser, text: str, flag: str = "--row-args") -> list[list[str]]:
     """--row-args 'none;--no-op-offload': a moeplug row per set of extra server flags ('none': no extra);
-    [[]] when empty."""
+    [[]] when empty. flag: the option's name in the errors (--stock-args takes the same form)."""
     if not text:
         return [[]]
     sets = []
@@ -727,11 +727,11 @@ def row_args(ap: argparse.ArgumentParser, text: str) -> list[list[str]]:
         try:
             words = shlex.split(part)
         except ValueError as exc:
-            ap.error(f"--row-args: {part!r}: {exc}")
+            ap.error(f"{flag}: {part!r}: {exc}")
         if not words:
-            ap.error(f"--row-args: {text!r}: an empty set; write none for a row without extra flags")
+            ap.error(f"{flag}: {text!r}: an empty set; write none for a row without extra flags")
         if words != ["none"] and not words[0].startswith("-"):
-            ap.error(f"--row-args: {part!r}: flags of llama-server, e.g. none;--no-op-offload")
+            ap.error(f"{flag}: {part!r}: flags of llama-server, e.g. none;--no-op-offload")
         sets.append([] if words == ["none"] else words)
     return sets
 
@@ -831,6 +831,10 @@ def main(argv: list[str] | None = None) -> int:
                     "e.g. GGML_CUDA_EXPERT_COPY_AHEAD_BLOCKS=unset,64 ('unset': as the caller's)")
     ap.add_argument("--row-args", default="", help="moeplug rows per set of extra llama-server flags, sets split by "
                     "';', e.g. 'none;--no-op-offload' (none: no extra flags)")
+    ap.add_argument("--ubatches", default="", help="moeplug rows per physical batch (-ub) its plan is made for, e.g. "
+                    "512,2048 (the compute buffer at each counted in the budget; default: llama.cpp's 512)")
+    ap.add_argument("--stock-args", default="", help="stock rows per set of extra llama-server flags, sets split by "
+                    "';', e.g. 'none;-ub 2048 -b 2048' (none: no extra flags; every moeplug row against each)")
     ap.add_argument("--stock-threads", default="", help="stock rows per thread count, e.g. 0,8 (0: llama.cpp's default; "
                     "default: --threads, else llama.cpp's)")
     ap.add_argument("--env", default="", help="environment variables of every server, stock's and moeplug's: "
@@ -902,6 +906,12 @@ def main(argv: list[str] | None = None) -> int:
     envs = row_envs(ap, a.row_env)
     extras = row_args(ap, a.row_args)
     stock_threads = stock_thread_counts(ap, a.stock_threads)
+    stock_extras = row_args(ap, a.stock_args, "--stock-args")
+    from moeplug.estimates import DEFAULT_UBATCH, MIN_UBATCH
+
+    ubatches = [int(u) if u is not None else DEFAULT_UBATCH for u in
+                number_list(ap, "--ubatches", a.ubatches, "512,2048", lambda u: u == int(u) and u >= MIN_UBATCH,
+                            f"whole numbers of {MIN_UBATCH} or more")]
     every_env = server_env(ap, a.env)
     from moeplug.options import STOCK_VRAM
     from moeplug.server_flags import with_threads
@@ -983,21 +993,21 @@ def main(argv: list[str] | None = None) -> int:
         for group, profile, extra, mine_bin, stock_bin, stock_id in groups:
             if not group:
                 continue
-            variants = [(p, w, s, e, c, x) for p in policies for w in weights for s in shares for e in envs
-                        for c in aheads for x in extras]
+            variants = [(p, w, s, e, c, x, u) for p in policies for w in weights for s in shares for e in envs
+                        for c in aheads for x in extras for u in ubatches]
             plans = [plan_for(info, a.ctx, budget, profile, slots_on_cpu=False, fit_tool=fit_tool,
-                              policy=p.removesuffix("+record"), spec=spec, prefill_weight=w, copy_ahead=c)
-                     for p, w, _, _, c, _ in variants]
+                              policy=p.removesuffix("+record"), spec=spec, prefill_weight=w, copy_ahead=c, ubatch=u)
+                     for p, w, _, _, c, _, u in variants]
             load = ["-lm", "none"] if plans[0].load_mode == "pinned" else []
             stock_args = ["-c", str(a.ctx), "--fit", "on", "-fitt", fitt, *load, *common, *extra]
             stocks = []
-            for vram, threads in itertools.product(stock_vram, stock_threads or [None]):
+            for vram, threads, more in itertools.product(stock_vram, stock_threads or [None], stock_extras):
                 theirs = Config(label, "stock", stock_bin, stock_id,
                                 with_threads(stock_args, threads)  # --stock-threads replaces --threads (0: none)
-                                + (spec.server_args(gpu=True) + spec_args if spec else []), group,
+                                + (spec.server_args(gpu=True) + spec_args if spec else []) + more, group,
                                 desc="--fit" + (" within the budget" if vram == "budget" else "")
                                      + ("" if threads is None else f", -t {threads}" if threads else ", default -t")
-                                     + (f", {spec.kind}" if spec else ""),
+                                     + (f", {spec.kind}" if spec else "") + (f", {' '.join(more)}" if more else ""),
                                 env=dict(every_env),
                                 vram_cap=budget if vram == "budget" and free is not None else None)
                 configs.append(theirs)
@@ -1007,7 +1017,7 @@ def main(argv: list[str] | None = None) -> int:
                 baseline = Config(label, "stock", stock_bin, stock_id, stock_args, group, env=dict(every_env),
                                   desc="--fit, no speculation")
                 configs.append(baseline)
-            for plan, (policy, weight, share, env, _, more) in zip(plans, variants):
+            for plan, (policy, weight, share, env, _, more, ubatch) in zip(plans, variants):
                 record = ["--moe-cache-record"] if policy.endswith("+record") else []
                 stream = ["--moe-cache-stream", f"{share:g}"] if share is not None else []
                 desc = describe_slots(plan.slots_per_layer, info.n_expert)
@@ -1018,6 +1028,7 @@ def main(argv: list[str] | None = None) -> int:
                 own_t = any(w in ("-t", "--threads") for w in more)  # a --row-args -t replaces the plan's
                 desc += f", -t {plan.threads}" if plan.threads and not own_t else ""
                 desc += env_desc(env)
+                desc += f", -ub {ubatch}" if len(ubatches) > 1 or ubatch != DEFAULT_UBATCH else ""
                 desc += f", {' '.join(more)}" if more else ""
                 desc += "" if plan.copy_ahead else ", no copies ahead"
                 desc += f", {spec.kind}" if spec else ""
