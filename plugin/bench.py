@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from moeplug.errors import MoeplugError
+from moeplug.estimates import DEFAULT_UBATCH
 from moeplug.gpu import gpus, process_vram_bytes
 from moeplug.install import installed_build, read_installed, up_to_date
 from moeplug.measure import ERRORS, Timings, chat_turns, median_ratio_interval, time_chat, time_prompts
@@ -29,7 +30,7 @@ from moeplug.options import STOCK_VRAM
 from moeplug.profile.runner import DEFAULT_PROMPT_SETS, read_prompts, resolve_prompt_set
 from moeplug.progress import Note, ProgressFn, silent
 from moeplug.server import complete
-from moeplug.server_flags import with_threads
+from moeplug.server_flags import ubatch_args, with_threads
 from moeplug.serving import find_record, launch_verified, model_lock, stop
 from moeplug.sizes import MIB
 
@@ -168,13 +169,14 @@ class Comparison:
 def compare(name: str, *, rounds: int = 2, n_predict: int = 64, prefill_reps: int = 3,
             prompt_files: list[Path] | None = None, max_prompts: int = 8, chat: bool = False,
             stock_vram: str = "fit", threads: int | None = None, stock_threads: int | None = None,
-            progress: ProgressFn = silent) -> Comparison:
+            stock_ubatch: int | None = None, progress: ProgressFn = silent) -> Comparison:
     """Run an installed model's plan and stock --fit at the same budget in turns (see the module);
     raises where the model is being served (the GPU must be the two servers' alone) or a launch or
     prompt fails. stock_vram "budget": before the rounds, stock's -fitt is raised until its server
     holds no more than the budget (fit_within; one GPU), as moeplug's plan does. threads: moeplug's
     CPU threads for this comparison in place of the plan's (0: llama.cpp's default; the installed plan
-    is not changed); stock_threads: stock's (None or 0: llama.cpp's default, as users run it)."""
+    is not changed); stock_threads: stock's (None or 0: llama.cpp's default, as users run it);
+    stock_ubatch: stock's prompt batch (-ub; None: llama.cpp's default, as users run it)."""
     if stock_vram not in STOCK_VRAM:
         raise MoeplugError(f"stock VRAM {stock_vram!r}: one of {', '.join(STOCK_VRAM)}")
     read_installed(name)  # an unknown name fails first
@@ -192,13 +194,18 @@ def compare(name: str, *, rounds: int = 2, n_predict: int = 64, prefill_reps: in
     found = gpus()
     load = ["-lm", "none"] if plan.load_mode == "pinned" else []
     stock_args = ["-c", str(plan.ctx), "--fit", "on", "-fitt", fit_target(plan.vram_budget_bytes,
-                                                                         [g.free_bytes for g in found]), *load]
+                                                                         [g.free_bytes for g in found]), *load,
+                  *ubatch_args(stock_ubatch or DEFAULT_UBATCH)]
     sides = {"moeplug": Side(with_threads(plan.server_args, threads), m.server_env()),
              "stock": Side(with_threads(stock_args, stock_threads), {})}
     notes = []
     if not found:
         notes.append("no NVIDIA GPU: both servers run on the CPU here, so the ratios say nothing of what the "
                      "slots do with VRAM")
+    if plan.ubatch != (stock_ubatch or DEFAULT_UBATCH):
+        notes.append(f"prompt batches of {plan.ubatch} tokens on moeplug's side, {stock_ubatch or DEFAULT_UBATCH} on "
+                     f"stock's ('--stock-ubatch N' for the same): the prefill ratio of prompts longer than the "
+                     f"smaller includes what the batch size gives")
     if plan.speculation:
         notes.append("the plan speculates and stock does not: the decode ratio includes what the drafts give")
     binary = installed_build(m).binary("llama-server")

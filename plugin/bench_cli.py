@@ -6,6 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from moeplug.estimates import DEFAULT_UBATCH
+from moeplug.install_cli import UBATCH
 from moeplug.options import GENERATE, PROMPT_CAP, REPEATS, ROUNDS, SERVER_THREADS, STOCK_VRAM, add_json
 from moeplug.output import Output, human_bytes, table
 
@@ -23,7 +25,12 @@ def _ratio(d: dict[str, Any]) -> str:
 
 def _threads(args: list[str]) -> str:
     """A side's -t, or llama.cpp's default."""
-    return args[args.index("-t") + 1] if "-t" in args else "llama.cpp's default"
+    return _flag(args, "-t", "llama.cpp's default")
+
+
+def _flag(args: list[str], flag: str, default: str) -> str:
+    """The value of a side's flag, or what llama.cpp takes without it."""
+    return args[args.index(flag) + 1] if flag in args else default
 
 
 def comparison_text(c: Any) -> str:
@@ -46,6 +53,8 @@ def comparison_text(c: Any) -> str:
             lines.append(f"each prompt's first request alone (the slots another prompt left): prefill "
                          f"{_ratio(d['first'])}")
     lines.append("CPU threads: " + ", ".join(f"{side} {_threads(s['args'])}" for side, s in doc["sides"].items()))
+    lines.append("prompt batch: " + ", ".join(f"{side} {_flag(s['args'], '-ub', str(DEFAULT_UBATCH))}"
+                                               for side, s in doc["sides"].items()))
     vram = {side: [v for v in s["vram_bytes"] if v is not None] for side, s in doc["sides"].items()}
     if all(vram.values()):
         lines.append("VRAM held: " + ", ".join(f"{side} {human_bytes(max(v))}" for side, v in vram.items()))
@@ -64,7 +73,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     done = compare(args.model, rounds=args.rounds, n_predict=args.n_predict, prefill_reps=args.prefill_reps,
                    prompt_files=[Path(p) for p in args.prompt_file], max_prompts=args.max_prompts, chat=args.chat,
                    stock_vram=args.stock_vram, threads=args.threads, stock_threads=args.stock_threads,
-                   progress=out.progress)
+                   stock_ubatch=args.stock_ubatch, progress=out.progress)
     return out.result(done, comparison_text)
 
 
@@ -94,5 +103,8 @@ def register(sub: Any) -> None:
     p.add_argument("--stock-threads", type=SERVER_THREADS, metavar="N",
                    help="stock's CPU threads, 0-1024 (0, the default: llama.cpp's, as users run it): with the same count "
                         "on both sides the ratio is the cache's alone")
+    p.add_argument("--stock-ubatch", type=UBATCH, metavar="N",
+                   help="stock's prompt batch (llama-server -ub), 32-65536 (default: llama.cpp's 512, as users run "
+                        "it): the plan's own on both sides leaves the cache's part of the prefill ratio alone")
     add_json(p)
     p.set_defaults(func=cmd_bench)

@@ -5,6 +5,7 @@ homes sharing the built binaries."""
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -132,22 +133,26 @@ def test_fit_within_raises_stock_until_it_holds_the_budget(held_mib: list[int | 
 
 def test_bench_threads_on_either_side(home: dict[str, str]) -> None:
     """--threads N runs moeplug's side on N threads in place of the plan's (the installed plan kept),
-    --stock-threads N stock's; the servers' logs say so, and the text names each side's count."""
+    --stock-threads N stock's; --stock-ubatch N runs stock's prompt batches of N, and a note says the
+    two sides' differ; the servers' logs say so, and the text names each side's count."""
     plan_before = installed(home)["plan"]
     r = moeplug(home, "bench", "demo", "--rounds", "1", "-n", "2", "--max-prompts", "1", "--prefill-reps", "1",
-                "--threads", "1", "--stock-threads", "2", "--json")
+                "--threads", "1", "--stock-threads", "2", "--stock-ubatch", "64", "--json")
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(r.stdout)
     mine, stock = doc["sides"]["moeplug"]["args"], doc["sides"]["stock"]["args"]
     assert mine == [a for a in with_threads(plan_before["server_args"], 0)] + ["-t", "1"]
     assert stock[-2:] == ["-t", "2"] and stock[:6] == ["-c", "1024", "--fit", "on", "-fitt", "0"]
+    assert stock[-6:-2] == ["-b", "2048", "-ub", "64"] and "-ub" not in mine
+    assert any(n.startswith("prompt batches of 512 tokens on moeplug's side, 64 on stock's") for n in doc["notes"])
     assert installed(home)["plan"] == plan_before
     # the last launch of round 1 was stock's: its log is the one left
     log = (Path(home["XDG_STATE_HOME"]) / "moeplug" / "logs" / "server-bench-demo.log").read_text()
-    assert "n_threads = 2 (n_threads_batch = 2)" in log
+    assert "n_threads = 2 (n_threads_batch = 2)" in log and re.search(r"n_ubatch += 64\n", log)
     text = moeplug(home, "bench", "demo", "--rounds", "1", "-n", "2", "--max-prompts", "1", "--prefill-reps", "1",
                    "--threads", "0")
     assert text.returncode == 0 and "CPU threads: moeplug llama.cpp's default, stock llama.cpp's default" in text.stdout
+    assert "prompt batch: moeplug 512, stock 512" in text.stdout and "prompt batches of" not in text.stdout
 
 
 def test_with_threads_replaces_the_count() -> None:
@@ -165,6 +170,7 @@ def test_bench_bad_input_is_one_line(home: dict[str, str], tmp_path: Path) -> No
                              (("bench", "demo", "--stock-vram", "all"), 2, "--stock-vram"),
                              (("bench", "demo", "--threads", "-2"), 2, "--threads"),
                              (("bench", "demo", "--stock-threads", "x"), 2, "--stock-threads"),
+                             (("bench", "demo", "--stock-ubatch", "31"), 2, "--stock-ubatch"),
                              (("bench", "demo", "--prompt-file", str(tmp_path / "none.txt")), 1, "none.txt")):
         r = moeplug(home, *args)
         assert r.returncode == code and said in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
