@@ -5,7 +5,8 @@ against stock llama-server.
 Each client sends its requests one after another: short and long prompts, streamed or not, some
 streams dropped after a few tokens. The test counts errors (any answer but a 200, or a broken
 stream that was not dropped on purpose), checks the server never exited, samples its resident
-memory (the schedule runs twice: the second round may not grow it by more than 5%), and
+memory (the schedule runs twice: the second round may not grow it by more than 5%, or by more
+than 3 points over what it grew stock's under the same schedule), and
 compares every greedy answer with the same request run alone on the same server:
 batching with other requests changes results on both servers, so the test reports the share of
 answers that differ for each and requires the cache's share to be no higher than stock's.
@@ -258,9 +259,14 @@ def test_concurrent_clients_with_the_cache_as_stock(builds, load_model, tmp_path
     else:
         assert mine_alone == stock_alone  # alone, the cache's answers are stock's (bitwise equal on the CPU)
 
+    def round_two(res: LoadResult) -> tuple[list[int], float]:
+        """The memory samples of the second round, and how much it grew over them."""
+        after = [kib for done, kib in res.rss_kib if done >= total]
+        return after, (max(after) - after[0]) / after[0] if after else 0.0
+
+    stock_growth = round_two(stock)[1]
     for name, res, alone in (("moeplug", mine, mine_alone), ("stock", stock, stock_alone)):
-        after = [kib for done, kib in res.rss_kib if done >= total]  # the second round
-        growth = (max(after) - after[0]) / after[0] if after else 0.0
+        after, growth = round_two(res)
         differ, n = differ_share(res, alone)
         print(f"\nload {name}: {CLIENTS} clients x {REQUESTS} requests x {ROUNDS} rounds = {total * ROUNDS} in "
               f"{res.seconds:.1f} s, "
@@ -270,8 +276,10 @@ def test_concurrent_clients_with_the_cache_as_stock(builds, load_model, tmp_path
         assert res.errors == [], res.errors[:5]
         assert res.done == total * ROUNDS
         assert len(after) >= 3, "too few memory samples after warm-up"
-        if name == "moeplug":  # the served model's memory; stock's is printed for comparison
-            assert growth <= 0.05, res.rss_kib
+        if name == "moeplug":  # the served model's memory; stock's growth under the same load is the reference
+            # (one CI run measured +5.7% where three reruns measured 0.0-0.1%: what the process's allocator does
+            # under this load shows in stock's growth too, so only growth beyond stock's counts against the cache)
+            assert growth <= max(0.05, stock_growth + 0.03), (res.rss_kib, stock_growth)
     differ_mine, n = differ_share(mine, mine_alone)
     differ_stock, n_stock = differ_share(stock, stock_alone)
     assert n == n_stock
