@@ -324,6 +324,11 @@ def _make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, p
         vram_budget = vram_budget[0]
     if isinstance(vram_budget, list) and ubatch != DEFAULT_UBATCH:
         raise MoeplugError(f"--ubatch {ubatch}: one GPU only (two GPUs are planned for llama.cpp's {DEFAULT_UBATCH})")
+    if spec is not None and spec.kind != "ngram" and ubatch > DEFAULT_UBATCH:
+        # llama-server's draft context takes the server's batch sizes too (common_base_params_to_speculative),
+        # and what a larger batch adds to a draft's or an MTP head's buffers was never measured
+        raise MoeplugError(f"--ubatch {ubatch} with --spec {spec.kind}: not planned yet (the draft's buffers grow "
+                           f"with the batch too); up to {DEFAULT_UBATCH}, or --spec ngram")
     if not info.layers:
         raise MoeplugError(f"{info.path}: no routed-expert tensors: a dense model, nothing for moeplug to plan")
     trunk = trunk_of(info)

@@ -153,6 +153,12 @@ def test_a_larger_ubatch_is_planned_with_its_compute_buffer(tmp_path: Path) -> N
     assert Plan.from_json({k: v for k, v in large.to_json().items() if k != "ubatch"}).ubatch == 512
     with pytest.raises(MoeplugError, match="--ubatch 16: at least 32"):
         make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile, ubatch=16)
+    # a draft model's context takes the server's batch sizes too: not planned for above 512
+    from moeplug.speculation import Speculation
+    with pytest.raises(MoeplugError, match="--ubatch 1024 with --spec mtp: not planned yet"):
+        make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile, ubatch=1024, spec=Speculation("mtp"))
+    assert make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile, ubatch=1024,
+                     spec=Speculation("ngram")).ubatch == 1024
 
 
 def test_the_server_runs_on_half_the_cores_where_few_layers_are_partly_resident(tmp_path: Path) -> None:
