@@ -342,6 +342,9 @@ def test_serve_bench_row_args_and_stock_threads(patched_build, stock_build, benc
         bad = subprocess.run([sys.executable, str(SERVE_BENCH), flag, value], capture_output=True, text=True,
                              timeout=60)
         assert bad.returncode == 2 and said in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+    bad = subprocess.run([sys.executable, str(SERVE_BENCH), "--ubatches", "512,2048", "--spec", "mtp"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--ubatches above 512 with --spec mtp: not planned yet" in bad.stderr, bad.stderr
 
 
 def test_serve_bench_keeps_logs_with_the_timeline(patched_build, stock_build, bench_model: Path, tmp_path: Path) -> None:

@@ -912,6 +912,8 @@ def main(argv: list[str] | None = None) -> int:
     ubatches = [int(u) if u is not None else DEFAULT_UBATCH for u in
                 number_list(ap, "--ubatches", a.ubatches, "512,2048", lambda u: u == int(u) and u >= MIN_UBATCH,
                             f"whole numbers of {MIN_UBATCH} or more")]
+    if a.spec is not None and a.spec != "ngram" and max(ubatches) > DEFAULT_UBATCH:
+        ap.error(f"--ubatches above {DEFAULT_UBATCH} with --spec {a.spec}: not planned yet (moeplug plan --ubatch)")
     every_env = server_env(ap, a.env)
     from moeplug.options import STOCK_VRAM
     from moeplug.server_flags import with_threads
