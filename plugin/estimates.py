@@ -65,14 +65,20 @@ def kv_cache_bytes_per_block(info: ModelInfo, ctx: int, bytes_per_value: int = 2
     return [per_layer if (block >= n_trunk) == mtp else 0 for block in range(info.n_layer)]
 
 
+def embd_and_expert_ff(info: ModelInfo) -> tuple[int, int]:
+    """The model's embedding width and a routed expert's hidden width (the FFN's where the header
+    names no expert width, else four times the embedding)."""
+    md, arch = info.metadata, info.arch
+    n_embd = scalar_or_max(md.get(f"{arch}.embedding_length")) or 0
+    return n_embd, info.expert_ff or scalar_or_max(md.get(f"{arch}.feed_forward_length")) or 4 * n_embd
+
+
 def compute_buffer_bytes(info: ModelInfo, ubatch: int = DEFAULT_UBATCH) -> int:
     """The graph's scratch memory for one ubatch: its largest live tensors are the logits and the
     expert activations. An estimate on the high side of what llama-server logs as its compute
     buffer size (checked in tests/test_plan.py)."""
-    md, arch = info.metadata, info.arch
     n_vocab = max(vocab_size(info), 32000)  # a floor that covers a tiny model's other buffers
-    n_embd = scalar_or_max(md.get(f"{arch}.embedding_length")) or 0
-    n_ff = info.expert_ff or scalar_or_max(md.get(f"{arch}.feed_forward_length")) or 4 * n_embd
+    n_embd, n_ff = embd_and_expert_ff(info)
     per_token = n_vocab + 4 * n_embd + 3 * info.n_expert_used * n_ff + info.n_expert
     return 4 * ubatch * per_token
 
@@ -156,9 +162,7 @@ def ubatch_growth_bytes(info: ModelInfo, ubatch: int) -> int:
     a ubatch of logits the server does not hold, left as headroom). llama.cpp's estimate asked at the
     larger ubatch counts that many more logits instead: 890 MiB more at 2048 on the Qwen3 shape, which
     the servers did not hold."""
-    md, arch = info.metadata, info.arch
-    n_embd = scalar_or_max(md.get(f"{arch}.embedding_length")) or 0
-    n_ff = info.expert_ff or scalar_or_max(md.get(f"{arch}.feed_forward_length")) or 4 * n_embd
+    n_embd, n_ff = embd_and_expert_ff(info)
     per_token = 4 * info.n_expert_used * 2 * (n_ff + n_embd)
     return int(UBATCH_GROWTH_FACTOR * max(0, ubatch - DEFAULT_UBATCH) * per_token)
 
