@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from moeplug.errors import EXIT_ERROR, EXIT_OK, MoeplugError
-from moeplug.estimates import DEFAULT_UBATCH, context_size
+from moeplug.estimates import context_size
 from moeplug.install import (
     InstalledModel,
     warn_exposure,
@@ -27,7 +27,7 @@ from moeplug.install import (
     require_moe,
 )
 from moeplug.model_inspect import inspect_model
-from moeplug.plan import Plan, outdated
+from moeplug.plan import UBATCH_AUTO, Plan, outdated
 from moeplug.progress import Note, ProgressFn, silent
 from moeplug.server import HOST
 from moeplug.serving import ServerRecord
@@ -37,14 +37,16 @@ from moeplug.speculation import KeepInstalled, Speculation
 def plan_model(model: str, *, ctx: int | None = None, vram_budget: int | list[int] | None = None,
                profile: Path | None = None, ctx_override: bool = False,
                spec: Speculation | KeepInstalled | None = KeepInstalled(), prefill_weight: float | None = None,
-               threads: int | None = None, ubatch: int | None = None, progress: ProgressFn = silent) -> Plan:
+               threads: int | None = None, ubatch: int | None = None, prompt_tokens: int | None = None,
+               progress: ProgressFn = silent) -> Plan:
     """Plan an installed model (by name) or any model reference, for a budget (None: free VRAM; a
     list: one per GPU) and a context (None: 4096, or the training context when smaller); profile
     None: the stored one. spec: speculative decoding (None: none; KeepInstalled: an installed
     model's own). prefill_weight: prompt tokens per generated token (None: an installed model's own,
     else the planner's default); threads: the server's CPU threads (None: as an installed model's
     user asked, else the planner's choice; 0: llama.cpp's default); ubatch: the server's physical batch
-    (None: an installed model's own, else llama.cpp's 512)."""
+    (None: as an installed model's user asked, else the planner's choice, UBATCH_AUTO); prompt_tokens: the
+    prompt length to plan prompt batches for (None: an installed model's own; 0: the profile's prompts)."""
     from moeplug.profile.format import model_fingerprint
     from moeplug.profile.runner import default_profile_path
 
@@ -57,13 +59,15 @@ def plan_model(model: str, *, ctx: int | None = None, vram_budget: int | list[in
     if threads is None and model in installed:
         threads = installed[model].plan.threads_asked
     if ubatch is None:
-        ubatch = installed[model].plan.ubatch if model in installed else DEFAULT_UBATCH
+        ubatch = installed[model].plan.ubatch_asked if model in installed else UBATCH_AUTO
+    if prompt_tokens is None and model in installed:
+        prompt_tokens = installed[model].plan.prompt_tokens
     info = inspect_model(path)
     require_moe(info)
     ctx = context_size(info, ctx, ctx_override)
     profile = profile or default_profile_path(model_fingerprint(path))
     return plan_for(info, ctx, vram_budget, profile if profile.exists() else None, slots_on_cpu=False, spec=spec,
-                    prefill_weight=prefill_weight, threads=threads, ubatch=ubatch)
+                    prefill_weight=prefill_weight, threads=threads, ubatch=ubatch, prompt_tokens=prompt_tokens)
 
 
 @dataclass
@@ -93,7 +97,7 @@ def serve(name: str, *, port: int | None = None, vram_budget: int | list[int] | 
           ctx_override: bool = False, allow_fallback: bool = False, metrics: bool = False, record: bool = False,
           host: str = HOST, spec: Speculation | KeepInstalled | None = KeepInstalled(),
           prefill_weight: float | None = None, threads: int | None = None, ubatch: int | None = None,
-          progress: ProgressFn = silent) -> Served:
+          prompt_tokens: int | None = None, progress: ProgressFn = silent) -> Served:
     """Launch an installed model again (detached) with its build; re-planned when a budget or a
     context is given, or when an older planner made its plan (plan.outdated; not where its profile
     is gone), else with the plan it was installed with. Waits while another moeplug holds
@@ -102,7 +106,8 @@ def serve(name: str, *, port: int | None = None, vram_budget: int | list[int] | 
     it listens (127.0.0.1 unless the user gave another address; then a warning). spec: another
     speculative decoding to re-plan with and keep (None: none; KeepInstalled(): the installed one's).
     prefill_weight: prompt tokens per generated token to re-plan for and keep (None: the installed one's);
-    threads likewise, the server's CPU threads (0: llama.cpp's default), and ubatch, its physical batch."""
+    threads likewise, the server's CPU threads (0: llama.cpp's default), ubatch, its physical batch
+    (UBATCH_AUTO: the planner's choice), and prompt_tokens, the prompt length planned for (0: the profile's)."""
     from moeplug.serving import launch_verified, model_lock
 
     warn_exposure(host, progress)
@@ -110,10 +115,10 @@ def serve(name: str, *, port: int | None = None, vram_budget: int | list[int] | 
     with model_lock(name, progress):
         m = read_installed(name)
         if (vram_budget is not None or ctx is not None or spec != KeepInstalled() or prefill_weight is not None
-                or threads is not None or ubatch is not None):
+                or threads is not None or ubatch is not None or prompt_tokens is not None):
             if ctx is not None:
                 ctx = context_size(inspect_model(m.path), ctx, ctx_override)
-            m = replan(m, ctx, vram_budget, spec, prefill_weight, threads, ubatch)  # the new plan becomes the model's own; the hooks follow
+            m = replan(m, ctx, vram_budget, spec, prefill_weight, threads, ubatch, prompt_tokens)  # the new plan becomes the model's own; the hooks follow
         else:
             m = up_to_date(m, progress)
         plan = m.plan

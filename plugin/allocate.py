@@ -65,6 +65,16 @@ the profile's prompt tokens, split by prompt as above (the slots ranked on one h
 the other half counted), and `prefill_weight` says how many prompt tokens the workload has per
 generated token (1 by default; 0 plans for decode only).
 A profile without prompt tokens (one made from a decode trace) adds no prompt cost.
+
+Long prompts (twenty-ninth session). The bundled prompts have at most 256 tokens, one batch each, so
+the profile says nothing of a workload whose prompts fill many batches. Given a prompt length
+(`moeplug plan --prompt-tokens N`), a layer's uploads are priced from its hit curve instead
+(long_prompt_uploads): the prompt cut into batches of the ubatch, each batch picking the expert ranked
+r with chance 1 - (1 - p_r)^b. A batch of 512 picks nearly every expert, so both paths upload all the
+experts a layer holds in RAM once per batch, bound by the bus, not by compute: priced at
+LONG_PROMPT_UPLOAD_BYTES_PER_S on either path. That is what makes the ubatch a lever (plan.py,
+choose_ubatch): 2048 uploads a quarter of 512's bytes per prompt token, for activations that take
+VRAM from the slots.
 """
 
 from __future__ import annotations
@@ -87,6 +97,13 @@ TIE_BREAK_S = 1e-12
 # this rate on the cache's path and on stock's (H200, PCIe 5, pinned weights, llama-server prefill).
 UPLOAD_BYTES_PER_S = 70e9
 STOCK_UPLOAD_BYTES_PER_S = 48e9
+# Long prompts (prompt batches priced for a prompt length, long_prompt_uploads): a batch of hundreds of tokens
+# picks nearly every expert of a layer, its copies outrun its compute, and both paths run at what the bus
+# gives. Fitted to llama-server on the H200 (gpt-oss-20b shape at 25%, prompts of 4096 random tokens):
+# moeplug's plans prefilled 450 us per prompt token at -ub 512 and 164 at 2048 in the twenty-eighth session,
+# 377, 220 and 145 at 512, 1024 and 2048 in the twenty-ninth (68 us + 0.158 s / ubatch within 2 us): the
+# uploads this model counts there (7.6 GB per batch) at 39 and 48 GB/s beside ~70 us of compute per token.
+LONG_PROMPT_UPLOAD_BYTES_PER_S = 43e9
 PREFILL_WEIGHT = 1.0  # prompt tokens per generated token
 PREFILL_UBATCH = 512  # llama-server's ubatch: a longer prompt uploads once per ubatch
 PREFILL_GUARD_DOUBLINGS = 10  # allocate_against_stock weighs prompts at most 1024 times more
@@ -118,6 +135,7 @@ class LayerCost:
     prefill_batches: float = 0.0
     prefill_weight: float = PREFILL_WEIGHT
     copy_ahead: bool = True  # False: a prompt batch's expert weights are copied one at a time, as stock's
+    prompt_rate: float | None = None  # bytes/s of a prompt batch's uploads on either path (None: the path's own)
 
     def missed_experts(self, n_slots: np.ndarray) -> np.ndarray:
         """Expected distinct experts a step computes on the CPU with n_slots resident: at k = 1 the
@@ -152,7 +170,7 @@ class LayerCost:
         n_slots = np.asarray(n_slots)
         if self.prefill is None:
             return np.zeros_like(n_slots, dtype=np.float64)
-        rate = STOCK_UPLOAD_BYTES_PER_S if stock or not self.copy_ahead else UPLOAD_BYTES_PER_S
+        rate = self.prompt_rate or (STOCK_UPLOAD_BYTES_PER_S if stock or not self.copy_ahead else UPLOAD_BYTES_PER_S)
         per_token = self.prefill[np.minimum(n_slots, self.n_expert)] * self.bytes_per_expert / rate
         return np.where(n_slots >= self.n_expert, 0.0, per_token)
 
@@ -263,6 +281,23 @@ def prefill_uploads(profile: Profile | None, n_layers: int, n_expert: int,
                 ranked = used[order[layer]]
                 uploads[layer] += np.concatenate([np.cumsum(ranked[::-1])[::-1], [0.0]])
     return uploads / n_tokens, n_batches / n_tokens
+
+
+def long_prompt_uploads(hits: np.ndarray, n_expert_used: int, prompt_tokens: int,
+                        ubatch: int = PREFILL_UBATCH) -> tuple[np.ndarray, float]:
+    """One layer's experts uploaded per prompt token with the top-N resident (float [n_expert + 1]),
+    and prompt batches per prompt token, for prompts of `prompt_tokens` tokens cut into batches of
+    `ubatch`: where the profile's prompts are shorter than the prompts a workload sends (its bundled
+    prompts have at most 256 tokens). A batch of b tokens picks the expert ranked r, of per-token
+    probability p_r (the hit curve's step times n_expert_used), with chance 1 - (1 - p_r)^b, tokens
+    taken as independent draws as for verification batches (module docstring): a batch of 512 picks
+    nearly every expert of a layer, so a prompt of several batches uploads the experts without a slot
+    once per batch, and a larger ubatch fewer times."""
+    p = np.clip(n_expert_used * np.diff(hits), 0.0, 1.0)
+    sizes = [ubatch] * (prompt_tokens // ubatch) + ([prompt_tokens % ubatch] if prompt_tokens % ubatch else [])
+    picked = sum(1.0 - (1.0 - p) ** b for b in sizes)
+    after = np.concatenate([np.cumsum(picked[::-1])[::-1], [0.0]])
+    return after / prompt_tokens, len(sizes) / prompt_tokens
 
 
 def slot_order(counts_decode: np.ndarray, counts_prefill: np.ndarray) -> np.ndarray:

@@ -18,11 +18,11 @@ from moeplug.errors import MoeplugError, NotApplicableError
 from moeplug.fsutil import write_text_atomic
 from moeplug.hooks import refresh_hooks
 from moeplug.model_inspect import ModelInfo, inspect_model
-from moeplug.estimates import DEFAULT_UBATCH, context_size
+from moeplug.estimates import context_size
 from moeplug.gpu import gpus, one_budget_note, vram_budgets
 from moeplug.output import human_bytes
 from moeplug.paths import data_dir
-from moeplug.plan import Plan, make_plan, outdated
+from moeplug.plan import UBATCH_AUTO, Plan, make_plan, outdated
 from moeplug.profile.format import Profile
 from moeplug.probes import available_ram_bytes, usable_cores
 from moeplug.profile.runner import DEFAULT_PROMPT_SETS
@@ -187,14 +187,17 @@ def remake_profile(name: str, prompt_sets: list[str] | None = None, progress: Pr
 def plan_for(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, profile: Path | None,
              slots_on_cpu: bool, loaded: Profile | None = None, fit_tool: Path | None = None,
              policy: str = "auto", spec: Speculation | None = None, prefill_weight: float | None = None,
-             copy_ahead: bool | None = None, threads: int | None = None, ubatch: int = DEFAULT_UBATCH) -> Plan:
+             copy_ahead: bool | None = None, threads: int | None = None, ubatch: int = UBATCH_AUTO,
+             prompt_tokens: int | None = None) -> Plan:
     """The plan at a budget (None: the free VRAM of each GPU; a list: one per GPU). loaded: the
     profile to plan from when it is not (yet) the file at `profile`. fit_tool: the build's
     llama-fit-params, whose estimate of the GPU's other buffers replaces moeplug's own where it
     sees a GPU (one GPU only). spec: speculative decoding. prefill_weight: prompt tokens per
     generated token (None: the planner's default, allocate.PREFILL_WEIGHT). copy_ahead: plan.make_plan's.
     threads: the server's CPU threads as asked (0: llama.cpp's default; None: the planner's choice
-    for this machine's cores, plan.server_threads). ubatch: the server's physical batch (-ub; make_plan)."""
+    for this machine's cores, plan.server_threads). ubatch: the server's physical batch (-ub; make_plan;
+    UBATCH_AUTO: the planner's choice); prompt_tokens: the prompt length to plan prompt batches for (None or
+    0: the profile's prompts)."""
     from moeplug.fit_estimate import gpu_need
 
     found = gpus()
@@ -205,6 +208,7 @@ def plan_for(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pro
     plan = make_plan(info, ctx, budget, profile, available_ram_bytes(), slots_in_ram, need=need, policy=policy,
                      profile=loaded, spec=spec, draft_need=draft_need_for(spec, ctx, fit_tool if one_gpu else None),
                      copy_ahead=copy_ahead, cpu_cores=usable_cores(), threads=threads, ubatch=ubatch,
+                     prompt_tokens=prompt_tokens,
                      **({} if prefill_weight is None else {"prefill_weight": prefill_weight}))
     note = one_budget_note(budget, found)
     plan.notes += [note] if note else []
@@ -237,13 +241,15 @@ def install(text: str, *, ctx: int | None = None, vram_budget: int | list[int] |
             jobs: int = 0, profile_tokens: int | None = None, prompt_sets: list[str] | None = None, serve: bool = True,
             port: int | None = None, allow_fallback: bool = False, metrics: bool = False, ctx_override: bool = False,
             host: str = HOST, spec: Speculation | None = None, prefill_weight: float | None = None,
-            threads: int | None = None, ubatch: int | None = None, progress: ProgressFn = silent) -> Installed:
+            threads: int | None = None, ubatch: int | None = None, prompt_tokens: int | None = None,
+            progress: ProgressFn = silent) -> Installed:
     """Install (and unless serve=False, serve) a model. ctx None: 4096, or less for a model trained
     with less; above the training context only with ctx_override. host: where the server listens.
     spec: speculative decoding, planned for and kept in the installed plan (serve reuses it).
     prefill_weight: prompt tokens per generated token to plan for (None: the planner's default),
-    kept in the installed plan as well, as threads is (the server's CPU threads; None: the planner's) and
-    ubatch (the server's physical batch, -ub; None: llama.cpp's 512)."""
+    kept in the installed plan as well, as threads is (the server's CPU threads; None: the planner's),
+    ubatch (the server's physical batch, -ub; None or UBATCH_AUTO: the planner's choice) and prompt_tokens
+    (the prompt length to plan prompt batches for; None: the profile's prompts)."""
     from moeplug.native.build import build, resolve_options
     from moeplug.serving import launch_verified, model_lock
 
@@ -266,7 +272,8 @@ def install(text: str, *, ctx: int | None = None, vram_budget: int | list[int] |
                                  list(prompt_sets or DEFAULT_PROMPT_SETS), progress=progress)
         slots_on_cpu = is_demo and result.manifest.get("backend") == "cpu"
         plan = plan_for(info, ctx, vram_budget, profile, slots_on_cpu, fit_tool=result.binary("llama-fit-params"),
-                        spec=spec, prefill_weight=prefill_weight, threads=threads, ubatch=ubatch or DEFAULT_UBATCH)
+                        spec=spec, prefill_weight=prefill_weight, threads=threads,
+                        ubatch=UBATCH_AUTO if ubatch is None else ubatch, prompt_tokens=prompt_tokens)
         record = InstalledModel(name=name, ref=text, path=str(resolved.path), profile=str(profile),
                                 build_id=result.build_id, ctx=ctx, plan=plan,
                                 slots_on_cpu=slots_on_cpu and plan.backend == "cpu")
@@ -291,11 +298,13 @@ def warn_exposure(host: str, progress: ProgressFn) -> None:
 def plan_installed(m: InstalledModel, ctx: int | None = None, vram_budget: int | list[int] | None = None,
                    profile: Profile | None = None, spec: Speculation | KeepInstalled | None = KeepInstalled(),
                    prefill_weight: float | None = None, threads: int | None = None,
-                   ubatch: int | None = None) -> Plan:
+                   ubatch: int | None = None, prompt_tokens: int | None = None) -> Plan:
     """An installed model's plan made again, for another budget or context (None: the stored
     ones), from its profile (or `profile`, the one about to replace it), with its speculation
     (or `spec`: a Speculation, None for none), its prefill weight (or `prefill_weight`) and the
-    threads its user asked for (or `threads`) and its ubatch (or `ubatch`); nothing is stored (replan keeps it)."""
+    threads its user asked for (or `threads`), the ubatch asked for (or `ubatch`; UBATCH_AUTO: the planner's
+    choice) and the prompt length planned for (or `prompt_tokens`; 0: the profile's prompts); nothing is
+    stored (replan keeps it)."""
     budget = vram_budget if vram_budget is not None else m.plan.budget
     path = Path(m.profile) if m.profile and (profile is not None or Path(m.profile).exists()) else None
     try:
@@ -307,16 +316,18 @@ def plan_installed(m: InstalledModel, ctx: int | None = None, vram_budget: int |
     weight = m.plan.prefill_weight if prefill_weight is None else prefill_weight
     return plan_for(inspect_model(m.path), ctx or m.ctx, budget, path, m.slots_on_cpu, profile, fit_tool=fit_tool,
                     spec=spec, prefill_weight=weight, threads=m.plan.threads_asked if threads is None else threads,
-                    ubatch=m.plan.ubatch if ubatch is None else ubatch)
+                    ubatch=m.plan.ubatch_asked if ubatch is None else ubatch,
+                    prompt_tokens=m.plan.prompt_tokens if prompt_tokens is None else prompt_tokens)
 
 
 def replan(m: InstalledModel, ctx: int | None = None, vram_budget: int | list[int] | None = None,
            spec: Speculation | KeepInstalled | None = KeepInstalled(), prefill_weight: float | None = None,
-           threads: int | None = None, ubatch: int | None = None) -> InstalledModel:
-    """Plan an installed model again (a new budget, context, speculation, prefill weight, threads or ubatch,
-    or its profile changed: the stored ones otherwise) and keep that plan as the model's own; the hooks follow."""
+           threads: int | None = None, ubatch: int | None = None, prompt_tokens: int | None = None) -> InstalledModel:
+    """Plan an installed model again (a new budget, context, speculation, prefill weight, threads, ubatch or
+    prompt length, or its profile changed: the stored ones otherwise) and keep that plan as the model's own;
+    the hooks follow."""
     plan = plan_installed(m, ctx, vram_budget, spec=spec, prefill_weight=prefill_weight, threads=threads,
-                          ubatch=ubatch)
+                          ubatch=ubatch, prompt_tokens=prompt_tokens)
     record = replace(m, ctx=ctx or m.ctx, plan=plan)
     write_installed(record)
     refresh_hooks(list_installed())

@@ -16,7 +16,7 @@ from moeplug.options import (JOBS, TOKENS, Number, add_backend, add_json, add_pl
                              add_spec_options, add_threads)
 from moeplug.estimates import DEFAULT_UBATCH, MIN_UBATCH
 from moeplug.output import Output, human_bytes, table
-from moeplug.plan import Plan, describe_slots
+from moeplug.plan import UBATCH_AUTO, Plan, describe_slots
 from moeplug.server import HOST
 from moeplug.serving import cache_summary, slot_range, streamed_text
 from moeplug.sizes import MIB
@@ -44,8 +44,9 @@ def plan_text(p: Plan) -> str:
             "copied one at a time, as stock's (the second copy's bytes hold slots)"]] if p.vram_budget_bytes else []),
         ["load mode", p.load_mode],
         ["CPU threads", f"{p.threads} (-t)" if p.threads else "llama.cpp's default"],
-        ["prompt batch", f"{p.ubatch} tokens (-ub)" + (" (llama.cpp's default; --ubatch 2048 prefills long prompts "
-                                                      "faster)" if p.ubatch == DEFAULT_UBATCH else "")],
+        ["prompt length planned for", f"{p.prompt_tokens} tokens (--prompt-tokens)" if p.prompt_tokens else
+         "the profile's prompts"],
+        ["prompt batch", f"{p.ubatch} tokens (-ub), " + _ubatch_source(p)],
     ]
     lines = [table(["plan", ""], rows, "lr")] + ([devices_text(p)] if p.devices else [])
     lines += ["server args: " + shlex.join(p.server_args)]  # quoted: -ot has | ( )
@@ -53,6 +54,15 @@ def plan_text(p: Plan) -> str:
         if p.server_env() else []
     lines += [f"note: {n}" for n in p.notes] + [f"WARNING: {w}" for w in p.warnings]
     return "\n".join(lines)
+
+
+def _ubatch_source(p: Plan) -> str:
+    """Who chose a plan's prompt batch."""
+    if p.ubatch_asked != UBATCH_AUTO:
+        return "as asked (--ubatch)"
+    if p.prompt_tokens and p.prompt_tokens > DEFAULT_UBATCH:
+        return f"the planner's choice for prompts of {p.prompt_tokens} tokens"
+    return "llama.cpp's default (--prompt-tokens N: the planner weighs larger ones for prompts of N tokens)"
 
 
 def devices_text(p: Plan) -> str:
@@ -128,15 +138,34 @@ def install_text(done: Any) -> str:
 
 # the server's prompt batch (-ub): an option of install, plan and serve, and bench's --stock-ubatch
 UBATCH = Number(int, MIN_UBATCH, 65536, "a number of prompt tokens per batch")
+PROMPT_TOKENS = Number(int, 0, 1 << 20, "a prompt length in tokens")
+
+
+def ubatch_or_auto(text: str) -> int:
+    """--ubatch: a number of tokens (UBATCH), or 'auto' for the planner's choice (UBATCH_AUTO)."""
+    if text == "auto":
+        return UBATCH_AUTO
+    try:
+        return UBATCH(text)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e}, or auto") from None
 
 
 def add_ubatch(p: argparse.ArgumentParser, keep: bool = False) -> None:
-    """--ubatch N: the server's physical batch (plan.make_plan)."""
-    default = "the installed plan's" if keep else f"{DEFAULT_UBATCH}, llama.cpp's"
-    p.add_argument("--ubatch", "-ub", type=UBATCH, default=None, metavar="N",
-                   help=f"prompt tokens per batch on the GPU (llama-server -ub), {MIN_UBATCH}-65536: prompt batches "
-                        f"upload the experts of every layer that is not whole once per batch, so 2048 prefills long "
-                        f"prompts faster, and holds slightly more VRAM, which the slots give up (default: {default})")
+    """--ubatch N|auto and --prompt-tokens N: the server's physical batch and the prompt length the plan's
+    prompt batches are priced for (plan.make_plan)."""
+    default = "the installed plan's" if keep else "auto"
+    p.add_argument("--ubatch", "-ub", type=ubatch_or_auto, default=None, metavar="N|auto",
+                   help=f"prompt tokens per batch on the GPU (llama-server -ub), {MIN_UBATCH}-65536, or auto: prompt "
+                        f"batches upload the experts of every layer that is not whole once per batch, so 2048 "
+                        f"prefills long prompts faster, and holds slightly more VRAM, which the slots give up; auto "
+                        f"weighs {DEFAULT_UBATCH} (llama.cpp's), 1024 and 2048 for prompts of --prompt-tokens "
+                        f"(default: {default})")
+    default = "the installed plan's" if keep else "the profile's prompts"
+    p.add_argument("--prompt-tokens", type=PROMPT_TOKENS, default=None, metavar="N",
+                   help=f"the length of the prompts to plan prompt batches for, e.g. 8000 for an agent that sends "
+                        f"whole files; with --prefill-weight, how many prompt tokens come per generated token "
+                        f"(default: {default}; 0: the profile's prompts)")
 
 
 def cmd_install(args: argparse.Namespace) -> int:
@@ -150,7 +179,7 @@ def cmd_install(args: argparse.Namespace) -> int:
                    serve=not args.no_serve, port=args.port, allow_fallback=args.allow_fallback, metrics=args.metrics,
                    ctx_override=args.ctx_override, host=args.host or HOST, spec=spec,
                    prefill_weight=args.prefill_weight, threads=args.threads, ubatch=args.ubatch,
-                   progress=out.progress)
+                   prompt_tokens=args.prompt_tokens, progress=out.progress)
     return out.result(done, install_text)
 
 
@@ -164,7 +193,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = plan_model(args.model, ctx=args.ctx, vram_budget=args.vram_budget,
                       profile=Path(args.profile) if args.profile else None, ctx_override=args.ctx_override,
                       spec=spec, prefill_weight=args.prefill_weight, threads=args.threads, ubatch=args.ubatch,
-                      progress=out.progress)
+                      prompt_tokens=args.prompt_tokens, progress=out.progress)
     return out.result(plan, plan_text)
 
 
@@ -177,7 +206,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     served = serve(args.model, port=args.port, vram_budget=args.vram_budget, ctx=args.ctx,
                    ctx_override=args.ctx_override, allow_fallback=args.allow_fallback, metrics=args.metrics,
                    record=args.record, host=args.host or HOST, spec=spec, prefill_weight=args.prefill_weight,
-                   threads=args.threads, ubatch=args.ubatch, progress=out.progress)
+                   threads=args.threads, ubatch=args.ubatch, prompt_tokens=args.prompt_tokens, progress=out.progress)
     return out.result(served, lambda s: served_text(s.name, s.server))
 
 

@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from moeplug.allocate import (PREFILL_WEIGHT, LayerCost, allocate_against_stock, hit_curves, modelled_prompt_seconds,
-                              modelled_seconds, prefill_uploads, stream_share)
+from moeplug.allocate import (LONG_PROMPT_UPLOAD_BYTES_PER_S, PREFILL_WEIGHT, LayerCost, allocate_against_stock, hit_curves, long_prompt_uploads,
+                              modelled_prompt_seconds, modelled_seconds, prefill_uploads, stream_share)
 from moeplug.errors import MoeplugError
 from moeplug.fit_estimate import CACHE_COMPUTE_EXTRA, CUDA_CONTEXT_RESERVE, DeviceNeed
 from moeplug.estimates import (
@@ -61,16 +61,32 @@ from moeplug.sizes import GIB
 
 WARN_FIT = 0.20
 WARN_FIT_STRONG = 0.15
+# --ubatch auto (make_plan): the planner's choice of the server's prompt batch, among these; larger ones
+# were never measured through the server (estimates.ubatch_growth_bytes was fitted at 2048)
+UBATCH_AUTO = 0
+UBATCH_CANDIDATES = (512, 1024, 2048)
+# a larger prompt batch is chosen only where its plan is modelled at least this much faster in all
+UBATCH_MIN_GAIN = 0.02
 
 
 def _layer_costs(info: ModelInfo, profile: Profile | None, tokens_per_step: int = 1,
                  prefill_weight: float = PREFILL_WEIGHT, copy_ahead: bool = True,
-                 ubatch: int = DEFAULT_UBATCH) -> list[LayerCost]:
+                 ubatch: int = DEFAULT_UBATCH, prompt_tokens: int | None = None) -> list[LayerCost]:
+    """prompt_tokens: the prompt length to price prompt batches for (allocate.long_prompt_uploads, from
+    the hit curves); None: the profile's own prompts (allocate.prefill_uploads)."""
     curves = hit_curves(profile, len(info.layers), info.n_expert)
-    prompts = prefill_uploads(profile, len(info.layers), info.n_expert, ubatch) if prefill_weight > 0 else None
+    rate = None
+    if prefill_weight <= 0:
+        prompts = None
+    elif prompt_tokens and profile is not None:
+        per_layer = [long_prompt_uploads(curve, info.n_expert_used, prompt_tokens, ubatch) for curve in curves]
+        prompts = (np.stack([u for u, _ in per_layer]), per_layer[0][1])
+        rate = LONG_PROMPT_UPLOAD_BYTES_PER_S
+    else:
+        prompts = prefill_uploads(profile, len(info.layers), info.n_expert, ubatch)
     return [LayerCost(layer.bytes_per_expert, layer.n_expert, info.n_expert_used, curve, tokens_per_step,
                       prompts[0][i] if prompts else None, prompts[1] if prompts else 0.0, prefill_weight,
-                      copy_ahead)
+                      copy_ahead, rate)
             for i, (layer, curve) in enumerate(zip(info.layers, curves))]
 
 
@@ -144,8 +160,13 @@ class Plan:
     threads_asked: int | None = None
     # the planner's revision that made it (PLANNER_REVISION); 0: a record from before revisions
     planner: int = 0
-    # the server's physical batch (-ub; make_plan): llama.cpp's 512 unless the user asked for more
+    # the server's physical batch (-ub; make_plan): llama.cpp's 512 unless the user asked for another or the
+    # planner chose a larger one for long prompts; ubatch_asked: what the user asked for, UBATCH_AUTO for the
+    # planner's choice (kept on re-plans); prompt_tokens: the prompt length prompt batches were planned for,
+    # None for the profile's own prompts (kept on re-plans)
     ubatch: int = DEFAULT_UBATCH
+    ubatch_asked: int = UBATCH_AUTO
+    prompt_tokens: int | None = None
 
     def server_env(self) -> dict[str, str]:
         """The environment the plan's server runs with beside its flags."""
@@ -170,6 +191,8 @@ class Plan:
         known = fields(cls)
         values: dict[str, Any] = {f.name: None for f in known if f.default is MISSING and f.default_factory is MISSING}
         values.update({f.name: doc[f.name] for f in known if f.name in doc})
+        if "ubatch_asked" not in doc and doc.get("ubatch", DEFAULT_UBATCH) != DEFAULT_UBATCH:
+            values["ubatch_asked"] = doc["ubatch"]  # a record from before --ubatch auto: a ubatch other than 512 was asked for
         return cls(**values)
 
 
@@ -212,7 +235,8 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
               need: DeviceNeed | None = None, policy: str = "auto", profile: Profile | None = None,
               spec: Speculation | None = None, draft_need: DeviceNeed | None = None,
               prefill_weight: float = PREFILL_WEIGHT, copy_ahead: bool | None = None,
-              cpu_cores: int | None = None, threads: int | None = None, ubatch: int = DEFAULT_UBATCH) -> Plan:
+              cpu_cores: int | None = None, threads: int | None = None, ubatch: int = UBATCH_AUTO,
+              prompt_tokens: int | None = None) -> Plan:
     """The plan at a budget (_make_plan says what each argument is). copy_ahead: whether a prompt
     batch's later expert weights are copied while the split before computes (None: the planner's
     choice: on, unless the plan with them keeps at most COPY_AHEAD_FEW_PARTIAL of the MoE layers
@@ -222,14 +246,80 @@ def make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, pr
     ubatch: the server's physical batch (-ub), the most prompt tokens one pass of the graph takes: a
     prompt batch uploads the experts of the layers not whole once per ubatch, so a larger one prefills
     a long prompt with fewer uploads per token, and the larger activations take VRAM from the slots
-    (estimates.ubatch_growth_bytes beside need, llama.cpp's estimate at its default ubatch)."""
-    if ubatch < MIN_UBATCH:
+    (estimates.ubatch_growth_bytes beside need, llama.cpp's estimate at its default ubatch);
+    UBATCH_AUTO: the planner's choice (choose_ubatch). prompt_tokens: the length of the prompts to
+    plan prompt batches for (allocate.long_prompt_uploads); None: the profile's own prompts."""
+    if ubatch != UBATCH_AUTO and ubatch < MIN_UBATCH:
         raise MoeplugError(f"--ubatch {ubatch}: at least {MIN_UBATCH} (a prompt batch below it is not offloaded)")
-    plan = threaded(_plan_copies(info, ctx, vram_budget, profile_path, ram_available, slots_in_ram, expert_room,
-                                 need, policy, profile, spec, draft_need, prefill_weight, copy_ahead, ubatch),
-                    cpu_cores, threads)
+    if prompt_tokens is not None and prompt_tokens < 0:
+        raise MoeplugError(f"--prompt-tokens {prompt_tokens}: 0 or more")
+    prompt_tokens = prompt_tokens or None  # 0: the profile's own prompts
+    if profile is None and profile_path:
+        profile = _read_profile(profile_path)
+
+    def planned(u: int) -> Plan:
+        return threaded(_plan_copies(info, ctx, vram_budget, profile_path, ram_available, slots_in_ram, expert_room,
+                                     need, policy, profile, spec, draft_need, prefill_weight, copy_ahead, u,
+                                     prompt_tokens), cpu_cores, threads)
+
+    if ubatch != UBATCH_AUTO:
+        plan = planned(ubatch)
+    else:
+        plan = choose_ubatch(planned, ubatch_candidates(vram_budget, spec, profile, prefill_weight, prompt_tokens),
+                             prompt_tokens)
     plan.planner = PLANNER_REVISION
+    plan.ubatch_asked, plan.prompt_tokens = ubatch, prompt_tokens
     return plan
+
+
+def ubatch_candidates(vram_budget: int | list[int] | None, spec: Speculation | None, profile: Profile | None,
+                      prefill_weight: float, prompt_tokens: int | None) -> tuple[int, ...]:
+    """The prompt batches --ubatch auto weighs: llama.cpp's 512 alone unless prompts longer than it are
+    planned for (prompt_tokens) on one GPU, with a profile to price their batches and prompts weighed, and
+    no draft model or MTP head (_make_plan refuses those above 512); else each of UBATCH_CANDIDATES up to
+    the first that holds a whole prompt."""
+    if (not prompt_tokens or prompt_tokens <= DEFAULT_UBATCH or not isinstance(vram_budget, int) or profile is None
+            or prefill_weight <= 0 or (spec is not None and spec.kind != "ngram")):
+        return (DEFAULT_UBATCH,)
+    out = []
+    for u in UBATCH_CANDIDATES:
+        out.append(u)
+        if u >= prompt_tokens:
+            break
+    return tuple(out)
+
+
+def _total_ms(plan: Plan) -> float:
+    """A plan's modelled host time per step, prompts weighed, less what streaming misses saves."""
+    return (plan.modelled_host_ms or 0.0) - plan.modelled_stream_saving_ms
+
+
+def choose_ubatch(planned: Any, candidates: tuple[int, ...], prompt_tokens: int | None) -> Plan:
+    """The plan at the candidate prompt batch modelled fastest in all: decode per token plus prompt
+    batches weighed by prompt tokens per generated token, at prompts of prompt_tokens tokens. A larger
+    batch uploads the experts of the layers that are not whole fewer times per prompt token, and its
+    activations (estimates.ubatch_growth_bytes) take VRAM from the slots, so decoding misses more: a
+    larger one is chosen only where it is modelled UBATCH_MIN_GAIN faster than the smaller one chosen
+    so far. The plan says what was weighed."""
+    plans = [planned(u) for u in candidates]
+    best = plans[0]
+    for p in plans[1:]:
+        if _total_ms(p) < (1.0 - UBATCH_MIN_GAIN) * _total_ms(best):
+            best = p
+    if len(plans) > 1:
+        base = plans[0]
+        weighed = "; ".join(f"{p.ubatch}: {p.modelled_prompt_us or 0.0:.0f} us per prompt token, "
+                            f"{_total_ms(p) - (p.prefill_weight * (p.modelled_prompt_us or 0.0) / 1e3):.2f} ms per "
+                            f"{'step' if p.tokens_per_step > 1 else 'generated token'}" for p in plans)
+        if best is base:
+            best.notes.append(f"prompt batches of {base.ubatch} tokens, llama.cpp's default, kept for prompts of "
+                              f"{prompt_tokens} tokens at {base.prefill_weight:g} prompt tokens per generated token: "
+                              f"larger ones were not modelled {UBATCH_MIN_GAIN:.0%} faster in all ({weighed})")
+        else:
+            best.notes.append(f"prompt batches of {best.ubatch} tokens (-ub {best.ubatch}), chosen for prompts of "
+                              f"{prompt_tokens} tokens at {best.prefill_weight:g} prompt tokens per generated token: "
+                              f"fewer uploads per prompt token, for VRAM the slots give up ({weighed})")
+    return best
 
 
 def outdated(plan: Plan) -> bool:
@@ -274,12 +364,13 @@ def threaded(plan: Plan, cpu_cores: int | None, asked: int | None) -> Plan:
 def _plan_copies(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, profile_path: Path | None,
                  ram_available: int | None, slots_in_ram: int, expert_room: int | None, need: DeviceNeed | None,
                  policy: str, profile: Profile | None, spec: Speculation | None, draft_need: DeviceNeed | None,
-                 prefill_weight: float, copy_ahead: bool | None, ubatch: int) -> Plan:
+                 prefill_weight: float, copy_ahead: bool | None, ubatch: int, prompt_tokens: int | None) -> Plan:
     """make_plan without the thread count: with or without the copies ahead, or the planner's choice."""
     def planned(ahead: bool) -> Plan:
         return _make_plan(info, ctx, vram_budget, profile_path, ram_available=ram_available, slots_in_ram=slots_in_ram,
                           expert_room=expert_room, need=need, policy=policy, profile=profile, spec=spec,
-                          draft_need=draft_need, prefill_weight=prefill_weight, copy_ahead=ahead, ubatch=ubatch)
+                          draft_need=draft_need, prefill_weight=prefill_weight, copy_ahead=ahead, ubatch=ubatch,
+                          prompt_tokens=prompt_tokens)
 
     if copy_ahead is not None:
         return planned(copy_ahead)
@@ -303,7 +394,7 @@ def _make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, p
               need: DeviceNeed | None = None, policy: str = "auto", profile: Profile | None = None,
               spec: Speculation | None = None, draft_need: DeviceNeed | None = None,
               prefill_weight: float = PREFILL_WEIGHT, copy_ahead: bool = True,
-              ubatch: int = DEFAULT_UBATCH) -> Plan:
+              ubatch: int = DEFAULT_UBATCH, prompt_tokens: int | None = None) -> Plan:
     """profile: the profile at profile_path when the caller has read it already (a re-profile's
     preview plans from the profile it is about to store there). slots_in_ram: without a GPU, hold
     that many slots per layer in RAM anyway (the demo's stand-in for a GPU,
@@ -319,7 +410,8 @@ def _make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, p
     batches); draft_need: llama.cpp's own estimate for a draft model (install.draft_need_for).
     prefill_weight: prompt tokens per generated token, what prompt batches weigh beside decoding
     (allocate.py; 0: decode only). copy_ahead: False plans for prompt batches that copy their expert
-    weights one at a time, as stock does (one GPU; the freed compute buffer holds slots). ubatch: make_plan's."""
+    weights one at a time, as stock does (one GPU; the freed compute buffer holds slots). ubatch (a number)
+    and prompt_tokens: make_plan's."""
     if isinstance(vram_budget, list) and len(vram_budget) == 1:
         vram_budget = vram_budget[0]
     if isinstance(vram_budget, list) and ubatch != DEFAULT_UBATCH:
@@ -349,7 +441,7 @@ def _make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, p
     margin = SAFETY_MARGIN if need is None else CUDA_CONTEXT_RESERVE
     if profile is None and profile_path:
         profile = _read_profile(profile_path)
-    costs = _layer_costs(trunk, profile, k, prefill_weight, copy_ahead, ubatch)
+    costs = _layer_costs(trunk, profile, k, prefill_weight, copy_ahead, ubatch, prompt_tokens)
     load_mode, load_notes = choose_load_mode(info, ram_available)
     n_layers = len(info.layers)
     n_trunk = len(trunk.layers)

@@ -161,6 +161,80 @@ def test_a_larger_ubatch_is_planned_with_its_compute_buffer(tmp_path: Path) -> N
                      spec=Speculation("ngram")).ubatch == 1024
 
 
+def test_long_prompt_uploads_counts_each_batch_of_a_long_prompt() -> None:
+    """A prompt of several batches uploads the experts without a slot once per batch: a batch of b
+    tokens picks an expert of per-token probability p with chance 1 - (1 - p)^b."""
+    from moeplug.allocate import long_prompt_uploads
+
+    hits = uniform_hits(8)  # 2 of 8 used: every expert p = 0.25
+    per_token, batches = long_prompt_uploads(hits, 2, 1024, 512)
+    assert batches == 2 / 1024
+    assert per_token[0] == pytest.approx(2 * 8 / 1024) and per_token[8] == 0.0  # nearly every expert, twice
+    assert per_token[6] == pytest.approx(2 * 2 / 1024)
+    one_batch, _ = long_prompt_uploads(hits, 2, 1024, 1024)
+    assert one_batch[0] == pytest.approx(per_token[0] / 2)  # one batch of 1024: each expert once
+    short, batches = long_prompt_uploads(hits, 2, 3, 512)  # three tokens pick few
+    assert batches == 1 / 3 and short[0] == pytest.approx(8 * (1 - 0.75 ** 3) / 3)
+    partial, _ = long_prompt_uploads(hits, 2, 600, 512)  # a full batch and one of 88 tokens
+    assert partial[0] == pytest.approx(8 * (2 - 0.75 ** 512 - 0.75 ** 88) / 600)
+
+
+def test_ubatch_auto_weighs_larger_prompt_batches_for_long_prompts(tmp_path: Path) -> None:
+    """--ubatch auto (the default): llama.cpp's 512 unless prompts longer than it are planned for
+    (--prompt-tokens) with prompts weighed; then the candidate modelled fastest in all, decode with the
+    slots its larger activations leave plus its prompt batches, a larger one only 2% faster than the
+    smaller. What was weighed is in the notes; the asked ubatch and the prompt length stay with the
+    plan, and an older record's ubatch other than 512 reads as asked."""
+    from moeplug.fit_estimate import CACHE_COMPUTE_EXTRA, CUDA_CONTEXT_RESERVE, DeviceNeed
+    from moeplug.plan import UBATCH_AUTO, ubatch_candidates
+    from moeplug.speculation import Speculation
+
+    model, profile = big_expert_model(tmp_path)
+    info = inspect_model(model)
+    need = DeviceNeed("CUDA0", model=64 * MIB, context=8 * MIB, compute=96 * MIB)
+    room = need.total + CUDA_CONTEXT_RESERVE + cache_compute_extra(info, CACHE_COMPUTE_EXTRA) + info.expert_bytes // 2
+
+    def plan(**kw) -> Plan:
+        return make_plan(info, 4096, room, tmp_path / "p.gguf", profile=profile, need=need, **kw)
+
+    def total(p: Plan) -> float:
+        return p.modelled_host_ms - p.modelled_stream_saving_ms
+
+    short = plan()
+    assert short.ubatch == 512 and short.ubatch_asked == UBATCH_AUTO and short.prompt_tokens is None
+    assert "-ub" not in short.server_args and not any("prompt batches of" in n for n in short.notes)
+    # the tiny model's uploads are small beside a decoded token's misses: only a heavy prompt weight pays
+    for weight, chosen in ((1, 512), (1000, 2048)):
+        auto = plan(prompt_tokens=4096, prefill_weight=weight)
+        fixed = {u: plan(prompt_tokens=4096, prefill_weight=weight, ubatch=u) for u in (512, 1024, 2048)}
+        assert auto.ubatch == chosen and auto.ubatch_asked == UBATCH_AUTO and auto.prompt_tokens == 4096
+        assert auto.slots_per_layer == fixed[chosen].slots_per_layer and total(auto) == total(fixed[chosen])
+        assert all(total(auto) <= total(p) for p in fixed.values())
+        assert fixed[2048].modelled_prompt_us < fixed[1024].modelled_prompt_us < fixed[512].modelled_prompt_us
+        assert fixed[2048].compute_bytes >= need.compute + ubatch_growth_bytes(info, 2048)  # off the slots' room
+        note = next(n for n in auto.notes if "prompt batches of" in n)
+        assert f"prompts of 4096 tokens at {weight:g} prompt tokens" in note and "2048: " in note
+        assert ("chosen" in note) == (chosen > 512) and ("-ub" in auto.server_args) == (chosen > 512)
+        assert all(p.ubatch_asked == p.ubatch for p in fixed.values())
+    # nothing to gain: decode only, prompts that fit one batch, a draft model or MTP head, two GPUs, no GPU
+    assert plan(prompt_tokens=4096, prefill_weight=0).ubatch == 512
+    assert ubatch_candidates(room, None, profile, 1000, 300) == (512,)
+    assert ubatch_candidates(room, None, profile, 1000, 1000) == (512, 1024)
+    assert ubatch_candidates(room, Speculation("mtp"), profile, 1000, 4096) == (512,)
+    assert ubatch_candidates(room, Speculation("ngram"), profile, 1000, 4096) == (512, 1024, 2048)
+    assert ubatch_candidates([room, room], None, profile, 1000, 4096) == (512,)
+    assert ubatch_candidates(None, None, profile, 1000, 4096) == (512,)
+    assert ubatch_candidates(room, None, None, 1000, 4096) == (512,)
+    assert plan(prompt_tokens=0).prompt_tokens is None  # 0: the profile's prompts
+    with pytest.raises(MoeplugError, match="--prompt-tokens -1: 0 or more"):
+        plan(prompt_tokens=-1)
+    # records
+    again = Plan.from_json(auto.to_json())
+    assert (again.ubatch, again.ubatch_asked, again.prompt_tokens) == (2048, UBATCH_AUTO, 4096)
+    old = {k: v for k, v in fixed[1024].to_json().items() if k not in ("ubatch_asked", "prompt_tokens")}
+    assert Plan.from_json(old).ubatch_asked == 1024 and Plan.from_json(old | {"ubatch": 512}).ubatch_asked == UBATCH_AUTO
+
+
 def test_the_server_runs_on_half_the_cores_where_few_layers_are_partly_resident(tmp_path: Path) -> None:
     """Where a few partly resident layers (at most a quarter of the MoE layers) share each token between
     the GPU's slots and the CPU's misses, the plan runs the server on half the physical cores (8 or more;
@@ -894,10 +968,17 @@ def test_the_ubatch_asked_for_reaches_the_server_and_stays_with_the_plan(patched
         got = complete(served["server"]["url"], list(range(1, 101)), 4, ignore_eos=True)
         assert got["timings"]["prompt_n"] == 100  # four batches of 32 tokens, the last partly full
 
-    served = served_once(env, "serve", name, "--ubatch", "32", during=long_prompt)
+    served = served_once(env, "serve", name, "--ubatch", "32", "--prompt-tokens", "100", during=long_prompt)
     assert re.search(r"n_ubatch += 32\n", Path(served["server"]["log"]).read_text())
-    assert stored_plan(env)["ubatch"] == 32 and stored_plan(env)["server_args"][2:6] == ["-b", "2048", "-ub", "32"]
+    stored = stored_plan(env)
+    assert stored["ubatch"] == 32 and stored["server_args"][2:6] == ["-b", "2048", "-ub", "32"]
+    assert (stored["ubatch_asked"], stored["prompt_tokens"]) == (32, 100)
+    # auto: the planner's choice, here llama.cpp's 512 (a CPU plan weighs no other); the prompt length is kept
+    auto = json.loads(run_cli_process("plan", name, "--ubatch", "auto", "--json", env=env).stdout)
+    assert (auto["ubatch"], auto["ubatch_asked"], auto["prompt_tokens"]) == (512, 0, 100)
+    assert "-ub" not in auto["server_args"]
     out_of_range_is_one_line(env, name, "--ubatch", ("16", "65537", "many"))
+    out_of_range_is_one_line(env, name, "--prompt-tokens", ("-1", "many"))
 
 
 def test_cli_plan_without_gpu_is_a_cpu_plan(fixture_models) -> None:
