@@ -336,7 +336,9 @@ def test_serve_bench_row_args_and_stock_threads(patched_build, stock_build, benc
     for flag, value, said in (("--row-args", "none;", "--row-args: 'none;': an empty set"),
                               ("--row-args", "no-op", "--row-args: 'no-op': flags of llama-server"),
                               ("--stock-args", "ub 64", "--stock-args: 'ub 64': flags of llama-server"),
-                              ("--ubatches", "512,16", "--ubatches: whole numbers of 32 or more"),
+                              ("--ubatches", "512,16", "--ubatches: whole numbers of 32 or more, or auto"),
+                              ("--ubatches", "auto,x", "--ubatches: 'x': give numbers, e.g. 512,2048,auto"),
+                              ("--prompt-tokens", "0,-5", "--prompt-tokens: whole numbers, 0 or more"),
                               ("--stock-threads", "8,8", "--stock-threads: '8,8': distinct counts"),
                               ("--stock-threads", "x", "--stock-threads: 'x': thread counts")):
         bad = subprocess.run([sys.executable, str(SERVE_BENCH), flag, value], capture_output=True, text=True,

@@ -832,7 +832,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--row-args", default="", help="moeplug rows per set of extra llama-server flags, sets split by "
                     "';', e.g. 'none;--no-op-offload' (none: no extra flags)")
     ap.add_argument("--ubatches", default="", help="moeplug rows per physical batch (-ub) its plan is made for, e.g. "
-                    "512,2048 (the compute buffer at each counted in the budget; default: llama.cpp's 512)")
+                    "512,2048 (the compute buffer at each counted in the budget; auto: the planner's choice for "
+                    "--prompt-tokens; default: llama.cpp's 512)")
+    ap.add_argument("--prompt-tokens", default="", help="moeplug rows per prompt length its plan prices prompt "
+                    "batches for, e.g. 0,4096 (moeplug plan --prompt-tokens; 0, the default: the profile's prompts)")
     ap.add_argument("--stock-args", default="", help="stock rows per set of extra llama-server flags, sets split by "
                     "';', e.g. 'none;-ub 2048 -b 2048' (none: no extra flags; every moeplug row against each)")
     ap.add_argument("--stock-threads", default="", help="stock rows per thread count, e.g. 0,8 (0: llama.cpp's default; "
@@ -909,9 +912,17 @@ def main(argv: list[str] | None = None) -> int:
     stock_extras = row_args(ap, a.stock_args, "--stock-args")
     from moeplug.estimates import DEFAULT_UBATCH, MIN_UBATCH
 
+    from moeplug.plan import UBATCH_AUTO
+
+    numbers = [u for u in a.ubatches.split(",") if u.strip() != "auto"]
     ubatches = [int(u) if u is not None else DEFAULT_UBATCH for u in
-                number_list(ap, "--ubatches", a.ubatches, "512,2048", lambda u: u == int(u) and u >= MIN_UBATCH,
-                            f"whole numbers of {MIN_UBATCH} or more")]
+                number_list(ap, "--ubatches", ",".join(numbers), "512,2048,auto",
+                            lambda u: u == int(u) and u >= MIN_UBATCH, f"whole numbers of {MIN_UBATCH} or more, or auto")]
+    if len(numbers) < len(a.ubatches.split(",")):  # auto: the planner's choice for --prompt-tokens
+        ubatches = ([] if not numbers else ubatches) + [UBATCH_AUTO]
+    lengths = [int(n) if n is not None else 0 for n in
+               number_list(ap, "--prompt-tokens", a.prompt_tokens, "0,4096", lambda n: n == int(n) and n >= 0,
+                           "whole numbers, 0 or more")]
     if a.spec is not None and a.spec != "ngram" and max(ubatches) > DEFAULT_UBATCH:
         ap.error(f"--ubatches above {DEFAULT_UBATCH} with --spec {a.spec}: not planned yet (moeplug plan --ubatch)")
     every_env = server_env(ap, a.env)
@@ -995,11 +1006,12 @@ def main(argv: list[str] | None = None) -> int:
         for group, profile, extra, mine_bin, stock_bin, stock_id in groups:
             if not group:
                 continue
-            variants = [(p, w, s, e, c, x, u) for p in policies for w in weights for s in shares for e in envs
-                        for c in aheads for x in extras for u in ubatches]
+            variants = [(p, w, s, e, c, x, u, n) for p in policies for w in weights for s in shares for e in envs
+                        for c in aheads for x in extras for u in ubatches for n in lengths]
             plans = [plan_for(info, a.ctx, budget, profile, slots_on_cpu=False, fit_tool=fit_tool,
-                              policy=p.removesuffix("+record"), spec=spec, prefill_weight=w, copy_ahead=c, ubatch=u)
-                     for p, w, _, _, c, _, u in variants]
+                              policy=p.removesuffix("+record"), spec=spec, prefill_weight=w, copy_ahead=c, ubatch=u,
+                              prompt_tokens=n)
+                     for p, w, _, _, c, _, u, n in variants]
             load = ["-lm", "none"] if plans[0].load_mode == "pinned" else []
             stock_args = ["-c", str(a.ctx), "--fit", "on", "-fitt", fitt, *load, *common, *extra]
             stocks = []
@@ -1019,7 +1031,7 @@ def main(argv: list[str] | None = None) -> int:
                 baseline = Config(label, "stock", stock_bin, stock_id, stock_args, group, env=dict(every_env),
                                   desc="--fit, no speculation")
                 configs.append(baseline)
-            for plan, (policy, weight, share, env, _, more, ubatch) in zip(plans, variants):
+            for plan, (policy, weight, share, env, _, more, ubatch, length) in zip(plans, variants):
                 record = ["--moe-cache-record"] if policy.endswith("+record") else []
                 stream = ["--moe-cache-stream", f"{share:g}"] if share is not None else []
                 desc = describe_slots(plan.slots_per_layer, info.n_expert)
@@ -1030,7 +1042,9 @@ def main(argv: list[str] | None = None) -> int:
                 own_t = any(w in ("-t", "--threads") for w in more)  # a --row-args -t replaces the plan's
                 desc += f", -t {plan.threads}" if plan.threads and not own_t else ""
                 desc += env_desc(env)
-                desc += f", -ub {ubatch}" if len(ubatches) > 1 or ubatch != DEFAULT_UBATCH else ""
+                desc += (f", -ub {'auto=' if ubatch == UBATCH_AUTO else ''}{plan.ubatch}"
+                         if len(ubatches) > 1 or ubatch != DEFAULT_UBATCH else "")
+                desc += f", prompts of {length} planned for" if length else ""
                 desc += f", {' '.join(more)}" if more else ""
                 desc += "" if plan.copy_ahead else ", no copies ahead"
                 desc += f", {spec.kind}" if spec else ""
