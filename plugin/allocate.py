@@ -107,6 +107,11 @@ LONG_PROMPT_UPLOAD_BYTES_PER_S = 43e9
 PREFILL_WEIGHT = 1.0  # prompt tokens per generated token
 PREFILL_UBATCH = 512  # llama-server's ubatch: a longer prompt uploads once per ubatch
 PREFILL_GUARD_DOUBLINGS = 10  # allocate_against_stock weighs prompts at most 1024 times more
+# ... where its slots' prompt batches are modelled more than this much slower than stock's: on the gpt-oss
+# shape the planner's plans were modelled 0.2% and 0.5% slower than stock on 4096-token prompts (25%, 50%) and
+# prefilled them at 1.00x-1.01x of stock (twenty-ninth session), where a guard without tolerance put stock's
+# placement in their place; differences within 2% are below what a run resolves
+PREFILL_GUARD_TOLERANCE = 0.02
 # Misses on both sides of the link (--moe-cache-stream S, native/DESIGN.md): the GPU computes the hottest
 # missed experts carrying S of a partly resident layer's missed selections from pinned RAM while the
 # CPU computes the rest. Fitted to llama-server decode on the H200 (seventeenth session, gpt-oss-20b
@@ -433,7 +438,7 @@ def allocate_against_stock(layers: list[LayerCost], room: int, stock_slots: list
     after its prefill: moeplug does not buy decode speed with it."""
     slots, factor = allocate(layers, room), 1.0
     if any(layer.prefill is not None for layer in layers) and all(layer.prefill_weight > 0 for layer in layers):
-        limit = modelled_prompt_seconds(layers, stock_slots, stock=True) * (1.0 + 1e-9)
+        limit = modelled_prompt_seconds(layers, stock_slots, stock=True) * (1.0 + PREFILL_GUARD_TOLERANCE)
         while modelled_prompt_seconds(layers, slots) > limit and factor < 2.0 ** PREFILL_GUARD_DOUBLINGS:
             factor *= 2.0
             slots = allocate([replace(layer, prefill_weight=layer.prefill_weight * factor) for layer in layers], room)

@@ -65,8 +65,10 @@ WARN_FIT_STRONG = 0.15
 # were never measured through the server (estimates.ubatch_growth_bytes was fitted at 2048)
 UBATCH_AUTO = 0
 UBATCH_CANDIDATES = (512, 1024, 2048)
-# a larger prompt batch is chosen only where its plan is modelled at least this much faster in all
-UBATCH_MIN_GAIN = 0.02
+# a larger prompt batch is chosen only where its plan is modelled at least this much faster in all: the
+# decode cost of its activations is modelled from host time alone, and measured up to 4x higher (gpt-oss
+# shape at 50%, -ub 1024: 0.8 ms per token against 0.2 modelled; twenty-ninth session, native/BENCHMARKS.md)
+UBATCH_MIN_GAIN = 0.05
 
 
 def _layer_costs(info: ModelInfo, profile: Profile | None, tokens_per_step: int = 1,

@@ -182,7 +182,7 @@ def test_long_prompt_uploads_counts_each_batch_of_a_long_prompt() -> None:
 def test_ubatch_auto_weighs_larger_prompt_batches_for_long_prompts(tmp_path: Path) -> None:
     """--ubatch auto (the default): llama.cpp's 512 unless prompts longer than it are planned for
     (--prompt-tokens) with prompts weighed; then the candidate modelled fastest in all, decode with the
-    slots its larger activations leave plus its prompt batches, a larger one only 2% faster than the
+    slots its larger activations leave plus its prompt batches, a larger one only 5% faster than the
     smaller. What was weighed is in the notes; the asked ubatch and the prompt length stay with the
     plan, and an older record's ubatch other than 512 reads as asked."""
     from moeplug.fit_estimate import CACHE_COMPUTE_EXTRA, CUDA_CONTEXT_RESERVE, DeviceNeed
