@@ -425,10 +425,10 @@ def stream_share(layers: list[LayerCost], slots_per_layer: list[int]) -> tuple[f
 def allocate_against_stock(layers: list[LayerCost], room: int, stock_slots: list[int]) -> tuple[list[int], float]:
     """The slots for `room` (allocate()), or stock's placement where that is modelled no slower:
     stock_slots, the whole layers --fit keeps with the bytes the cache would spend on room and its
-    copies ahead, run without the cache. Prompt batches may not get slower than stock's: where the
-    slots allocate() spreads would make them so, the prompt weight is doubled until they do not (at
-    most 2^PREFILL_GUARD_DOUBLINGS times), and where no weight keeps them, stock's placement is the
-    plan. Returns the slots and the factor the prompt weight took (1: none needed).
+    copies ahead, run without the cache. Prompt batches may not get slower than stock's (by more than
+    PREFILL_GUARD_TOLERANCE): where the slots allocate() spreads would make them so, the prompt weight
+    is doubled until they do not (at most 2^PREFILL_GUARD_DOUBLINGS times), and where no weight keeps
+    them, stock's placement is the plan. Returns the slots and the factor the prompt weight took (1: none needed).
 
     Why: decode and prefill trade where a budget leaves few layers in RAM. Slots spread over more
     layers than stock keeps in RAM save decode time, but each of those layers uploads the experts
