@@ -118,7 +118,8 @@ def serve(name: str, *, port: int | None = None, vram_budget: int | list[int] | 
                 or threads is not None or ubatch is not None or prompt_tokens is not None):
             if ctx is not None:
                 ctx = context_size(inspect_model(m.path), ctx, ctx_override)
-            m = replan(m, ctx, vram_budget, spec, prefill_weight, threads, ubatch, prompt_tokens)  # the new plan becomes the model's own; the hooks follow
+            # the new plan becomes the model's own; the hooks follow
+            m = replan(m, ctx, vram_budget, spec, prefill_weight, threads, ubatch, prompt_tokens)
         else:
             m = up_to_date(m, progress)
         plan = m.plan

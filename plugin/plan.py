@@ -26,12 +26,13 @@ from __future__ import annotations
 
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from moeplug.allocate import (LONG_PROMPT_UPLOAD_BYTES_PER_S, PREFILL_WEIGHT, LayerCost, allocate_against_stock, hit_curves, long_prompt_uploads,
-                              modelled_prompt_seconds, modelled_seconds, prefill_uploads, stream_share)
+from moeplug.allocate import (LONG_PROMPT_UPLOAD_BYTES_PER_S, PREFILL_WEIGHT, LayerCost, allocate_against_stock,
+                              hit_curves, long_prompt_uploads, modelled_prompt_seconds, modelled_seconds,
+                              prefill_uploads, stream_share)
 from moeplug.errors import MoeplugError
 from moeplug.fit_estimate import CACHE_COMPUTE_EXTRA, CUDA_CONTEXT_RESERVE, DeviceNeed
 from moeplug.estimates import (
@@ -194,7 +195,8 @@ class Plan:
         values: dict[str, Any] = {f.name: None for f in known if f.default is MISSING and f.default_factory is MISSING}
         values.update({f.name: doc[f.name] for f in known if f.name in doc})
         if "ubatch_asked" not in doc and doc.get("ubatch", DEFAULT_UBATCH) != DEFAULT_UBATCH:
-            values["ubatch_asked"] = doc["ubatch"]  # a record from before --ubatch auto: a ubatch other than 512 was asked for
+            # a record from before --ubatch auto: a ubatch other than 512 was asked for
+            values["ubatch_asked"] = doc["ubatch"]
         return cls(**values)
 
 
@@ -280,6 +282,8 @@ def ubatch_candidates(vram_budget: int | list[int] | None, spec: Speculation | N
     planned for (prompt_tokens) on one GPU, with a profile to price their batches and prompts weighed, and
     no draft model or MTP head (_make_plan refuses those above 512); else each of UBATCH_CANDIDATES up to
     the first that holds a whole prompt."""
+    if isinstance(vram_budget, list) and len(vram_budget) == 1:
+        vram_budget = vram_budget[0]
     if (not prompt_tokens or prompt_tokens <= DEFAULT_UBATCH or not isinstance(vram_budget, int) or profile is None
             or prefill_weight <= 0 or (spec is not None and spec.kind != "ngram")):
         return (DEFAULT_UBATCH,)
@@ -296,7 +300,7 @@ def _total_ms(plan: Plan) -> float:
     return (plan.modelled_host_ms or 0.0) - plan.modelled_stream_saving_ms
 
 
-def choose_ubatch(planned: Any, candidates: tuple[int, ...], prompt_tokens: int | None) -> Plan:
+def choose_ubatch(planned: Callable[[int], Plan], candidates: tuple[int, ...], prompt_tokens: int | None) -> Plan:
     """The plan at the candidate prompt batch modelled fastest in all: decode per token plus prompt
     batches weighed by prompt tokens per generated token, at prompts of prompt_tokens tokens. A larger
     batch uploads the experts of the layers that are not whole fewer times per prompt token, and its
