@@ -25,6 +25,7 @@ from moeplug.gpu import gpus
 from moeplug.monitor import parse_server_metrics
 from moeplug.paths import builds_dir
 from moeplug.tui.app import make_app
+from moeplug.tui.widgets.activity import ActivityBar
 from moeplug.tui.format import percent
 from moeplug.tui.screens.main import MainScreen
 
@@ -222,18 +223,35 @@ def test_log_replan_and_reprofile_from_the_ui(home: dict[str, str]) -> None:
         await until(pilot, lambda: cells(screen, "#servers", "demo")[1] == "healthy")
         await until(pilot, lambda: cells(screen, "#layers", "0")[1] == f"{expected['slots_per_layer'][0]}/32")
 
-        # r: re-profile in a worker, the progress bar moving, the UI answering meanwhile
+        # r: re-profile in a worker, the progress bar moving, the UI answering meanwhile. Every line and bar
+        # state the activity bar shows is recorded: with warm caches the demo's profile takes well under a
+        # second, so a poll of the label can miss the prompts in between (a CI run saw only the last line)
+        bar = screen.query_one(ProgressBar)
+        said: list[str] = []
+        shown_bars: list[tuple[bool, float | None, float]] = []
+        activity_bar = screen.query_one(ActivityBar)
+        say, progress = activity_bar.say, activity_bar.progress
+
+        def recording_say(text: str) -> None:
+            said.append(text)
+            say(text)
+
+        def recording_progress(done: int | None, total: int | None) -> None:
+            progress(done, total)
+            shown_bars.append((bool(bar.display), bar.total, bar.progress))
+
+        activity_bar.say, activity_bar.progress = recording_say, recording_progress  # type: ignore[method-assign]
         await pilot.press("r")
         await pilot.pause(0.1)
         await pilot.press("y")
-        await until(pilot, lambda: activity(screen).startswith("profiling demo: prompt"), timeout=300)
-        bar = screen.query_one(ProgressBar)
-        assert bar.display and bar.total and 0 < bar.progress <= bar.total
         await pilot.press("question_mark")  # the UI thread is free while the profiler runs
         await pilot.pause(0.1)
         await pilot.press("escape")
         await until(pilot, lambda: activity(screen).startswith(("profile of demo made again", "error:")), timeout=600)
         assert activity(screen).endswith("re-plan (p) to use it"), activity(screen)
+        prompts = [t for t in said if t.startswith("profiling demo: prompt")]
+        assert prompts and prompts[-1].split()[-1].split("/")[0] == prompts[-1].split("/")[-1], said
+        assert any(shown and total and 0 < done <= total for shown, total, done in shown_bars), shown_bars
 
     run_app(check)
     assert gone(srv["pid"])  # the re-plan stopped the old server
