@@ -148,10 +148,7 @@ class LayerCost:
         experts ranked after the slots of 1 - (1 - p)^k (module docstring)."""
         if self.tokens_per_step == 1:
             return self.n_expert_used * (1.0 - self.hits[n_slots])
-        p = np.clip(self.n_expert_used * np.diff(self.hits), 0.0, 1.0)  # per-token probability by rank
-        picked = 1.0 - (1.0 - p) ** self.tokens_per_step
-        after = np.concatenate([np.cumsum(picked[::-1])[::-1], [0.0]])  # [N]: ranks N.. summed
-        return after[n_slots]
+        return distinct_after(self.hits, self.n_expert_used, [self.tokens_per_step])[n_slots]
 
     def seconds(self, n_slots: np.ndarray, stock: bool = False) -> np.ndarray:
         """Modelled host-side time per step (a decoded token, or a verification batch of
@@ -288,21 +285,26 @@ def prefill_uploads(profile: Profile | None, n_layers: int, n_expert: int,
     return uploads / n_tokens, n_batches / n_tokens
 
 
+def distinct_after(hits: np.ndarray, n_expert_used: int, batches: list[int]) -> np.ndarray:
+    """float [n_expert + 1]: the distinct experts ranked N or later (N = 0..n_expert) that batches of
+    these many tokens pick, summed over the batches: the expert ranked r, of per-token probability p_r
+    (the hit curve's step times n_expert_used), with chance 1 - (1 - p_r)^b in a batch of b tokens,
+    tokens taken as independent draws (module docstring)."""
+    p = np.clip(n_expert_used * np.diff(hits), 0.0, 1.0)  # per-token probability by rank
+    picked = sum(1.0 - (1.0 - p) ** b for b in batches)
+    return np.concatenate([np.cumsum(picked[::-1])[::-1], [0.0]])  # [N]: ranks N.. summed
+
+
 def long_prompt_uploads(hits: np.ndarray, n_expert_used: int, prompt_tokens: int,
                         ubatch: int = PREFILL_UBATCH) -> tuple[np.ndarray, float]:
     """One layer's experts uploaded per prompt token with the top-N resident (float [n_expert + 1]),
     and prompt batches per prompt token, for prompts of `prompt_tokens` tokens cut into batches of
     `ubatch`: where the profile's prompts are shorter than the prompts a workload sends (its bundled
-    prompts have at most 256 tokens). A batch of b tokens picks the expert ranked r, of per-token
-    probability p_r (the hit curve's step times n_expert_used), with chance 1 - (1 - p_r)^b, tokens
-    taken as independent draws as for verification batches (module docstring): a batch of 512 picks
-    nearly every expert of a layer, so a prompt of several batches uploads the experts without a slot
-    once per batch, and a larger ubatch fewer times."""
-    p = np.clip(n_expert_used * np.diff(hits), 0.0, 1.0)
+    prompts have at most 256 tokens), counted as for verification batches (distinct_after): a batch of
+    512 picks nearly every expert of a layer, so a prompt of several batches uploads the experts without
+    a slot once per batch, and a larger ubatch fewer times."""
     sizes = [ubatch] * (prompt_tokens // ubatch) + ([prompt_tokens % ubatch] if prompt_tokens % ubatch else [])
-    picked = sum(1.0 - (1.0 - p) ** b for b in sizes)
-    after = np.concatenate([np.cumsum(picked[::-1])[::-1], [0.0]])
-    return after / prompt_tokens, len(sizes) / prompt_tokens
+    return distinct_after(hits, n_expert_used, sizes) / prompt_tokens, len(sizes) / prompt_tokens
 
 
 def slot_order(counts_decode: np.ndarray, counts_prefill: np.ndarray) -> np.ndarray:

@@ -401,8 +401,8 @@ def _make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, p
               spec: Speculation | None = None, draft_need: DeviceNeed | None = None,
               prefill_weight: float = PREFILL_WEIGHT, copy_ahead: bool = True,
               ubatch: int = DEFAULT_UBATCH, prompt_tokens: int | None = None) -> Plan:
-    """profile: the profile at profile_path when the caller has read it already (a re-profile's
-    preview plans from the profile it is about to store there). slots_in_ram: without a GPU, hold
+    """profile: the profile at profile_path, read by make_plan unless the caller had read it already (a
+    re-profile's preview plans from the profile it is about to store there). slots_in_ram: without a GPU, hold
     that many slots per layer in RAM anyway (the demo's stand-in for a GPU,
     LLAMA_MOE_CACHE_DEVICE=CPU: same results as stock, no speedup).
     expert_room: VRAM for experts when known better than the estimate (measured by llama.cpp's
@@ -445,8 +445,6 @@ def _make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, p
     nextn_other = nextn_weight_bytes(info) - (info.expert_bytes - trunk.expert_bytes) if mtp else 0
     non_expert = info.non_expert_bytes - nextn_other if need is None else need.model
     margin = SAFETY_MARGIN if need is None else CUDA_CONTEXT_RESERVE
-    if profile is None and profile_path:
-        profile = _read_profile(profile_path)
     costs = _layer_costs(trunk, profile, k, prefill_weight, copy_ahead, ubatch, prompt_tokens)
     load_mode, load_notes = choose_load_mode(info, ram_available)
     n_layers = len(info.layers)
