@@ -170,6 +170,9 @@ class Plan:
     ubatch: int = DEFAULT_UBATCH
     ubatch_asked: int = UBATCH_AUTO
     prompt_tokens: int | None = None
+    # the served traffic prefill_weight and prompt_tokens were learned from (moeplug reprofile:
+    # traffic.Traffic.to_json()), kept on re-plans that do not set them; None: the user's or the defaults
+    workload: dict[str, Any] | None = None
 
     def server_env(self) -> dict[str, str]:
         """The environment the plan's server runs with beside its flags."""
@@ -306,8 +309,16 @@ def choose_ubatch(planned: Callable[[int], Plan], candidates: tuple[int, ...], p
     batch uploads the experts of the layers that are not whole fewer times per prompt token, and its
     activations (estimates.ubatch_growth_bytes) take VRAM from the slots, so decoding misses more: a
     larger one is chosen only where it is modelled UBATCH_MIN_GAIN faster than the smaller one chosen
-    so far. The plan says what was weighed."""
-    plans = [planned(u) for u in candidates]
+    so far; one whose buffers the budget cannot hold is left out, and the larger ones after it. The plan
+    says what was weighed."""
+    plans = [planned(candidates[0])]
+    unfit = None
+    for u in candidates[1:]:
+        try:
+            plans.append(planned(u))
+        except MoeplugError:  # its activations do not fit beside the rest: nor do a larger batch's
+            unfit = u
+            break
     best = plans[0]
     for p in plans[1:]:
         if _total_ms(p) < (1.0 - UBATCH_MIN_GAIN) * _total_ms(best):
@@ -325,6 +336,9 @@ def choose_ubatch(planned: Callable[[int], Plan], candidates: tuple[int, ...], p
             best.notes.append(f"prompt batches of {best.ubatch} tokens (-ub {best.ubatch}), chosen for prompts of "
                               f"{prompt_tokens} tokens at {best.prefill_weight:g} prompt tokens per generated token: "
                               f"fewer uploads per prompt token, for VRAM the slots give up ({weighed})")
+    if unfit is not None:
+        best.notes.append(f"prompt batches of {unfit} tokens or more were not weighed: their activations do not fit "
+                          f"the budget beside the model's other buffers")
     return best
 
 

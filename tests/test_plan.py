@@ -233,6 +233,15 @@ def test_ubatch_auto_weighs_larger_prompt_batches_for_long_prompts(tmp_path: Pat
     assert (again.ubatch, again.ubatch_asked, again.prompt_tokens) == (2048, UBATCH_AUTO, 4096)
     old = {k: v for k, v in fixed[1024].to_json().items() if k not in ("ubatch_asked", "prompt_tokens")}
     assert Plan.from_json(old).ubatch_asked == 1024 and Plan.from_json(old | {"ubatch": 512}).ubatch_asked == UBATCH_AUTO
+    # a budget that holds 512's buffers but not 2048's larger activations: the plan at what fits, not an error
+    tight = (room - info.expert_bytes // 2 - cache_compute_extra(info, CACHE_COMPUTE_EXTRA)
+             + (ubatch_growth_bytes(info, 1024) + ubatch_growth_bytes(info, 2048)) // 2)
+    with pytest.raises(MoeplugError, match="does not hold"):
+        make_plan(info, 4096, tight, tmp_path / "p.gguf", profile=profile, need=need, ubatch=2048)
+    fits = make_plan(info, 4096, tight, tmp_path / "p.gguf", profile=profile, need=need, prompt_tokens=4096,
+                     prefill_weight=1000)
+    assert fits.ubatch in (512, 1024)
+    assert any("prompt batches of 2048 tokens or more were not weighed" in n for n in fits.notes)
 
 
 def test_the_server_runs_on_half_the_cores_where_few_layers_are_partly_resident(tmp_path: Path) -> None:
