@@ -7,7 +7,7 @@ these return. Nothing here prints.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,9 @@ def plan_model(model: str, *, ctx: int | None = None, vram_budget: int | list[in
     path = Path(installed[model].path) if model in installed else locate(model, download=False, progress=progress).path
     if isinstance(spec, KeepInstalled):
         spec = spec.resolve(installed[model].plan.speculation if model in installed else None)
+    # the installed model's workload (its source too: learned from traffic or not) unless one is given
+    learned = installed[model].plan.workload if model in installed and (prefill_weight, prompt_tokens) == (None, None) \
+        else None
     if prefill_weight is None and model in installed:
         prefill_weight = installed[model].plan.prefill_weight
     if threads is None and model in installed:
@@ -66,8 +69,9 @@ def plan_model(model: str, *, ctx: int | None = None, vram_budget: int | list[in
     require_moe(info)
     ctx = context_size(info, ctx, ctx_override)
     profile = profile or default_profile_path(model_fingerprint(path))
-    return plan_for(info, ctx, vram_budget, profile if profile.exists() else None, slots_on_cpu=False, spec=spec,
+    plan = plan_for(info, ctx, vram_budget, profile if profile.exists() else None, slots_on_cpu=False, spec=spec,
                     prefill_weight=prefill_weight, threads=threads, ubatch=ubatch, prompt_tokens=prompt_tokens)
+    return replace(plan, workload=learned)
 
 
 @dataclass

@@ -298,13 +298,15 @@ def warn_exposure(host: str, progress: ProgressFn) -> None:
 def plan_installed(m: InstalledModel, ctx: int | None = None, vram_budget: int | list[int] | None = None,
                    profile: Profile | None = None, spec: Speculation | KeepInstalled | None = KeepInstalled(),
                    prefill_weight: float | None = None, threads: int | None = None,
-                   ubatch: int | None = None, prompt_tokens: int | None = None) -> Plan:
+                   ubatch: int | None = None, prompt_tokens: int | None = None,
+                   learned: dict[str, Any] | None = None) -> Plan:
     """An installed model's plan made again, for another budget or context (None: the stored
     ones), from its profile (or `profile`, the one about to replace it), with its speculation
     (or `spec`: a Speculation, None for none), its prefill weight (or `prefill_weight`) and the
     threads its user asked for (or `threads`), the ubatch asked for (or `ubatch`; UBATCH_AUTO: the planner's
     choice) and the prompt length planned for (or `prompt_tokens`; 0: the profile's prompts); nothing is
-    stored (replan keeps it)."""
+    stored (replan keeps it). learned: the traffic the given prefill weight and prompt length were learned
+    from (moeplug.traffic), kept with the plan; set by hand, they drop the stored one, which stays otherwise."""
     budget = vram_budget if vram_budget is not None else m.plan.budget
     path = Path(m.profile) if m.profile and (profile is not None or Path(m.profile).exists()) else None
     try:
@@ -314,20 +316,24 @@ def plan_installed(m: InstalledModel, ctx: int | None = None, vram_budget: int |
     if isinstance(spec, KeepInstalled):
         spec = spec.resolve(m.plan.speculation)
     weight = m.plan.prefill_weight if prefill_weight is None else prefill_weight
-    return plan_for(inspect_model(m.path), ctx or m.ctx, budget, path, m.slots_on_cpu, profile, fit_tool=fit_tool,
+    if learned is None and prefill_weight is None and prompt_tokens is None:
+        learned = m.plan.workload
+    plan = plan_for(inspect_model(m.path), ctx or m.ctx, budget, path, m.slots_on_cpu, profile, fit_tool=fit_tool,
                     spec=spec, prefill_weight=weight, threads=m.plan.threads_asked if threads is None else threads,
                     ubatch=m.plan.ubatch_asked if ubatch is None else ubatch,
                     prompt_tokens=m.plan.prompt_tokens if prompt_tokens is None else prompt_tokens)
+    return replace(plan, workload=learned)
 
 
 def replan(m: InstalledModel, ctx: int | None = None, vram_budget: int | list[int] | None = None,
            spec: Speculation | KeepInstalled | None = KeepInstalled(), prefill_weight: float | None = None,
-           threads: int | None = None, ubatch: int | None = None, prompt_tokens: int | None = None) -> InstalledModel:
+           threads: int | None = None, ubatch: int | None = None, prompt_tokens: int | None = None,
+           learned: dict[str, Any] | None = None) -> InstalledModel:
     """Plan an installed model again (a new budget, context, speculation, prefill weight, threads, ubatch or
     prompt length, or its profile changed: the stored ones otherwise) and keep that plan as the model's own;
-    the hooks follow."""
+    the hooks follow. learned: plan_installed's."""
     plan = plan_installed(m, ctx, vram_budget, spec=spec, prefill_weight=prefill_weight, threads=threads,
-                          ubatch=ubatch, prompt_tokens=prompt_tokens)
+                          ubatch=ubatch, prompt_tokens=prompt_tokens, learned=learned)
     record = replace(m, ctx=ctx or m.ctx, plan=plan)
     write_installed(record)
     refresh_hooks(list_installed())

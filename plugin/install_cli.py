@@ -14,6 +14,7 @@ from typing import Any
 
 from moeplug.options import (JOBS, TOKENS, Number, add_backend, add_json, add_plan_options, add_prefill_weight, add_serve_options,
                              add_spec_options, add_threads)
+from moeplug.allocate import PREFILL_WEIGHT
 from moeplug.estimates import DEFAULT_UBATCH, MIN_UBATCH
 from moeplug.output import Output, human_bytes, table
 from moeplug.plan import UBATCH_AUTO, Plan, describe_slots
@@ -37,15 +38,15 @@ def plan_text(p: Plan) -> str:
         ["stock -ncmoe for this budget", str(p.stock_ncmoe) if p.stock_ncmoe is not None else "-"],
         ["modelled host time per token" if p.tokens_per_step == 1 else
          f"modelled host time per batch of {p.tokens_per_step}", _host_ms(p)],
-        ["prompt tokens per generated token", f"{p.prefill_weight:g} (planned for)"],
+        ["prompt tokens per generated token", f"{p.prefill_weight:g} ({_workload_source(p)})"],
         ["modelled prompt uploads per prompt token", _prompt_us(p)],
         ["misses the GPU computes beside the CPU", _stream(p)],
         *([["prompt batches' expert weights", "copied ahead, beside the split before" if p.copy_ahead else
             "copied one at a time, as stock's (the second copy's bytes hold slots)"]] if p.vram_budget_bytes else []),
         ["load mode", p.load_mode],
         ["CPU threads", f"{p.threads} (-t)" if p.threads else "llama.cpp's default"],
-        ["prompt length planned for", f"{p.prompt_tokens} tokens (--prompt-tokens)" if p.prompt_tokens else
-         "the profile's prompts"],
+        ["prompt length planned for", (f"{p.prompt_tokens} tokens (" + ("learned" if p.workload else "--prompt-tokens")
+                                       + ")") if p.prompt_tokens else "the profile's prompts"],
         ["prompt batch", f"{p.ubatch} tokens (-ub), " + _ubatch_source(p)],
     ]
     lines = [table(["plan", ""], rows, "lr")] + ([devices_text(p)] if p.devices else [])
@@ -54,6 +55,13 @@ def plan_text(p: Plan) -> str:
         if p.server_env() else []
     lines += [f"note: {n}" for n in p.notes] + [f"WARNING: {w}" for w in p.warnings]
     return "\n".join(lines)
+
+
+def _workload_source(p: Plan) -> str:
+    """Where a plan's prefill weight came from."""
+    if not p.workload:
+        return "planned for"
+    return f"learned from {p.workload.get('requests', 0)} requests served ('moeplug reprofile')"
 
 
 def _ubatch_source(p: Plan) -> str:
@@ -237,8 +245,26 @@ def status_text(snap: Any) -> str:
         state = s.state if s.model_present else f"{s.state}, model file gone"
         rows.append([s.name, s.record.url, s.record.pid, state, cache, _hit_rate_text(counters), _vram_text(s),
                      s.record.log])
-    return table(["name", "url", "pid", "state", "expert cache", "measured hit rate", "VRAM of budget", "log"], rows,
-                 "llrllrrl")
+    lines = [table(["name", "url", "pid", "state", "expert cache", "measured hit rate", "VRAM of budget", "log"], rows,
+                   "llrllrrl")]
+    lines += [_traffic_text(s) for s in snap.servers if s.traffic and s.traffic.requests]
+    return "\n".join(lines)
+
+
+def _traffic_text(s: Any) -> str:
+    """A served model's requests beside the workload its plan weighs."""
+    plan = s.plan or {}
+    weight, length = plan.get("prefill_weight"), plan.get("prompt_tokens")
+    if weight is None:
+        return f"{s.name}: served {s.traffic.summary()}"
+    if plan.get("workload"):
+        source = "learned from its traffic"
+    elif weight != PREFILL_WEIGHT or length:
+        source = "set by hand"
+    else:
+        source = f"the defaults; 'moeplug reprofile {s.name}' learns them where it is served with --record"
+    return (f"{s.name}: served {s.traffic.summary()}; planned for {weight:g} and "
+            + (f"prompts of {length} tokens" if length else "the profile's prompts") + f" ({source})")
 
 
 def _vram_text(s: Any) -> str:

@@ -2,7 +2,8 @@
 the re-profiler.
 
 A snapshot reads, for every server record (moeplug.serving): whether the process lives and
-/health answers ok, its uptime, the `moe-cache:` line its log held at launch, and, for a server
+/health answers ok, its uptime, the `moe-cache:` line its log held at launch, the requests its
+log has finished since (moeplug.traffic, read incrementally), and, for a server
 run with `--metrics`, llama-server's /metrics page: the expert cache's slot-hit counters (total
 and per layer, moeplug.metrics) and the server's own token and request counters. /slots gives
 the context in use. Per MoE layer it sets the slots of the plan the server runs beside the hit
@@ -25,6 +26,7 @@ from moeplug.install import InstalledModel, list_installed
 from moeplug.metrics import CacheCounters, fetch_metrics_page, parse_cache_counters
 from moeplug.serving import ServerRecord, read_records
 from moeplug.server import health
+from moeplug.traffic import LogTraffic, Traffic
 
 _SERVER_SAMPLE_RE = re.compile(r"^llamacpp:(\w+) ([-+\d.eE]+|nan|inf)$")
 HTTP_TIMEOUT_S = 2.0
@@ -154,6 +156,7 @@ class ServerSnapshot:
     layers: list[LayerSlots] = field(default_factory=list)
     profile: ProfileSummary | None = None  # with_profile only (the dashboard's plan panel)
     vram_bytes: int | None = None  # what the server process holds on every GPU (NVML), None without one
+    traffic: Traffic | None = None  # its finished requests, from its log (moeplug.traffic)
 
     @property
     def vram_budget_bytes(self) -> int | None:
@@ -198,6 +201,7 @@ class ServerSnapshot:
             "cpu_bytes_per_token": self.cpu_bytes_per_token,
             "layers": [layer.to_json() for layer in self.layers],
             "vram_bytes": self.vram_bytes, "vram_budget_bytes": self.vram_budget_bytes,
+            "traffic": self.traffic.to_json() if self.traffic else None,
         }
 
 
@@ -277,6 +281,19 @@ def layer_slots(plan: dict[str, Any], model: str, counters: CacheCounters | None
     return out
 
 
+_LOGS: dict[tuple[str, int, int], LogTraffic] = {}  # (log, start, pid): each read parses only what is new
+
+
+def log_traffic(record: ServerRecord) -> Traffic | None:
+    """A served model's requests so far, from its log past the launch's probe."""
+    key = (record.log, record.traffic_from, record.pid)
+    if key not in _LOGS:
+        if len(_LOGS) > 64:
+            _LOGS.clear()
+        _LOGS[key] = LogTraffic(record.log, record.traffic_from)
+    return _LOGS[key].read()
+
+
 def server_snapshot(record: ServerRecord, installed: dict[str, InstalledModel] | None = None,
                     now: float | None = None, with_profile: bool = False) -> ServerSnapshot:
     """Everything about one served model; a server that does not answer is down, never an error.
@@ -298,7 +315,8 @@ def server_snapshot(record: ServerRecord, installed: dict[str, InstalledModel] |
     return ServerSnapshot(record=record, alive=alive, healthy=bool(h and h.get("status") == "ok"),
                           uptime_s=(now or time.time()) - record.started, cache_counters=counters, metrics=metrics,
                           ctx_used=ctx_used, n_ctx=n_ctx, plan=plan, layers=layers,
-                          profile=profile, vram_bytes=process_vram_bytes(record.pid) if alive else None)
+                          profile=profile, vram_bytes=process_vram_bytes(record.pid) if alive else None,
+                          traffic=log_traffic(record) if alive else None)
 
 
 def snapshot(with_gpus: bool = True, with_profiles: bool = False) -> Snapshot:

@@ -19,14 +19,24 @@ For each model (one name, or every installed one):
    moeplug.allocate.slot_order) would have served. `gain` is the new plan's predicted hit rate
    (the planner on the merged profile, moeplug.install.plan_installed) minus the mean measured
    one: what re-planning is expected to add on traffic like the new one.
-4. Below `--min-gain`: nothing is written (exit 10); a served model's counters keep counting, so
-   the next run sees more traffic. Otherwise, under the model's lock (moeplug.serving.model_lock;
+4. The workload. A served model's log (moeplug.traffic) says how long the prompts it computed were
+   and how many tokens it generated: from MIN_REQUESTS finished requests on, the prompt tokens per
+   generated token and the prompt length that carries half the prompt tokens become the plan's
+   `--prefill-weight` and `--prompt-tokens` (so its prompt batch, `--ubatch auto`, follows the
+   prompts), where they are more than WORKLOAD_TOLERANCE away from the planned ones. `--workload
+   auto` (the default) learns them unless the user set them (`install/plan/serve --prefill-weight
+   or --prompt-tokens`: values other than the defaults, not learned before); `learn` learns over
+   them; `keep` never does. The plan keeps the traffic it learned from (Plan.workload).
+5. Below `--min-gain`, and no workload learned: nothing is written (exit 10); a served model's
+   counters keep counting, so the next run sees more traffic. A learned workload alone re-plans
+   from the stored profile, and restarts the server (as below) only where the plan's flags changed.
+   Otherwise, under the model's lock (moeplug.serving.model_lock;
    a concurrent `moeplug serve` or install waits): a served model's counters are read again and
    zeroed (`?reset=1`: every count is stored exactly once), merged with the stored profile as
    read under the lock, the old file copied to PROFILE.previous, the new one renamed over it
    (a reader sees the old file or the new one, never a mix), the models planned from it
    re-planned (moeplug.install.replan_profile_users: records and proxy hooks follow).
-5. `apply`: a served model is restarted with the new plan on the same port and flags, once no
+6. `apply`: a served model is restarted with the new plan on the same port and flags, once no
    request has been in flight for `idle_s` seconds (`idle`), as soon as none is (`now`), or not
    at all (`never`: the next `moeplug serve` uses it). "In flight" is llama-server's /slots
    (`is_processing`, and the task id and token count moving between polls) and, with --metrics,
@@ -49,7 +59,7 @@ from typing import Any
 
 import numpy as np
 
-from moeplug.allocate import hit_curves, served_share
+from moeplug.allocate import PREFILL_WEIGHT, hit_curves, served_share
 from moeplug.errors import EXIT_ERROR, EXIT_NOTHING_TO_DO, EXIT_OK, MoeplugError
 from moeplug.fsutil import atomic_path
 from moeplug.install import (
@@ -58,6 +68,7 @@ from moeplug.install import (
     list_installed,
     plan_installed,
     read_installed,
+    replan,
     replan_profile_users,
     rerun_prompts,
     write_installed,
@@ -77,14 +88,16 @@ from moeplug.profile.runner import count_prompts, default_profile_path
 from moeplug.progress import Note, ProgressFn, silent
 from moeplug.schedule import append_run_log
 from moeplug.server import HOST
-from moeplug.serving import RECORD_FLAG, ServerRecord, find_record, launch_verified, model_lock
+from moeplug.serving import RECORD_FLAG, ServerRecord, find_record, launch_verified, model_lock, record_plan
 from moeplug.serving import stop as stop_server
+from moeplug.traffic import Traffic, learned_workload, read_traffic
 
 DEFAULT_HALF_LIFE = 100_000  # tokens
 DEFAULT_MIN_GAIN = 0.01  # one point of hit rate
 DEFAULT_IDLE_S = 60.0
 DEFAULT_WAIT_S = 3600.0
 APPLY_MODES = ("never", "idle", "now")
+WORKLOAD_MODES = ("auto", "learn", "keep")
 PROFILE_ENDPOINT = "/moe-cache/profile"
 POLL_S = 0.25
 
@@ -96,6 +109,7 @@ class Options:
     apply: str = "idle"
     idle_s: float = DEFAULT_IDLE_S
     wait_s: float = DEFAULT_WAIT_S  # the longest to wait for the idle moment before giving up the restart
+    workload: str = "auto"  # WORKLOAD_MODES: learn the prefill weight and prompt length from the traffic
 
 
 @dataclass
@@ -136,9 +150,20 @@ class Reprofiled:
     slots_before: list[int] = field(default_factory=list)
     slots_after: list[int] = field(default_factory=list)
     plan_changed: bool = False
-    applied: str = "no"  # "restarted", "not served", "never", "busy", "no" (nothing written)
+    # "restarted", "not served", "never", "busy", "unchanged" (only the workload was stored, the server's flags
+    # stay), "no" (nothing written)
+    applied: str = "no"
     server: ServerRecord | None = None
     notes: list[str] = field(default_factory=list)
+    traffic: Traffic | None = None  # the served model's requests, from its log
+    # the prefill weight and prompt length learned from the traffic (None: not learned), and whether the plan
+    # now holds them
+    workload: dict[str, Any] | None = None
+    workload_stored: bool = False
+
+    @property
+    def replanned(self) -> bool:
+        return self.written or self.workload_stored
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "source": self.source, "tokens": self.tokens, "half_life": self.half_life,
@@ -148,11 +173,18 @@ class Reprofiled:
                 "written": self.written, "profile": self.profile, "previous": self.previous,
                 "slots_before": self.slots_before, "slots_after": self.slots_after,
                 "plan_changed": self.plan_changed, "applied": self.applied,
-                "server": self.server.to_json() if self.server else None, "notes": self.notes}
+                "server": self.server.to_json() if self.server else None, "notes": self.notes,
+                "traffic": self.traffic.to_json() if self.traffic else None, "workload": self.workload,
+                "workload_stored": self.workload_stored}
 
     def log_line(self) -> str:
-        what = "re-planned" if self.written else f"nothing to do (gain below {self.min_gain:+.3f})"
-        return f"{self.name}: {what}, source {self.source}, gain {self.gain:+.3f}, applied {self.applied}"
+        what = "re-planned" if self.replanned else f"nothing to do (gain below {self.min_gain:+.3f})"
+        learned = ""
+        if self.workload_stored and self.workload:
+            length = self.workload["prompt_tokens"]
+            learned = (f", workload learned: prefill weight {self.workload['prefill_weight']:g}, prompt tokens "
+                       f"{length if length else 'the profile prompts'}")
+        return f"{self.name}: {what}, source {self.source}, gain {self.gain:+.3f}{learned}, applied {self.applied}"
 
 
 @dataclass
@@ -199,7 +231,7 @@ class Run:
     def exit_code(self) -> int:
         if any(isinstance(r, Failed) for r in self.results):
             return EXIT_ERROR
-        if any(isinstance(r, RolledBack) or getattr(r, "written", False) for r in self.results):
+        if any(isinstance(r, RolledBack) or getattr(r, "replanned", False) for r in self.results):
             return EXIT_OK
         return EXIT_NOTHING_TO_DO
 
@@ -421,6 +453,25 @@ def add_prompt_files(name: str, files: list[str], progress: ProgressFn = silent)
     return m
 
 
+def _learn(m: InstalledModel, served: ServerRecord | None, opts: Options,
+           result: Reprofiled) -> tuple[float, int | None] | None:
+    """The workload to plan for from a served model's traffic (module docstring, step 4), or None;
+    what it read and why it kept the plan's go to `result`."""
+    if served is None or opts.workload == "keep":
+        return None
+    result.traffic = read_traffic(served.log, served.traffic_from)
+    asked = m.plan.workload is None and (m.plan.prefill_weight != PREFILL_WEIGHT or m.plan.prompt_tokens)
+    if asked and opts.workload == "auto":
+        result.notes.append(f"the prefill weight ({m.plan.prefill_weight:g}) and prompt length "
+                            f"({m.plan.prompt_tokens or 'the profile prompts'}) were set by hand: kept "
+                            f"(--workload learn learns them from the traffic)")
+        return None
+    learned = learned_workload(result.traffic, m.plan.prefill_weight, m.plan.prompt_tokens)
+    if learned is not None:
+        result.workload = {"prefill_weight": learned[0], "prompt_tokens": learned[1]}
+    return learned
+
+
 def reprofile_model(name: str, opts: Options, progress: ProgressFn = silent) -> Reprofiled:
     """Re-profile one installed model (module docstring: the steps)."""
     m = read_installed(name)
@@ -433,37 +484,58 @@ def reprofile_model(name: str, opts: Options, progress: ProgressFn = silent) -> 
     merged = merge_decayed(old, new, opts.half_life) if old else new
     layers = _drift(m, old, new)
     measured = _mean([x.measured for x in layers])
-    preview = plan_installed(replace(m, profile=str(dest)), profile=merged)
-    gain = (preview.predicted_hit_rate or 0.0) - (measured or 0.0)
     tokens = {"prefill": new.tokens(PHASE_PREFILL), "decode": new.tokens(PHASE_DECODE)}
     result = Reprofiled(name=name, source=source, tokens=tokens, half_life=opts.half_life,
                         old_weight=0.5 ** ((tokens["prefill"] + tokens["decode"]) / opts.half_life) if old else 0.0,
                         layers=layers, plan_predicted=m.plan.predicted_hit_rate, measured=measured,
-                        new_predicted=preview.predicted_hit_rate, gain=gain, min_gain=opts.min_gain,
+                        new_predicted=None, gain=0.0, min_gain=opts.min_gain,
                         profile=str(dest), slots_before=[x.slots for x in layers])
+    learned = _learn(m, served, opts, result)
+    traffic = result.traffic
+    workload: dict[str, Any] = {} if learned is None or traffic is None else {
+        "prefill_weight": learned[0], "prompt_tokens": learned[1] or 0, "learned": traffic.to_json()}
+    preview = plan_installed(replace(m, profile=str(dest)), profile=merged, **workload)
+    result.new_predicted = preview.predicted_hit_rate
+    result.gain = (preview.predicted_hit_rate or 0.0) - (measured or 0.0)
     if not tokens["prefill"] + tokens["decode"]:
         result.notes.append("no new traffic counted since the last re-profile")
         return result
-    if gain < opts.min_gain:
-        return result
+    store = result.gain >= opts.min_gain
+    if not store and not workload:
+        return result  # neither the new counts nor the traffic's workload move the plan enough
 
     with model_lock(name, progress):
         m = read_installed(name)  # as a concurrent moeplug may have left it
-        if served is not None:  # the counts again, zeroed as they are read: each one is stored once
-            new = fetch_live_profile(served, reset=True)
-            new.check_model(fingerprint)
-        old = read_profile(dest) if dest.exists() else None  # a concurrent re-profile may have stored one
-        merged = merge_decayed(old, new, opts.half_life) if old else new
-        kept = store_profile(merged, dest)
-        progress(Note(f"{name}: profile replaced: {dest}" + (f" (previous kept: {kept})" if kept else "")))
-        if m.profile != str(dest):
-            write_installed(replace(m, profile=str(dest)))
-        replan_profile_users(dest)
+        before = m.plan
+        if workload and traffic is not None:  # kept with the plan: every re-plan below starts from it
+            m = replace(m, plan=replace(m.plan, prefill_weight=workload["prefill_weight"],
+                                        prompt_tokens=workload["prompt_tokens"] or None, workload=workload["learned"]))
+            write_installed(m)
+            result.workload_stored = True
+            progress(Note(f"{name}: planning for the traffic served: {traffic.summary()}"))
+        if store:
+            if served is not None:  # the counts again, zeroed as they are read: each one is stored once
+                new = fetch_live_profile(served, reset=True)
+                new.check_model(fingerprint)
+            old = read_profile(dest) if dest.exists() else None  # a concurrent re-profile may have stored one
+            merged = merge_decayed(old, new, opts.half_life) if old else new
+            kept = store_profile(merged, dest)
+            progress(Note(f"{name}: profile replaced: {dest}" + (f" (previous kept: {kept})" if kept else "")))
+            if m.profile != str(dest):
+                write_installed(replace(m, profile=str(dest)))
+            replan_profile_users(dest)
+            result.written, result.previous = True, str(kept) if kept else None
+        else:
+            replan(m)
         after = read_installed(name)
-        result.written, result.previous = True, str(kept) if kept else None
         result.slots_after = list(after.plan.slots_per_layer)
-        result.plan_changed = after.plan.to_json() != m.plan.to_json()
-        result.applied, result.server = _apply(after, _served(name), opts, progress)
+        result.plan_changed = after.plan.to_json() != before.to_json()
+        if not store and (after.plan.server_args, after.plan.server_env()) == (before.server_args, before.server_env()):
+            result.applied = "unchanged"  # the server runs these flags already: no restart
+            if served is not None and served.alive():
+                record_plan(name, after.plan)
+        else:
+            result.applied, result.server = _apply(after, _served(name), opts, progress)
     return result
 
 
@@ -491,6 +563,8 @@ def reprofile(names: list[str] | None, opts: Options, roll_back: bool = False,
     log (moeplug.schedule.run_log_path)."""
     if opts.apply not in APPLY_MODES:
         raise MoeplugError(f"--apply {opts.apply}: expected one of {', '.join(APPLY_MODES)}")
+    if opts.workload not in WORKLOAD_MODES:
+        raise MoeplugError(f"--workload {opts.workload}: expected one of {', '.join(WORKLOAD_MODES)}")
     if names is None:
         names = [m.name for m in list_installed()]
     else:

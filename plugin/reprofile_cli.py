@@ -30,15 +30,31 @@ def model_text(r: Any) -> str:
     lines.append(table(["block", "slots", "predicted", "on new counts", "drift (points)"], rows, "rrrrr"))
     lines.append(f"  current slots on the new counts: {_pct(r.measured)} (the plan predicted {_pct(r.plan_predicted)}); "
                  f"a new plan predicts {_pct(r.new_predicted)}: gain {100 * r.gain:+.1f} points")
-    if not r.written:
-        lines.append(f"  nothing to do: the gain is below --min-gain ({100 * r.min_gain:.1f} points); nothing written")
+    lines += _workload_lines(r)
+    if not r.replanned:
+        lines.append(f"  nothing to do: the gain is below --min-gain ({100 * r.min_gain:.1f} points)"
+                     + (" and the traffic's workload leaves the plan as it is" if r.workload else "")
+                     + "; nothing written")
         return "\n".join(lines)
-    lines.append(f"  profile replaced: {r.profile}" + (f" (previous kept: {r.previous}; 'moeplug reprofile {r.name} "
-                                                       f"--rollback' restores it)" if r.previous else ""))
+    if r.written:
+        lines.append(f"  profile replaced: {r.profile}" + (f" (previous kept: {r.previous}; 'moeplug reprofile "
+                                                           f"{r.name} --rollback' restores it)" if r.previous else ""))
     lines.append(f"  slots per layer {r.slots_before} -> {r.slots_after}" if r.slots_before != r.slots_after
                  else f"  slots per layer {r.slots_after} (re-planned: {'changed' if r.plan_changed else 'unchanged'})")
     lines.append(f"  server: {_applied(r)}")
     return "\n".join(lines)
+
+
+def _workload_lines(r: Any) -> list[str]:
+    """What the served traffic looked like and what the plan learned from it."""
+    if r.traffic is None:
+        return []
+    lines = [f"  traffic served: {r.traffic.summary()}"]
+    if r.workload:
+        length = r.workload["prompt_tokens"]
+        lines.append(f"  workload {'planned for' if r.workload_stored else 'learned'}: --prefill-weight "
+                     f"{r.workload['prefill_weight']:g}, --prompt-tokens {length if length else '0 (the profile prompts)'}")
+    return lines
 
 
 def _applied(r: Any) -> str:
@@ -46,6 +62,7 @@ def _applied(r: Any) -> str:
             "not served": "not served (the next 'moeplug serve' uses the new plan)",
             "never": "not restarted (--apply never: the next 'moeplug serve' uses the new plan)",
             "busy": "not restarted: it was never idle long enough (the next 'moeplug serve' uses the new plan)",
+            "unchanged": "not restarted: it runs the new plan's flags already",
             }.get(r.applied, r.applied)
 
 
@@ -60,14 +77,16 @@ def cmd_reprofile(args: argparse.Namespace) -> int:
     if args.prompt_file:
         add_prompt_files(args.model, args.prompt_file, out.progress)
     opts = Options(half_life=args.half_life, min_gain=args.min_gain, apply=args.apply, idle_s=args.idle,
-                   wait_s=args.wait)
+                   wait_s=args.wait, workload=args.workload)
     run = reprofile([args.model] if args.model else None, opts, roll_back=args.rollback, progress=out.progress)
     return out.result(run, lambda r: "\n".join(model_text(x) for x in r.results) or "no installed model")
 
 
 EPILOG = f"""exit codes:
-  0    done: a model's profile was replaced and re-planned (or rolled back)
-  {EXIT_NOTHING_TO_DO}   nothing to do: no model's new plan gains --min-gain; nothing was written
+  0    done: a model's profile was replaced and re-planned (or rolled back), or its plan
+       re-planned for the workload its traffic showed
+  {EXIT_NOTHING_TO_DO}   nothing to do: no model's new plan gains --min-gain, no traffic changes
+       a plan; nothing was written
   1    error (one model failing fails the run; the others still ran)
   2    usage error
 
@@ -78,7 +97,9 @@ the run log in the state dir (moeplug schedule status shows it)."""
 
 def register(sub: Any) -> None:
     """reprofile."""
-    from moeplug.reprofile import APPLY_MODES, DEFAULT_HALF_LIFE, DEFAULT_IDLE_S, DEFAULT_MIN_GAIN, DEFAULT_WAIT_S
+    from moeplug.reprofile import (APPLY_MODES, DEFAULT_HALF_LIFE, DEFAULT_IDLE_S, DEFAULT_MIN_GAIN, DEFAULT_WAIT_S,
+                                   WORKLOAD_MODES)
+    from moeplug.traffic import MIN_REQUESTS
 
     p = sub.add_parser(
         "reprofile", help="learn the routing of real traffic, report drift, re-plan and restart when worth it",
@@ -104,6 +125,11 @@ def register(sub: Any) -> None:
     p.add_argument("--wait", type=SECONDS, default=DEFAULT_WAIT_S,
                    help=f"the longest to wait for that moment, in seconds (default {DEFAULT_WAIT_S:g}); then the "
                         f"restart is left to the next serve")
+    p.add_argument("--workload", choices=WORKLOAD_MODES, default="auto",
+                   help=f"plan a served model for the prompts its log shows (from {MIN_REQUESTS} requests on): "
+                        f"prompt tokens per generated token (--prefill-weight) and the prompt length that carries "
+                        f"half the prompt tokens (--prompt-tokens), which choose the prompt batch; auto (default): "
+                        f"unless set by hand; learn: also over values set by hand; keep: never")
     p.add_argument("--rollback", action="store_true",
                    help="restore the profile the last re-profile replaced, re-plan and apply")
     p.add_argument("--prompt-file", action="append", metavar="FILE",

@@ -25,6 +25,7 @@ from moeplug.paths import logs_dir, state_dir
 from moeplug.progress import Note, ProgressFn, silent
 from moeplug.runlog import log_tail
 from moeplug.server import HOST, Server, server_argv, start_server, url_of
+from moeplug.traffic import probe_end
 
 # "L layers x N slots, ..."; with whole layers or layers that differ,
 # "L layers x N0-N1 slots (S in all, F whole layers), ..." (N0- only when they differ); uploaded to
@@ -122,6 +123,7 @@ class ServerRecord:
     plan: dict[str, Any] | None = None  # the plan it runs (moeplug.plan.Plan.to_json()); None: not known
     launcher: int | None = None  # pid of the moeplug still verifying it; None once verified
     host: str = HOST  # the address it listens on
+    traffic_from: int = 0  # where its users' requests start in the log: past the launch's probe (moeplug.traffic)
 
     @property
     def url(self) -> str:
@@ -260,13 +262,24 @@ def launch_verified(name: str, model: Path, binary: Path, build_id: str, server_
             raise NotApplicableError(f"the expert cache did not engage: {why}. Re-plan with a smaller --vram-budget "
                                      f"or --ctx, or pass --allow-fallback to serve without it (log: {log_path})")
         _probe_context(server, ctx)
+        traffic_from = probe_end(log_path)
     except BaseException:
         server.stop()
         record_path(name).unlink(missing_ok=True)
         raise
-    verified = replace(pending, cache=asdict(cache) if cache else None, buffers=parse_buffers(text), launcher=None)
+    verified = replace(pending, cache=asdict(cache) if cache else None, buffers=parse_buffers(text), launcher=None,
+                       traffic_from=traffic_from)
     write_text_atomic(record_path(name), json.dumps(asdict(verified), indent=2) + "\n")
     return verified
+
+
+def record_plan(name: str, plan: Any) -> None:
+    """Keep a new plan in a running server's record where the server runs its flags already (a re-plan
+    that changed what the plan says, not what the server runs)."""
+    record = find_record(name)
+    if record is not None:
+        plan_json = plan.to_json() if hasattr(plan, "to_json") else plan
+        write_text_atomic(record_path(name), json.dumps(asdict(replace(record, plan=plan_json)), indent=2) + "\n")
 
 
 def _probe_context(server: Server, ctx: int) -> None:

@@ -27,7 +27,7 @@ RANKS: list[tuple[int, tuple[str, ...]]] = [
          "moeplug.schedule", "moeplug.measure")),
     (0, ("moeplug", "moeplug.errors", "moeplug.paths", "moeplug.fsutil", "moeplug.output", "moeplug.progress",
          "moeplug.runlog", "moeplug.sizes", "moeplug.gpu", "moeplug.probes", "moeplug.archs", "moeplug.options",
-         "moeplug.fit_estimate", "moeplug.split")),
+         "moeplug.fit_estimate", "moeplug.split", "moeplug.traffic")),
 ]
 CLI_RANK = RANKS[0][0]
 

@@ -430,3 +430,93 @@ def test_live_counts_from_a_recording_server(home: dict[str, str], patched_build
             assert read_profile(path).tokens(1) >= got.tokens(1)
     finally:
         moeplug(home, "stop", "--all")
+
+
+# ---------------------------------------------------------------------------------------------
+# the workload: prompt lengths and generated tokens from the served model's log
+
+
+def test_token_weighted_median_and_tolerance() -> None:
+    from moeplug.traffic import MIN_REQUESTS, Request, Traffic, learned_workload, weighted_median
+
+    # half of all prompt tokens come in prompts of 4000 or more, though most requests are short
+    assert weighted_median([4000, 4000, 100, 100, 100, 100, 100]) == 4000
+    assert weighted_median([100] * 9 + [300]) == 100 and weighted_median([]) == 0
+    t = Traffic.of([Request(4000, 50, 1.0, 1.0)] * 2 + [Request(100, 50, 1.0, 1.0)] * (MIN_REQUESTS - 2))
+    assert t.prefill_weight == pytest.approx(8600 / 400) and t.planned_prompt_tokens == 4000
+    assert learned_workload(t, 1.0, None) == (21.5, 4000)
+    assert learned_workload(t, 20.0, 3500) is None  # within WORKLOAD_TOLERANCE of the plan: no churn
+    assert learned_workload(Traffic.of([Request(4000, 50, 1.0, 1.0)] * (MIN_REQUESTS - 1)), 1.0, None) is None
+    short = Traffic.of([Request(300, 30, 1.0, 1.0)] * MIN_REQUESTS)
+    assert short.planned_prompt_tokens is None and learned_workload(short, 1.0, 4000) == (10.0, None)
+
+
+def long_requests(url: str, lengths: list[int], n_predict: int) -> None:
+    """Completions of token-id prompts of these lengths (ids the demo's vocabulary holds), no prompt cache."""
+    rng = random.Random(11)
+    n_vocab = requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["meta"]["n_vocab"]
+    for n in lengths:
+        prompt = [rng.randint(10, n_vocab - 10) for _ in range(n)]
+        r = requests.post(f"{url}/completion", json={"prompt": prompt, "n_predict": n_predict, "temperature": 0,
+                                                      "cache_prompt": False, "ignore_eos": True}, timeout=300)
+        assert r.status_code == 200, r.text[:300]
+        assert r.json()["tokens_predicted"] == n_predict
+
+
+@pytest_native
+def test_the_plan_learns_the_prompts_the_server_sees(home: dict[str, str], patched_build) -> None:
+    """A served model's log gives the prompt lengths and generated tokens of its requests (not the
+    launch's own context probe); a weight set by hand is kept until --workload learn; the plan then
+    keeps what it learned, says so, and a second run with nothing new is nothing to do."""
+    from moeplug.native.features import detect_features
+
+    if not detect_features(patched_build.binary("llama-server")).get("moe_cache_record"):
+        pytest.skip("this build's llama-server has no --moe-cache-record yet")
+    r = moeplug(home, "install", "demo", "--no-serve", "--ctx", "2048", "--prefill-weight", "3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = moeplug(home, "serve", "demo", "--record", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    first = json.loads(r.stdout)["server"]
+    assert first["traffic_from"] > 0  # past the probe's request, which the log holds first
+    try:
+        long_requests(first["url"], [1200] * 10 + [40] * 2, n_predict=8)
+        r = moeplug(home, "reprofile", "demo", "--min-gain", "1", "--json")
+        assert r.returncode == 10, r.stderr[-3000:]
+        doc = json.loads(r.stdout)["models"][0]
+        traffic = doc["traffic"]
+        assert traffic["requests"] == 12 and traffic["generated_tokens"] == 12 * 8
+        assert traffic["prompt_median"] in (1200, 1201) and traffic["prompt_max"] in (1200, 1201)  # a BOS or not
+        assert 10 * 1200 + 2 * 40 <= traffic["prompt_tokens"] <= 10 * 1201 + 2 * 41
+        assert doc["workload"] is None and not doc["workload_stored"]
+        assert any("set by hand" in n for n in doc["notes"])
+        assert installed(home)["plan"]["prefill_weight"] == 3 and installed(home)["plan"]["workload"] is None
+        # `moeplug status` reads the same log, incrementally
+        r = moeplug(home, "status", "--json")
+        assert json.loads(r.stdout)["servers"][0]["traffic"]["requests"] == 12, r.stderr
+        assert "demo: served 12 requests" in moeplug(home, "status").stdout and "(set by hand)" in \
+            moeplug(home, "status").stdout
+
+        r = moeplug(home, "reprofile", "demo", "--min-gain", "1", "--workload", "learn", "--apply", "now", "--json")
+        assert r.returncode == 0, r.stderr[-3000:]
+        doc = json.loads(r.stdout)["models"][0]
+        weight = round(traffic["prompt_tokens"] / traffic["generated_tokens"], 3)
+        assert doc["workload_stored"] and not doc["written"]  # the profile stays: --min-gain 1
+        assert doc["workload"] == {"prefill_weight": weight, "prompt_tokens": traffic["prompt_median"]}
+        assert doc["applied"] == "unchanged"  # a CPU plan: the same flags, the same server
+        plan = installed(home)["plan"]
+        assert plan["prefill_weight"] == weight and plan["prompt_tokens"] == traffic["prompt_median"]
+        assert plan["workload"]["requests"] == 12
+        text = moeplug(home, "plan", "demo").stdout
+        assert "learned from 12 requests served" in text and f"{traffic['prompt_median']} tokens (learned)" in text
+        assert "(learned from its traffic)" in moeplug(home, "status").stdout
+        record = json.loads((Path(home["XDG_STATE_HOME"]) / "moeplug" / "servers" / "demo.json").read_text())
+        assert record["pid"] == first["pid"] and requests.get(f"{first['url']}/health", timeout=5).ok  # not restarted
+        log = (Path(home["XDG_STATE_HOME"]) / "moeplug" / "reprofile.log").read_text().splitlines()
+        assert "workload learned: prefill weight" in log[-1]
+
+        # the same traffic again: what the plan weighs already
+        r = moeplug(home, "reprofile", "demo", "--min-gain", "1", "--json")
+        assert r.returncode == 10, r.stderr[-3000:]
+        assert json.loads(r.stdout)["models"][0]["workload"] is None
+    finally:
+        moeplug(home, "stop", "--all")
