@@ -22,7 +22,15 @@ def plan_lines(s: ServerSnapshot | None, now: float) -> list[str]:
         lines.append(f"  hit {curve}")  # static slots of N per layer, `moeplug profile analyze`
     else:
         lines.append("no profile")
+    t = s.traffic
+    if t and t.requests:
+        lines.append(f"served {t.requests} requests: prompts {t.prompt_median}+ tokens carry half, "
+                     f"{t.prefill_weight:.3g} prompt tokens per generated")
     if s.plan:
+        length = s.plan.get("prompt_tokens")
+        lines.append(f"planned for {s.plan.get('prefill_weight', 1):g} per generated, "
+                     + (f"prompts of {length}" if length else "the profile's prompts")
+                     + (", learned" if s.plan.get("workload") else "") + f", -ub {s.plan.get('ubatch', 512)}")
         lines.append(f"args {shlex.join(s.plan['server_args'])}")
         lines += [f"note: {n}" for n in s.plan.get("notes") or []]
     return lines
