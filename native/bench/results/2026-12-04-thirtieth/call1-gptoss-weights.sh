@@ -1,0 +1,2 @@
+source .carry/setup.sh; BIN=$(bin_dir); echo "BIN=$BIN"; nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+python3 native/bench/serve_bench.py --shape gpt-oss-20b --budgets 25%,50% --workloads random --random-tokens 4096 --random-prompts 2 --ctx 8192 -n 64 --prefill-reps 2 --rounds 2 --ubatches auto --prompt-tokens 4096 --prefill-weights 10,30 --stock-args 'none;-ub 2048 -b 2048' --prebuilt-moeplug $BIN --prebuilt-stock $BIN --time-limit $((540 - SECONDS)) --json $OUT/a.json > $OUT/a.md 2> $OUT/a.err; echo "rc=$?"; tail -3 $OUT/a.err

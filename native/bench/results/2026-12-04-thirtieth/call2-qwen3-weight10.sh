@@ -1,0 +1,2 @@
+source .carry/setup.sh; BIN=$(bin_dir); echo "BIN=$BIN"
+python3 native/bench/serve_bench.py --shape qwen3-30b-a3b --budgets 8,12,16 --workloads random --random-tokens 4096 --random-prompts 2 --ctx 8192 -n 64 --prefill-reps 2 --rounds 2 --ubatches auto --prompt-tokens 4096 --prefill-weights 10 --stock-args 'none;-ub 2048 -b 2048' --prebuilt-moeplug $BIN --prebuilt-stock $BIN --time-limit $((540 - SECONDS)) --json $OUT/b.json > $OUT/b.md 2> $OUT/b.err; echo "rc=$?"; tail -3 $OUT/b.err

@@ -1,0 +1,2 @@
+source .carry/setup.sh; BIN=$(bin_dir); echo "BIN=$BIN"
+python3 native/bench/serve_bench.py --shape qwen3-30b-a3b --budgets 16 --workloads random --random-tokens 4096 --random-prompts 2 --ctx 8192 -n 64 --prefill-reps 2 --rounds 2 --ubatches 512,1024,2048 --prompt-tokens 4096 --prefill-weights 10 --stock-args 'none;-ub 2048 -b 2048' --prebuilt-moeplug $BIN --prebuilt-stock $BIN --time-limit $((520 - SECONDS)) --json $OUT/c.json > $OUT/c.md 2> $OUT/c.err; echo "rc=$?"; tail -3 $OUT/c.err
