@@ -36,6 +36,7 @@ from moeplug.sizes import MIB
 
 SIDES = ("moeplug", "stock")
 WARMUP_PREDICT = 16
+LONG_PROMPTS = 2  # prompts of the "long" workload (compare's prompt_tokens)
 FIT_PAD_MIB = 16  # stock held to the budget: MiB added to its -fitt beyond what it held over
 
 
@@ -87,6 +88,30 @@ def bench_prompts(prompt_files: list[Path], max_prompts: int) -> list[str]:
     if not texts:
         raise MoeplugError("no prompts in " + ", ".join(map(str, prompt_files)))
     return texts[:max_prompts] if max_prompts else texts
+
+
+def long_prompts(url: str, texts: list[str], n_tokens: int, count: int = LONG_PROMPTS) -> list[list[int]]:
+    """`count` prompts of exactly n_tokens token ids: the texts as the server tokenizes them, one after
+    another from a different text for each prompt, cycled until long enough."""
+    import requests
+
+    ids = []
+    for text in texts:
+        r = requests.post(f"{url}/tokenize", json={"content": text}, timeout=60)
+        if r.status_code != 200:
+            raise MoeplugError(f"llama-server /tokenize answered {r.status_code}: {r.text[:200]}")
+        ids.append([int(t) for t in r.json()["tokens"]])
+    if not any(ids):
+        raise MoeplugError("the prompts tokenize to nothing: no long prompt can be made of them")
+    out = []
+    for k in range(count):
+        seq: list[int] = []
+        i = k
+        while len(seq) < n_tokens:
+            seq += ids[i % len(ids)]
+            i += 1
+        out.append(seq[:n_tokens])
+    return out
 
 
 @dataclass
@@ -169,14 +194,17 @@ class Comparison:
 def compare(name: str, *, rounds: int = 2, n_predict: int = 64, prefill_reps: int = 3,
             prompt_files: list[Path] | None = None, max_prompts: int = 8, chat: bool = False,
             stock_vram: str = "fit", threads: int | None = None, stock_threads: int | None = None,
-            stock_ubatch: int | None = None, progress: ProgressFn = silent) -> Comparison:
+            stock_ubatch: int | None = None, prompt_tokens: int | None = None,
+            progress: ProgressFn = silent) -> Comparison:
     """Run an installed model's plan and stock --fit at the same budget in turns (see the module);
     raises where the model is being served (the GPU must be the two servers' alone) or a launch or
     prompt fails. stock_vram "budget": before the rounds, stock's -fitt is raised until its server
     holds no more than the budget (fit_within; one GPU), as moeplug's plan does. threads: moeplug's
     CPU threads for this comparison in place of the plan's (0: llama.cpp's default; the installed plan
     is not changed); stock_threads: stock's (None or 0: llama.cpp's default, as users run it);
-    stock_ubatch: stock's prompt batch (-ub; None: llama.cpp's default, as users run it)."""
+    stock_ubatch: stock's prompt batch (-ub; None: llama.cpp's default, as users run it). prompt_tokens:
+    also a "long" workload, LONG_PROMPTS prompts of that many tokens (long_prompts, made at the first
+    launch; None: the prompt length the plan was made for, where it has one; 0: none)."""
     if stock_vram not in STOCK_VRAM:
         raise MoeplugError(f"stock VRAM {stock_vram!r}: one of {', '.join(STOCK_VRAM)}")
     read_installed(name)  # an unknown name fails first
@@ -191,6 +219,12 @@ def compare(name: str, *, rounds: int = 2, n_predict: int = 64, prefill_reps: in
     if chat:
         workloads["chat"] = [chat_turns(t) for t in texts]
     plan = m.plan
+    long_tokens = plan.prompt_tokens if prompt_tokens is None else prompt_tokens
+    if long_tokens:
+        if long_tokens + n_predict >= plan.ctx:
+            raise MoeplugError(f"prompts of {long_tokens} tokens generating {n_predict} do not fit the plan's "
+                               f"context of {plan.ctx} tokens: '--prompt-tokens N' for a shorter one, 0 for none")
+        workloads["long"] = []  # made of the texts by the first server's tokenizer
     found = gpus()
     load = ["-lm", "none"] if plan.load_mode == "pinned" else []
     stock_args = ["-c", str(plan.ctx), "--fit", "on", "-fitt", fit_target(plan.vram_budget_bytes,
@@ -245,6 +279,8 @@ def compare(name: str, *, rounds: int = 2, n_predict: int = 64, prefill_reps: in
             progress(Note(f"round {r + 1} of {rounds}: {side} llama-server"))
             srv = start(side, s.args, s.env)
             try:
+                if long_tokens and not workloads["long"]:
+                    workloads["long"] = long_prompts(srv.url, texts, long_tokens)
                 for w, prompts in workloads.items():
                     got = time_chat(srv.url, prompts, n_predict) if w == "chat" else \
                         time_prompts(srv.url, prompts, n_predict, prefill_reps)

@@ -7,11 +7,13 @@ from pathlib import Path
 from typing import Any
 
 from moeplug.estimates import DEFAULT_UBATCH
-from moeplug.install_cli import UBATCH
+from moeplug.install_cli import PROMPT_TOKENS, UBATCH
 from moeplug.options import GENERATE, PROMPT_CAP, REPEATS, ROUNDS, SERVER_THREADS, STOCK_VRAM, add_json
 from moeplug.output import Output, human_bytes, table
 
-WHAT = {"text": "prompts", "chat": "chat turns (each prompt a conversation on the prompt cache)"}
+WHAT = {"text": "prompts", "chat": "chat turns (each prompt a conversation on the prompt cache)",
+        "long": "long prompts (the prompts' text one after another, cut to the length)"}
+NOUN = {"text": "prompts", "chat": "chat turns", "long": "long prompts"}
 HEAD = ["#", "tokens", "prefill t/s moeplug / stock", "prefill", "decode t/s moeplug / stock", "decode"]
 
 
@@ -48,8 +50,8 @@ def comparison_text(c: Any) -> str:
                  f"{r['decode']['ratio']:.2f}x"] for r in d["rows"]]
         lines += ["", f"{WHAT[w]}:", table(HEAD, rows, "rrrrrr")]
         lines.append(f"prefill {_ratio(d['prefill'])}, decode {_ratio(d['decode'])} of stock (median over "
-                     f"{d['prompts']} {WHAT[w].split(' ')[0]})")
-        if c.prefill_reps > 1 and w == "text":
+                     f"{d['prompts']} {NOUN[w]})")
+        if c.prefill_reps > 1 and w in ("text", "long"):
             lines.append(f"each prompt's first request alone (the slots another prompt left): prefill "
                          f"{_ratio(d['first'])}")
     lines.append("CPU threads: " + ", ".join(f"{side} {_threads(s['args'])}" for side, s in doc["sides"].items()))
@@ -73,11 +75,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     done = compare(args.model, rounds=args.rounds, n_predict=args.n_predict, prefill_reps=args.prefill_reps,
                    prompt_files=[Path(p) for p in args.prompt_file], max_prompts=args.max_prompts, chat=args.chat,
                    stock_vram=args.stock_vram, threads=args.threads, stock_threads=args.stock_threads,
-                   stock_ubatch=args.stock_ubatch, progress=out.progress)
+                   stock_ubatch=args.stock_ubatch, prompt_tokens=args.prompt_tokens, progress=out.progress)
     return out.result(done, comparison_text)
 
 
 def register(sub: Any) -> None:
+    from moeplug.bench import LONG_PROMPTS
+
     p = sub.add_parser("bench", help="the installed plan against stock llama.cpp --fit at the same budget, here",
                        description="Serve an installed model with its plan and with stock llama-server --fit at the "
                        "same VRAM budget, in turns, on the same prompts; print each prompt's prefill and decode "
@@ -106,5 +110,9 @@ def register(sub: Any) -> None:
     p.add_argument("--stock-ubatch", type=UBATCH, metavar="N",
                    help="stock's prompt batch (llama-server -ub), 32-65536 (default: llama.cpp's 512, as users run "
                         "it): the plan's own on both sides leaves the cache's part of the prefill ratio alone")
+    p.add_argument("--prompt-tokens", type=PROMPT_TOKENS, metavar="N",
+                   help=f"also time {LONG_PROMPTS} long prompts of N tokens, the prompts' text one after another "
+                        f"(default: the prompt length the plan was made for, set or learned by 'moeplug reprofile', "
+                        f"where it has one; 0: none)")
     add_json(p)
     p.set_defaults(func=cmd_bench)

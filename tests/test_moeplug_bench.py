@@ -155,6 +155,34 @@ def test_bench_threads_on_either_side(home: dict[str, str]) -> None:
     assert "prompt batch: moeplug 512, stock 512" in text.stdout and "prompt batches of" not in text.stdout
 
 
+def test_bench_times_long_prompts_of_the_planned_length(home: dict[str, str]) -> None:
+    """A plan made for prompts of N tokens (--prompt-tokens, or learned by reprofile) is also timed on
+    two prompts of exactly N tokens, the bundled texts one after another as the server tokenizes them,
+    the same tokens on both sides; --prompt-tokens 0 leaves them out, and a length the context cannot
+    hold is one line."""
+    assert moeplug(home, "serve", "demo", "--prompt-tokens", "700").returncode == 0  # kept with the plan
+    assert moeplug(home, "stop", "demo").returncode == 0
+    assert installed(home)["plan"]["prompt_tokens"] == 700
+    r = moeplug(home, "bench", "demo", "--rounds", "1", "-n", "2", "--max-prompts", "2", "--prefill-reps", "2",
+                "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    long = json.loads(r.stdout)["workloads"]["long"]
+    assert long["prompts"] == 2 and [row["prompt_tokens"] for row in long["rows"]] == [700, 700]
+    for row in long["rows"]:
+        assert row["prefill"]["ratio"] == pytest.approx(row["prefill"]["moeplug_tps"] / row["prefill"]["stock_tps"])
+    assert long["prefill"]["ratio_median"] > 0 and long["decode"]["ratio_median"] > 0
+    text = moeplug(home, "bench", "demo", "--rounds", "1", "-n", "2", "--max-prompts", "1", "--prefill-reps", "1",
+                   "--prompt-tokens", "300")
+    assert text.returncode == 0 and "long prompts (the prompts' text" in text.stdout
+    assert "of stock (median over 2 long prompts)" in text.stdout
+    none = moeplug(home, "bench", "demo", "--rounds", "1", "-n", "2", "--max-prompts", "1", "--prefill-reps", "1",
+                   "--prompt-tokens", "0", "--json")
+    assert none.returncode == 0 and list(json.loads(none.stdout)["workloads"]) == ["text"]
+    big = moeplug(home, "bench", "demo", "--prompt-tokens", "1020")
+    assert big.returncode == 1 and "do not fit the plan's context of 1024" in big.stderr
+    assert len(big.stderr.strip().splitlines()) == 1
+
+
 def test_with_threads_replaces_the_count() -> None:
     assert with_threads(["-c", "512", "-t", "8", "-ngl", "99"], None) == ["-c", "512", "-t", "8", "-ngl", "99"]
     assert with_threads(["-c", "512", "-t", "8", "-ngl", "99"], 3) == ["-c", "512", "-ngl", "99", "-t", "3"]
@@ -171,6 +199,7 @@ def test_bench_bad_input_is_one_line(home: dict[str, str], tmp_path: Path) -> No
                              (("bench", "demo", "--threads", "-2"), 2, "--threads"),
                              (("bench", "demo", "--stock-threads", "x"), 2, "--stock-threads"),
                              (("bench", "demo", "--stock-ubatch", "31"), 2, "--stock-ubatch"),
+                             (("bench", "demo", "--prompt-tokens", "-5"), 2, "--prompt-tokens"),
                              (("bench", "demo", "--prompt-file", str(tmp_path / "none.txt")), 1, "none.txt")):
         r = moeplug(home, *args)
         assert r.returncode == code and said in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
