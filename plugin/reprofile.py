@@ -6,8 +6,9 @@ For each model (one name, or every installed one):
    server has gathered since its start or the last re-profile that stored them, from
    `GET /moe-cache/profile`. A model not served: the profiler run again on the bundled prompt
    sets plus the model's `prompt_files` (its installed record; `--prompt-file` adds one). A model
-   served without `--record` is an error: its routing is not counted, and a second copy of a
-   big model for the profiler is not what a scheduled job should load.
+   served without `--record`: its routing is not counted (and a second copy of a big model for the
+   profiler is not what a scheduled job should load), so only its workload (step 4) is learned;
+   where that has not moved either, it is an error that says to serve it with `--record`.
 2. Decay. The stored profile, aged by the new counts' tokens, plus the new counts
    (moeplug.profile.format.merge_decayed): with T the prompt + generated tokens the new counts
    cover and H the half-life (`--half-life`, tokens), the stored counts and the weights of its
@@ -134,7 +135,7 @@ class Reprofiled:
     """One model re-profiled (or not: `written` False), with what it found."""
 
     name: str
-    source: str  # "live": the server's counts; "prompts": the profiler on the prompt sets
+    source: str  # "live": the server's counts; "prompts": the profiler on the prompt sets; "log": the workload only
     tokens: dict[str, int]  # the new counts: {"prefill", "decode"}
     half_life: int
     old_weight: float  # what the stored counts were multiplied by
@@ -472,10 +473,67 @@ def _learn(m: InstalledModel, served: ServerRecord | None, opts: Options,
     return learned
 
 
+def _workload_args(learned: tuple[float, int | None] | None, traffic: Traffic | None) -> dict[str, Any]:
+    """plan_installed's arguments for a learned workload ({}: none)."""
+    if learned is None or traffic is None:
+        return {}
+    return {"prefill_weight": learned[0], "prompt_tokens": learned[1] or 0, "learned": traffic.to_json()}
+
+
+def _keep_workload(m: InstalledModel, workload: dict[str, Any], result: Reprofiled,
+                   progress: ProgressFn) -> InstalledModel:
+    """The model with the learned workload in its stored plan (every re-plan after starts from it);
+    under the model's lock."""
+    m = replace(m, plan=replace(m.plan, prefill_weight=workload["prefill_weight"],
+                                prompt_tokens=workload["prompt_tokens"] or None, workload=workload["learned"]))
+    write_installed(m)
+    result.workload_stored = True
+    if result.traffic is not None:
+        progress(Note(f"{m.name}: planning for the traffic served: {result.traffic.summary()}"))
+    return m
+
+
+def _finish(name: str, before: Any, restart: bool, opts: Options, result: Reprofiled, progress: ProgressFn) -> None:
+    """After a re-plan under the model's lock: what changed, and the server restarted per opts.apply
+    where `restart` or the plan's flags changed (else its record keeps the new plan)."""
+    after = read_installed(name)
+    result.slots_after = list(after.plan.slots_per_layer)
+    result.plan_changed = after.plan.to_json() != before.to_json()
+    served = _served(name)
+    if not restart and (after.plan.server_args, after.plan.server_env()) == (before.server_args, before.server_env()):
+        result.applied = "unchanged"  # the server runs these flags already: no restart
+        if served is not None:
+            record_plan(name, after.plan)
+    else:
+        result.applied, result.server = _apply(after, served, opts, progress)
+
+
+def _workload_only(m: InstalledModel, served: ServerRecord, opts: Options, progress: ProgressFn) -> Reprofiled:
+    """A model served without --record: its routing is not counted, but its log still tells the
+    workload; re-plan for it where it moved, else the error that routing is not counted."""
+    result = Reprofiled(name=m.name, source="log", tokens={"prefill": 0, "decode": 0}, half_life=opts.half_life,
+                        old_weight=1.0, layers=[], plan_predicted=m.plan.predicted_hit_rate, measured=None,
+                        new_predicted=None, gain=0.0, min_gain=opts.min_gain, profile=m.profile or "",
+                        slots_before=list(m.plan.slots_per_layer))
+    workload = _workload_args(_learn(m, served, opts, result), result.traffic)
+    if not workload:
+        _require_recording(served)  # nothing to learn either: say what would
+    result.notes.append(f"its routing is not counted (served without {RECORD_FLAG}): the workload alone; "
+                        f"'moeplug serve {m.name} --record' counts the routing as well")
+    with model_lock(m.name, progress):
+        m = read_installed(m.name)
+        before = m.plan
+        replan(_keep_workload(m, workload, result, progress))
+        _finish(m.name, before, False, opts, result, progress)
+    return result
+
+
 def reprofile_model(name: str, opts: Options, progress: ProgressFn = silent) -> Reprofiled:
     """Re-profile one installed model (module docstring: the steps)."""
     m = read_installed(name)
     served = _served(name)
+    if served is not None and RECORD_FLAG not in served.args:
+        return _workload_only(m, served, opts, progress)
     source, new = _new_counts(m, served, progress)
     fingerprint = model_fingerprint(m.path)
     new.check_model(fingerprint)
@@ -490,10 +548,7 @@ def reprofile_model(name: str, opts: Options, progress: ProgressFn = silent) -> 
                         layers=layers, plan_predicted=m.plan.predicted_hit_rate, measured=measured,
                         new_predicted=None, gain=0.0, min_gain=opts.min_gain,
                         profile=str(dest), slots_before=[x.slots for x in layers])
-    learned = _learn(m, served, opts, result)
-    traffic = result.traffic
-    workload: dict[str, Any] = {} if learned is None or traffic is None else {
-        "prefill_weight": learned[0], "prompt_tokens": learned[1] or 0, "learned": traffic.to_json()}
+    workload = _workload_args(_learn(m, served, opts, result), result.traffic)
     preview = plan_installed(replace(m, profile=str(dest)), profile=merged, **workload)
     result.new_predicted = preview.predicted_hit_rate
     result.gain = (preview.predicted_hit_rate or 0.0) - (measured or 0.0)
@@ -507,12 +562,8 @@ def reprofile_model(name: str, opts: Options, progress: ProgressFn = silent) -> 
     with model_lock(name, progress):
         m = read_installed(name)  # as a concurrent moeplug may have left it
         before = m.plan
-        if workload and traffic is not None:  # kept with the plan: every re-plan below starts from it
-            m = replace(m, plan=replace(m.plan, prefill_weight=workload["prefill_weight"],
-                                        prompt_tokens=workload["prompt_tokens"] or None, workload=workload["learned"]))
-            write_installed(m)
-            result.workload_stored = True
-            progress(Note(f"{name}: planning for the traffic served: {traffic.summary()}"))
+        if workload:
+            m = _keep_workload(m, workload, result, progress)
         if store:
             if served is not None:  # the counts again, zeroed as they are read: each one is stored once
                 new = fetch_live_profile(served, reset=True)
@@ -527,15 +578,7 @@ def reprofile_model(name: str, opts: Options, progress: ProgressFn = silent) -> 
             result.written, result.previous = True, str(kept) if kept else None
         else:
             replan(m)
-        after = read_installed(name)
-        result.slots_after = list(after.plan.slots_per_layer)
-        result.plan_changed = after.plan.to_json() != before.to_json()
-        if not store and (after.plan.server_args, after.plan.server_env()) == (before.server_args, before.server_env()):
-            result.applied = "unchanged"  # the server runs these flags already: no restart
-            if served is not None and served.alive():
-                record_plan(name, after.plan)
-        else:
-            result.applied, result.server = _apply(after, _served(name), opts, progress)
+        _finish(name, before, store, opts, result, progress)
     return result
 
 

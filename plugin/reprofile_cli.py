@@ -21,6 +21,10 @@ def model_text(r: Any) -> str:
         lines = [f"{r.name}: restored the previous profile {r.profile} (the replaced one kept as {r.previous})",
                  f"  slots per layer {r.slots_before} -> {r.slots_after}" if r.plan_changed else "  plan unchanged"]
         return "\n".join(lines + [f"  server: {_applied(r)}"])
+    if r.source == "log":  # served without --record: the workload alone
+        lines = [f"{r.name}: the server's log, its routing not counted"] + [f"  note: {n}" for n in r.notes]
+        lines += _workload_lines(r)
+        return "\n".join(lines + [_slots_line(r), f"  server: {_applied(r)}"])
     what = "the server's live counts" if r.source == "live" else "the prompt sets"
     lines = [f"{r.name}: {r.tokens['prefill']} prompt + {r.tokens['decode']} generated tokens from {what}; stored "
              f"counts weighted {r.old_weight:.3f} (half-life {r.half_life} tokens)"]
@@ -39,10 +43,15 @@ def model_text(r: Any) -> str:
     if r.written:
         lines.append(f"  profile replaced: {r.profile}" + (f" (previous kept: {r.previous}; 'moeplug reprofile "
                                                            f"{r.name} --rollback' restores it)" if r.previous else ""))
-    lines.append(f"  slots per layer {r.slots_before} -> {r.slots_after}" if r.slots_before != r.slots_after
-                 else f"  slots per layer {r.slots_after} (re-planned: {'changed' if r.plan_changed else 'unchanged'})")
+    lines.append(_slots_line(r))
     lines.append(f"  server: {_applied(r)}")
     return "\n".join(lines)
+
+
+def _slots_line(r: Any) -> str:
+    if r.slots_before != r.slots_after:
+        return f"  slots per layer {r.slots_before} -> {r.slots_after}"
+    return f"  slots per layer {r.slots_after} (re-planned: {'changed' if r.plan_changed else 'unchanged'})"
 
 
 def _workload_lines(r: Any) -> list[str]:
@@ -107,7 +116,9 @@ def register(sub: Any) -> None:
         "or the bundled prompts and the model's prompt files when it is not served; merge them into the stored "
         "profile with a decay, report the drift per layer and the new plan's gain, and when the gain reaches "
         "--min-gain replace the profile (keeping the previous one), re-plan, update the hooks and restart the "
-        "server per --apply (a request in flight is never cut).",
+        "server per --apply (a request in flight is never cut). A served model's log also gives its workload "
+        "(--workload): prompt lengths and prompt tokens per generated token, which a re-plan follows; served "
+        "without --record, that alone.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", metavar="NAME", help="an installed model (see 'moeplug list')")
     p.add_argument("--all", action="store_true", help="every installed model")

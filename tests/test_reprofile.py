@@ -520,3 +520,38 @@ def test_the_plan_learns_the_prompts_the_server_sees(home: dict[str, str], patch
         assert json.loads(r.stdout)["models"][0]["workload"] is None
     finally:
         moeplug(home, "stop", "--all")
+
+
+@pytest_native
+def test_served_without_record_the_workload_alone(home: dict[str, str]) -> None:
+    """Without --record the routing is not counted, but the log still tells the workload: a re-profile
+    plans for it; once it has, there is nothing to learn and the error says to serve with --record."""
+    r = moeplug(home, "install", "demo", "--no-serve", "--ctx", "2048")
+    assert r.returncode == 0, r.stderr[-3000:]
+    profile = Path(installed(home)["profile"])
+    before = profile.read_bytes()
+    r = moeplug(home, "serve", "demo", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    first = json.loads(r.stdout)["server"]
+    try:
+        long_requests(first["url"], [900] * 8, n_predict=10)
+        r = moeplug(home, "reprofile", "demo", "--json")
+        assert r.returncode == 0, r.stderr[-3000:]
+        doc = json.loads(r.stdout)["models"][0]
+        assert doc["source"] == "log" and doc["layers"] == [] and not doc["written"] and doc["workload_stored"]
+        assert doc["traffic"]["requests"] == 8 and doc["workload"]["prompt_tokens"] in (900, 901)
+        assert doc["applied"] == "unchanged" and any("--record" in n for n in doc["notes"])
+        assert profile.read_bytes() == before  # the profile is the routing's: untouched
+        plan = installed(home)["plan"]
+        assert plan["workload"]["requests"] == 8 and plan["prompt_tokens"] == doc["workload"]["prompt_tokens"]
+        # more, shorter requests: fewer prompt tokens per generated token, the people's report
+        long_requests(first["url"], [100] * 16, n_predict=10)
+        r = moeplug(home, "reprofile", "demo")
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "the server's log, its routing not counted" in r.stdout and "traffic served: 24 requests" in r.stdout
+        assert "not restarted: it runs the new plan's flags already" in r.stdout
+        assert installed(home)["plan"]["prefill_weight"] == pytest.approx((8 * 900 + 16 * 100) / 240, abs=0.2)
+        again = moeplug(home, "reprofile", "demo")  # nothing new to learn: what would count the routing
+        assert again.returncode == 1 and "--moe-cache-record" in again.stderr and again.stderr.count("\n") == 1
+    finally:
+        moeplug(home, "stop", "--all")
