@@ -262,7 +262,7 @@ def _traffic_text(s: Any) -> str:
     elif weight != PREFILL_WEIGHT or length:
         source = "set by hand"
     else:
-        source = f"the defaults; 'moeplug reprofile {s.name}' learns them where it is served with --record"
+        source = f"the defaults; 'moeplug reprofile {s.name}' learns them"
     return (f"{s.name}: served {s.traffic.summary()}; planned for {weight:g} and "
             + (f"prompts of {length} tokens" if length else "the profile's prompts") + f" ({source})")
 
