@@ -14,7 +14,6 @@ from typing import Any
 
 from moeplug.options import (JOBS, TOKENS, Number, add_backend, add_json, add_plan_options, add_prefill_weight, add_serve_options,
                              add_spec_options, add_threads)
-from moeplug.allocate import PREFILL_WEIGHT
 from moeplug.estimates import DEFAULT_UBATCH, MIN_UBATCH
 from moeplug.output import Output, human_bytes, table
 from moeplug.plan import UBATCH_AUTO, Plan, describe_slots
@@ -253,18 +252,14 @@ def status_text(snap: Any) -> str:
 
 def _traffic_text(s: Any) -> str:
     """A served model's requests beside the workload its plan weighs."""
-    plan = s.plan or {}
-    weight, length = plan.get("prefill_weight"), plan.get("prompt_tokens")
-    if weight is None:
+    if not s.plan:
         return f"{s.name}: served {s.traffic.summary()}"
-    if plan.get("workload"):
-        source = "learned from its traffic"
-    elif weight != PREFILL_WEIGHT or length:
-        source = "set by hand"
-    else:
-        source = f"the defaults; 'moeplug reprofile {s.name}' learns them"
-    return (f"{s.name}: served {s.traffic.summary()}; planned for {weight:g} and "
-            + (f"prompts of {length} tokens" if length else "the profile's prompts") + f" ({source})")
+    plan = Plan.from_json(s.plan)
+    source = {"learned": "learned from its traffic", "asked": "set by hand",
+              "default": f"the defaults; 'moeplug reprofile {s.name}' learns them"}[plan.workload_source]
+    return (f"{s.name}: served {s.traffic.summary()}; planned for {plan.prefill_weight:g} and "
+            + (f"prompts of {plan.prompt_tokens} tokens" if plan.prompt_tokens else "the profile's prompts")
+            + f" ({source})")
 
 
 def _vram_text(s: Any) -> str:

@@ -174,6 +174,14 @@ class Plan:
     # traffic.Traffic.to_json()), kept on re-plans that do not set them; None: the user's or the defaults
     workload: dict[str, Any] | None = None
 
+    @property
+    def workload_source(self) -> str:
+        """Where prefill_weight and prompt_tokens came from: "learned" (the served traffic, `workload`),
+        "asked" (set by hand: values other than the defaults) or "default"."""
+        if self.workload:
+            return "learned"
+        return "asked" if self.prefill_weight != PREFILL_WEIGHT or self.prompt_tokens else "default"
+
     def server_env(self) -> dict[str, str]:
         """The environment the plan's server runs with beside its flags."""
         return {} if self.copy_ahead else {"GGML_SCHED_EXPERT_COPY_AHEAD": "0"}

@@ -60,7 +60,7 @@ from typing import Any
 
 import numpy as np
 
-from moeplug.allocate import PREFILL_WEIGHT, hit_curves, served_share
+from moeplug.allocate import hit_curves, served_share
 from moeplug.errors import EXIT_ERROR, EXIT_NOTHING_TO_DO, EXIT_OK, MoeplugError
 from moeplug.fsutil import atomic_path
 from moeplug.install import (
@@ -454,29 +454,21 @@ def add_prompt_files(name: str, files: list[str], progress: ProgressFn = silent)
     return m
 
 
-def _learn(m: InstalledModel, served: ServerRecord | None, opts: Options,
-           result: Reprofiled) -> tuple[float, int | None] | None:
-    """The workload to plan for from a served model's traffic (module docstring, step 4), or None;
-    what it read and why it kept the plan's go to `result`."""
+def _learn(m: InstalledModel, served: ServerRecord | None, opts: Options, result: Reprofiled) -> dict[str, Any]:
+    """plan_installed's arguments for the workload a served model's traffic shows (module docstring,
+    step 4), or {} where none is learned; what it read and why it kept the plan's go to `result`."""
     if served is None or opts.workload == "keep":
-        return None
-    result.traffic = read_traffic(served.log, served.traffic_from)
-    asked = m.plan.workload is None and (m.plan.prefill_weight != PREFILL_WEIGHT or m.plan.prompt_tokens)
-    if asked and opts.workload == "auto":
+        return {}
+    result.traffic = traffic = read_traffic(served.log, served.traffic_from)
+    if m.plan.workload_source == "asked" and opts.workload == "auto":
         result.notes.append(f"the prefill weight ({m.plan.prefill_weight:g}) and prompt length "
                             f"({m.plan.prompt_tokens or 'the profile prompts'}) were set by hand: kept "
                             f"(--workload learn learns them from the traffic)")
-        return None
-    learned = learned_workload(result.traffic, m.plan.prefill_weight, m.plan.prompt_tokens)
-    if learned is not None:
-        result.workload = {"prefill_weight": learned[0], "prompt_tokens": learned[1]}
-    return learned
-
-
-def _workload_args(learned: tuple[float, int | None] | None, traffic: Traffic | None) -> dict[str, Any]:
-    """plan_installed's arguments for a learned workload ({}: none)."""
+        return {}
+    learned = learned_workload(traffic, m.plan.prefill_weight, m.plan.prompt_tokens)
     if learned is None or traffic is None:
         return {}
+    result.workload = {"prefill_weight": learned[0], "prompt_tokens": learned[1]}
     return {"prefill_weight": learned[0], "prompt_tokens": learned[1] or 0, "learned": traffic.to_json()}
 
 
@@ -515,7 +507,7 @@ def _workload_only(m: InstalledModel, served: ServerRecord, opts: Options, progr
                         old_weight=1.0, layers=[], plan_predicted=m.plan.predicted_hit_rate, measured=None,
                         new_predicted=None, gain=0.0, min_gain=opts.min_gain, profile=m.profile or "",
                         slots_before=list(m.plan.slots_per_layer))
-    workload = _workload_args(_learn(m, served, opts, result), result.traffic)
+    workload = _learn(m, served, opts, result)
     if not workload:
         _require_recording(served)  # nothing to learn either: say what would
     result.notes.append(f"its routing is not counted (served without {RECORD_FLAG}): the workload alone; "
@@ -548,7 +540,7 @@ def reprofile_model(name: str, opts: Options, progress: ProgressFn = silent) -> 
                         layers=layers, plan_predicted=m.plan.predicted_hit_rate, measured=measured,
                         new_predicted=None, gain=0.0, min_gain=opts.min_gain,
                         profile=str(dest), slots_before=[x.slots for x in layers])
-    workload = _workload_args(_learn(m, served, opts, result), result.traffic)
+    workload = _learn(m, served, opts, result)
     preview = plan_installed(replace(m, profile=str(dest)), profile=merged, **workload)
     result.new_predicted = preview.predicted_hit_rate
     result.gain = (preview.predicted_hit_rate or 0.0) - (measured or 0.0)

@@ -253,7 +253,7 @@ def launch_verified(name: str, model: Path, binary: Path, build_id: str, server_
     pending = ServerRecord(name=name, model=str(model), pid=proc.pid, port=port, log=str(log_path), args=args,
                            started=started, build_id=build_id, plan=plan_json, launcher=os.getpid(), host=host)
     try:
-        write_text_atomic(record_path(name), json.dumps(asdict(pending), indent=2) + "\n")
+        _write_record(pending)
         server.wait_healthy(timeout=timeout)
         text = log_path.read_text(errors="replace")
         cache = parse_cache_line(text)
@@ -269,8 +269,12 @@ def launch_verified(name: str, model: Path, binary: Path, build_id: str, server_
         raise
     verified = replace(pending, cache=asdict(cache) if cache else None, buffers=parse_buffers(text), launcher=None,
                        traffic_from=traffic_from)
-    write_text_atomic(record_path(name), json.dumps(asdict(verified), indent=2) + "\n")
+    _write_record(verified)
     return verified
+
+
+def _write_record(record: ServerRecord) -> None:
+    write_text_atomic(record_path(record.name), json.dumps(asdict(record), indent=2) + "\n")
 
 
 def record_plan(name: str, plan: Any) -> None:
@@ -278,8 +282,7 @@ def record_plan(name: str, plan: Any) -> None:
     that changed what the plan says, not what the server runs)."""
     record = find_record(name)
     if record is not None:
-        plan_json = plan.to_json() if hasattr(plan, "to_json") else plan
-        write_text_atomic(record_path(name), json.dumps(asdict(replace(record, plan=plan_json)), indent=2) + "\n")
+        _write_record(replace(record, plan=plan.to_json() if hasattr(plan, "to_json") else plan))
 
 
 def _probe_context(server: Server, ctx: int) -> None:
