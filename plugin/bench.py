@@ -25,7 +25,8 @@ from moeplug.errors import MoeplugError
 from moeplug.estimates import DEFAULT_UBATCH
 from moeplug.gpu import gpus, process_vram_bytes
 from moeplug.install import installed_build, read_installed, up_to_date
-from moeplug.measure import ERRORS, Timings, chat_turns, median_ratio_interval, time_chat, time_prompts
+from moeplug.measure import (ERRORS, Timings, chat_turns, median_ratio_interval, time_chat, time_prompts, time_together,
+                             together_groups)
 from moeplug.options import STOCK_VRAM
 from moeplug.profile.runner import DEFAULT_PROMPT_SETS, read_prompts, resolve_prompt_set
 from moeplug.progress import Note, ProgressFn, silent
@@ -37,6 +38,7 @@ from moeplug.sizes import MIB
 SIDES = ("moeplug", "stock")
 WARMUP_PREDICT = 16
 LONG_PROMPTS = 2  # prompts of the "long" workload (compare's prompt_tokens)
+AUTO_PARALLEL = 4  # llama-server's parallel slots where -np is not given (b11434: "auto", 4, one KV cache for all)
 FIT_PAD_MIB = 16  # stock held to the budget: MiB added to its -fitt beyond what it held over
 
 
@@ -194,7 +196,7 @@ class Comparison:
 def compare(name: str, *, rounds: int = 2, n_predict: int = 64, prefill_reps: int = 3,
             prompt_files: list[Path] | None = None, max_prompts: int = 8, chat: bool = False,
             stock_vram: str = "fit", threads: int | None = None, stock_threads: int | None = None,
-            stock_ubatch: int | None = None, prompt_tokens: int | None = None,
+            stock_ubatch: int | None = None, prompt_tokens: int | None = None, concurrent: int = 0,
             progress: ProgressFn = silent) -> Comparison:
     """Run an installed model's plan and stock --fit at the same budget in turns (see the module);
     raises where the model is being served (the GPU must be the two servers' alone) or a launch or
@@ -204,7 +206,9 @@ def compare(name: str, *, rounds: int = 2, n_predict: int = 64, prefill_reps: in
     is not changed); stock_threads: stock's (None or 0: llama.cpp's default, as users run it);
     stock_ubatch: stock's prompt batch (-ub; None: llama.cpp's default, as users run it). prompt_tokens:
     also a "long" workload, LONG_PROMPTS prompts of that many tokens (long_prompts, made at the first
-    launch; None: the prompt length the plan was made for, where it has one; 0: none)."""
+    launch; None: the prompt length the plan was made for, where it has one; 0: none). concurrent: also
+    a "concurrent" workload, the prompts in groups of that many sent at once (measure.time_together;
+    0: none); beyond llama-server's AUTO_PARALLEL slots both sides get as many (-np, one KV cache)."""
     if stock_vram not in STOCK_VRAM:
         raise MoeplugError(f"stock VRAM {stock_vram!r}: one of {', '.join(STOCK_VRAM)}")
     read_installed(name)  # an unknown name fails first
@@ -225,14 +229,20 @@ def compare(name: str, *, rounds: int = 2, n_predict: int = 64, prefill_reps: in
             raise MoeplugError(f"prompts of {long_tokens} tokens generating {n_predict} do not fit the plan's "
                                f"context of {plan.ctx} tokens: '--prompt-tokens N' for a shorter one, 0 for none")
         workloads["long"] = []  # made of the texts by the first server's tokenizer
+    if concurrent:
+        workloads["concurrent"] = together_groups(texts, concurrent)
     found = gpus()
     load = ["-lm", "none"] if plan.load_mode == "pinned" else []
     stock_args = ["-c", str(plan.ctx), "--fit", "on", "-fitt", fit_target(plan.vram_budget_bytes,
                                                                          [g.free_bytes for g in found]), *load,
                   *ubatch_args(stock_ubatch or DEFAULT_UBATCH)]
-    sides = {"moeplug": Side(with_threads(plan.server_args, threads), m.server_env()),
-             "stock": Side(with_threads(stock_args, stock_threads), {})}
+    slots = ["-np", str(concurrent), "-kvu"] if concurrent > AUTO_PARALLEL else []
+    sides = {"moeplug": Side(with_threads(plan.server_args, threads) + slots, m.server_env()),
+             "stock": Side(with_threads(stock_args, stock_threads) + slots, {})}
     notes = []
+    if slots:
+        notes.append(f"{concurrent} parallel slots on both sides (-np {concurrent} -kvu) for {concurrent} prompts at once, "
+                     f"where llama-server has {AUTO_PARALLEL} by default")
     if not found:
         notes.append("no NVIDIA GPU: both servers run on the CPU here, so the ratios say nothing of what the "
                      "slots do with VRAM")
@@ -283,6 +293,7 @@ def compare(name: str, *, rounds: int = 2, n_predict: int = 64, prefill_reps: in
                     workloads["long"] = long_prompts(srv.url, texts, long_tokens)
                 for w, prompts in workloads.items():
                     got = time_chat(srv.url, prompts, n_predict) if w == "chat" else \
+                        time_together(srv.url, prompts, n_predict) if w == "concurrent" else \
                         time_prompts(srv.url, prompts, n_predict, prefill_reps)
                     if got.errors:
                         raise MoeplugError(f"{side} llama-server, {w}: {got.errors[0]}")

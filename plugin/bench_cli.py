@@ -8,12 +8,14 @@ from typing import Any
 
 from moeplug.estimates import DEFAULT_UBATCH
 from moeplug.install_cli import PROMPT_TOKENS, UBATCH
-from moeplug.options import GENERATE, PROMPT_CAP, REPEATS, ROUNDS, SERVER_THREADS, STOCK_VRAM, add_json
+from moeplug.options import CONCURRENT, GENERATE, PROMPT_CAP, REPEATS, ROUNDS, SERVER_THREADS, STOCK_VRAM, add_json
 from moeplug.output import Output, human_bytes, table
 
 WHAT = {"text": "prompts", "chat": "chat turns (each prompt a conversation on the prompt cache)",
-        "long": "long prompts (the prompts' text one after another, cut to the length)"}
-NOUN = {"text": "prompts", "chat": "chat turns", "long": "long prompts"}
+        "long": "long prompts (the prompts' text one after another, cut to the length)",
+        "concurrent": "prompts sent together (a row is a group, its t/s the requests' together: their tokens over the "
+                      "longest request's time)"}
+NOUN = {"text": "prompts", "chat": "chat turns", "long": "long prompts", "concurrent": "groups"}
 HEAD = ["#", "tokens", "prefill t/s moeplug / stock", "prefill", "decode t/s moeplug / stock", "decode"]
 
 
@@ -75,7 +77,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     done = compare(args.model, rounds=args.rounds, n_predict=args.n_predict, prefill_reps=args.prefill_reps,
                    prompt_files=[Path(p) for p in args.prompt_file], max_prompts=args.max_prompts, chat=args.chat,
                    stock_vram=args.stock_vram, threads=args.threads, stock_threads=args.stock_threads,
-                   stock_ubatch=args.stock_ubatch, prompt_tokens=args.prompt_tokens, progress=out.progress)
+                   stock_ubatch=args.stock_ubatch, prompt_tokens=args.prompt_tokens,
+                   concurrent=args.concurrent or 0, progress=out.progress)
     return out.result(done, comparison_text)
 
 
@@ -114,5 +117,9 @@ def register(sub: Any) -> None:
                    help=f"also time {LONG_PROMPTS} long prompts of N tokens, the prompts' text one after another "
                         f"(default: the prompt length the plan was made for, set or learned by 'moeplug reprofile', "
                         f"where it has one; 0: none)")
+    p.add_argument("--concurrent", type=CONCURRENT, metavar="N",
+                   help="also send the prompts N at a time, 2-64, as users or agents sharing the server do, and compare "
+                        "what both sides deliver to all of them together (beyond llama-server's 4 parallel slots, "
+                        "both get N)")
     add_json(p)
     p.set_defaults(func=cmd_bench)

@@ -1,18 +1,22 @@
 """Timing prompts through a running llama-server: each prompt's prefill and decode speed from the
 server's own `timings`, as `moeplug bench` and `native/bench/serve_bench.py` measure them.
 
-Two ways to send a workload. `time_prompts`: each prompt once with the tokens to decode, then
+Three ways to send a workload. `time_prompts`: each prompt once with the tokens to decode, then
 repeats of one token in passes over the prompts, so that no prompt is timed right after itself (a
 dynamic slot policy would just have followed its routing, and its prefill would look faster than
 a new prompt's); a prompt's prefill is the median of its requests. `time_chat`: each text a
 conversation of a few turns, every turn sent after the last answer with the conversation so far
 as its prompt and llama-server's prompt cache on, so a turn prefills its own text alone.
+`time_together`: prompts in groups sent at once, as several users or agents sharing one server do;
+llama-server, given as many parallel slots, prefills and decodes them in shared batches, and a
+group's speed is the aggregate of its requests.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,6 +115,51 @@ def time_chat(url: str, conversations: Sequence[Sequence[str]], n_predict: int) 
             except ERRORS as exc:
                 out.errors.append(f"conversation {c} turn {t}: {type(exc).__name__}: {exc}")
                 break
+    return out
+
+
+def together_groups(prompts: Sequence[Any], streams: int) -> list[list[Any]]:
+    """The prompts in groups of `streams` for time_together, in order, a last short group left out
+    (the prompts cycled where there are fewer than one group's)."""
+    if not prompts:
+        return []
+    if len(prompts) < streams:
+        return [[prompts[i % len(prompts)] for i in range(streams)]]
+    return [list(prompts[i:i + streams]) for i in range(0, len(prompts) - streams + 1, streams)]
+
+
+def time_together(url: str, groups: Sequence[Sequence[str | list[int]]], n_predict: int) -> Timings:
+    """Each group's prompts sent at once, a thread each, decoding n_predict tokens; the next group after
+    the group's last answer. Group g is prompt g of the result, with the group's aggregate speed: its
+    prompts' tokens over the longest prompt time, and its generated tokens over the longest generation
+    time (the requests share the server's batches, so these are what the server delivered to all of
+    them at once). A group with a failed request is left out, its errors kept."""
+    out = Timings()
+    for g, group in enumerate(groups):
+        out.sent.append(f"{g}:{n_predict}x{len(group)}")
+        with ThreadPoolExecutor(max_workers=len(group)) as pool:
+            futures = [pool.submit(complete, url, prompt, n_predict, ignore_eos=True) for prompt in group]
+        timings, failed = [], False
+        for k, fut in enumerate(futures):
+            try:
+                timings.append(fut.result()["timings"])
+            except ERRORS as exc:
+                out.errors.append(f"group {g} prompt {k}: {type(exc).__name__}: {exc}")
+                failed = True
+        if failed:
+            continue
+        try:
+            prompt_n = sum(int(t["prompt_n"]) for t in timings)
+            prompt_ms = max(float(t["prompt_ms"]) for t in timings)
+            predicted_n = sum(int(t["predicted_n"]) for t in timings)
+            predicted_ms = max(float(t["predicted_ms"]) for t in timings)
+        except ERRORS as exc:
+            out.errors.append(f"group {g}: {type(exc).__name__}: {exc}")
+            continue
+        if prompt_ms <= 0 or predicted_ms <= 0:
+            out.errors.append(f"group {g}: llama-server timed a phase at 0 ms")
+            continue
+        out.prompts[g] = Timed([1e3 * prompt_n / prompt_ms], 1e3 * predicted_n / predicted_ms, prompt_n)
     return out
 
 

@@ -147,6 +147,7 @@ GENERATE = Number(int, 1, 4096, "a number of tokens to generate")
 # `bench --stock-vram`: stock as users run it, or held to the plan's budget (moeplug.bench.fit_within)
 STOCK_VRAM = ("fit", "budget")
 PROMPT_CAP = Number(int, 0, 100000, "a number of prompts")
+CONCURRENT = Number(int, 2, 64, "a number of prompts sent at once")
 BUDGET = Budgets()
 CUDA_ARCH = CudaArch()
 

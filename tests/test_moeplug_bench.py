@@ -183,6 +183,48 @@ def test_bench_times_long_prompts_of_the_planned_length(home: dict[str, str]) ->
     assert len(big.stderr.strip().splitlines()) == 1
 
 
+def _most_in_flight(log: str) -> int:
+    """The most requests llama-server's log shows processing at once: slots between "processing task"
+    and "stop processing"."""
+    busy: set[int] = set()
+    most = 0
+    for slot, what in re.findall(r"id +(\d+) \| task -?\d+ \| (processing task|stop processing)", log):
+        (busy.add if what == "processing task" else busy.discard)(int(slot))
+        most = max(most, len(busy))
+    return most
+
+
+def test_bench_sends_prompts_together(home: dict[str, str]) -> None:
+    """--concurrent N: the prompts in groups of N sent at once; llama-server (4 parallel slots by
+    default) processes them together, on moeplug's side as on stock's, and a group's row is the
+    group's aggregate: its prompts' tokens, the same as those prompts alone."""
+    r = moeplug(home, "bench", "demo", "--rounds", "2", "-n", "8", "--max-prompts", "6", "--prefill-reps", "1",
+                "--concurrent", "3", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    text, together = doc["workloads"]["text"], doc["workloads"]["concurrent"]
+    assert text["prompts"] == 6 and together["prompts"] == 2  # six prompts, two groups of three
+    alone = [row["prompt_tokens"] for row in text["rows"]]
+    assert [row["prompt_tokens"] for row in together["rows"]] == [sum(alone[:3]), sum(alone[3:])]
+    for row in together["rows"]:
+        for what in ("prefill", "decode"):
+            d = row[what]
+            assert d["moeplug_tps"] > 0 and d["stock_tps"] > 0
+            assert d["ratio"] == pytest.approx(d["moeplug_tps"] / d["stock_tps"])
+    assert together["decode"]["ratio_median"] > 0 and together["decode"]["ratio_interval"] is not None
+    # four slots by default: nothing added to either side's flags
+    assert "-np" not in doc["sides"]["moeplug"]["args"] and "-np" not in doc["sides"]["stock"]["args"]
+    # the last launch was moeplug's (round 2 runs stock first): its server had three requests at once
+    log = (Path(home["XDG_STATE_HOME"]) / "moeplug" / "logs" / "server-bench-demo.log").read_text(errors="replace")
+    assert "--moe-cache-slots" in " ".join(doc["sides"]["moeplug"]["args"]) and "moe-cache:" in log
+    assert _most_in_flight(log) == 3
+    text_out = moeplug(home, "bench", "demo", "--rounds", "1", "-n", "4", "--max-prompts", "2", "--prefill-reps", "1",
+                       "--concurrent", "6")
+    assert text_out.returncode == 0, text_out.stderr[-3000:]
+    assert "prompts sent together" in text_out.stdout and "(median over 1 groups)" in text_out.stdout
+    assert "6 parallel slots on both sides (-np 6 -kvu)" in text_out.stdout
+
+
 def test_with_threads_replaces_the_count() -> None:
     assert with_threads(["-c", "512", "-t", "8", "-ngl", "99"], None) == ["-c", "512", "-t", "8", "-ngl", "99"]
     assert with_threads(["-c", "512", "-t", "8", "-ngl", "99"], 3) == ["-c", "512", "-ngl", "99", "-t", "3"]
@@ -200,6 +242,7 @@ def test_bench_bad_input_is_one_line(home: dict[str, str], tmp_path: Path) -> No
                              (("bench", "demo", "--stock-threads", "x"), 2, "--stock-threads"),
                              (("bench", "demo", "--stock-ubatch", "31"), 2, "--stock-ubatch"),
                              (("bench", "demo", "--prompt-tokens", "-5"), 2, "--prompt-tokens"),
+                             (("bench", "demo", "--concurrent", "1"), 2, "--concurrent"),
                              (("bench", "demo", "--prompt-file", str(tmp_path / "none.txt")), 1, "none.txt")):
         r = moeplug(home, *args)
         assert r.returncode == code and said in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)

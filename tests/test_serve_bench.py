@@ -255,6 +255,21 @@ def test_serve_bench_chat(patched_build, stock_build, bench_model: Path, tmp_pat
         assert len(turns) == serve_bench.CHAT_TURNS and "".join(turns) == text and all(turns)
 
 
+def test_serve_bench_concurrent(patched_build, stock_build, bench_model: Path, tmp_path: Path) -> None:
+    """--workloads concurrent: the unseen prompts in groups of --streams sent at once, both servers with
+    that many parallel slots on one KV cache; a table row per budget as for the other workloads, a
+    prompt being a group."""
+    stdout, doc = run_bench(patched_build, stock_build, bench_model, tmp_path, "--workloads", "concurrent",
+                            "--streams", "2", "--max-prompts", "4")
+    check_table(stdout, doc, "concurrent")
+    assert doc["tables"]["concurrent"][0]["prompts"] == 2  # four prompts, two groups of two
+    for c in doc["configs"]:
+        args = " ".join(c["server_args"])
+        assert "-np 2 -kvu" in args, args
+        for sent in c["sequence"]:
+            assert sent == ["concurrent/0:4x2", "concurrent/1:4x2"]
+
+
 def test_serve_bench_replay(patched_build, stock_build, bench_model: Path, tmp_path: Path) -> None:
     help_text = subprocess.run([str(patched_build.binary("llama-server")), "--help"], capture_output=True,
                                text=True).stdout

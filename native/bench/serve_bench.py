@@ -80,19 +80,22 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import GIB, MIB, Prebuilt, free_vram_or_say, interleaved_rounds, median  # noqa: E402
-from moeplug.measure import CHAT_TURNS, chat_turns, median_ratio_interval, time_chat, time_prompts  # noqa: E402
+from moeplug.measure import (CHAT_TURNS, chat_turns, median_ratio_interval, time_chat, time_prompts,  # noqa: E402
+                             time_together, together_groups)
 
 HERE = Path(__file__).resolve().parent
 UNSEEN_PROMPTS = HERE / "prompts" / "unseen.txt"
 WARMUP_TOKENS, WARMUP_PREDICT = 32, 16  # a warm-up request's prompt and generated tokens
 DEFAULT_TRACE = HERE.parents[1] / ".." / "shared" / "data" / "traces" / "gpt-oss-20b" / "decode-routing-mmlu.npz"
 REPLAY_FLAG = "--moe-route-replay"
-WORKLOADS = ("text", "chat", "replay", "random")
-TABLE_ORDER = ("text-profiled", "text-unseen", "chat", "replay", "random")  # a run's tables, in this order
+WORKLOADS = ("text", "chat", "concurrent", "replay", "random")
+TABLE_ORDER = ("text-profiled", "text-unseen", "chat", "concurrent", "replay", "random")  # a run's tables, in this order
 TABLES = {"text-profiled": "text: the bundled profiling prompts (profiles/*.txt)",
           "text-unseen": "text: prompts profiling never sees (native/bench/prompts/unseen.txt)",
           "chat": f"chat: each unseen prompt as a conversation of {CHAT_TURNS} turns, each turn sent after the last "
                   "answer with the server's prompt cache, so it prefills its new text alone (a prompt here is a turn)",
+          "concurrent": "concurrent: the unseen prompts in groups sent at once (--streams), on as many parallel slots; "
+                        "a prompt here is a group, its t/s the group's tokens over its longest request's time",
           "replay": "trace replay: held-out prompts of the trace, moeplug planned from its training prompts",
           "random": "random token ids"}
 
@@ -213,6 +216,7 @@ def make_prompts(a: argparse.Namespace, n_vocab: int, n_replay: int) -> dict[str
         "text-profiled": cap(profiled),
         "text-unseen": cap(read_prompts(UNSEEN_PROMPTS)),
         "chat": cap([chat_turns(p) for p in read_prompts(UNSEEN_PROMPTS)]),
+        "concurrent": together_groups(cap(read_prompts(UNSEEN_PROMPTS)), a.streams),
         "random": [rng.integers(0, n_vocab, a.random_tokens).tolist() for _ in range(a.random_prompts)],
         # token ids do not steer the router here: the replay file does
         "replay": cap([rng.integers(0, n_vocab, a.replay_prompt_tokens).tolist() for _ in range(n_replay)]),
@@ -247,6 +251,8 @@ def run_config(cfg: Config, model: Path, ctx: int, prompts: dict[str, list], n_p
             before = fetch_cache_counters(srv.port)
             if w == "chat":
                 got = time_chat(srv.url, prompts[w], n_predict)
+            elif w == "concurrent":
+                got = time_together(srv.url, prompts[w], n_predict)
             else:
                 got = time_prompts(srv.url, prompts[w], n_predict, prefill_reps if w != "replay" else 1)
             record(cfg, w, got, sent)
@@ -809,7 +815,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ctx", type=int, default=4096, help="context of both servers")
     ap.add_argument("--threads", "-t", type=int, help="threads of both servers (default: llama.cpp's for stock, the "
                     "plan's for moeplug: half the physical cores where few layers are partly resident)")
-    ap.add_argument("--parallel", "-np", type=int, default=1, help="parallel slots of both servers")
+    ap.add_argument("--parallel", "-np", type=int, default=1, help="parallel slots of both servers (at least "
+                    "--streams with the concurrent workload; one KV cache for all where more than one)")
+    ap.add_argument("--streams", type=int, default=4, help="prompts sent at once in the concurrent workload")
     ap.add_argument("--n-predict", "-n", type=int, default=128, help="tokens generated per prompt")
     ap.add_argument("--max-prompts", type=int, default=0, help="at most this many prompts per text/replay set (0: all)")
     ap.add_argument("--random-prompts", type=int, default=8)
@@ -893,6 +901,10 @@ def main(argv: list[str] | None = None) -> int:
     workloads = [w.strip() for w in a.workloads.split(",") if w.strip()]
     if not workloads or any(w not in WORKLOADS for w in workloads):
         ap.error(f"--workloads: choose from {', '.join(WORKLOADS)}")
+    if not 2 <= a.streams <= 64 or a.parallel < 1:
+        ap.error("--streams: from 2 to 64; --parallel: at least 1")
+    if "concurrent" in workloads:
+        a.parallel = max(a.parallel, a.streams)
     if a.rounds < 1 or a.time_limit < 0 or not 0 <= a.warmup <= 16:
         ap.error("--rounds must be at least 1, --time-limit not negative, --warmup from 0 to 16")
     try:
@@ -981,7 +993,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = make_prompts(a, n_vocab, replay[2] if replay else 0)
     plain = [w for w in TABLE_ORDER if w != "replay" and ((w.startswith("text") and "text" in workloads)
                                                           or w in workloads)]
-    common = (["-t", str(a.threads)] if a.threads else []) + ["-np", str(a.parallel)]
+    common = (["-t", str(a.threads)] if a.threads else []) + ["-np", str(a.parallel)] + (["-kvu"] if a.parallel > 1 else [])
     text_prof = text_profile(model, patched, a) if plain else None
     if a.build_only:
         print(f"# ready in {time.time() - t0:.0f} s: builds, {model}, {text_prof}, {replay}", file=sys.stderr)
