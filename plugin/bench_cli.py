@@ -13,8 +13,8 @@ from moeplug.output import Output, human_bytes, table
 
 WHAT = {"text": "prompts", "chat": "chat turns (each prompt a conversation on the prompt cache)",
         "long": "long prompts (the prompts' text one after another, cut to the length)",
-        "concurrent": "prompts sent together (a row is a group, its t/s the requests' together: their tokens over the "
-                      "longest request's time)"}
+        "concurrent": "prompts sent together (a row is a group: prefill its prompts' tokens over the longest prompt's "
+                      "time, decode its generated tokens over the wall time the group waited, prompts included)"}
 NOUN = {"text": "prompts", "chat": "chat turns", "long": "long prompts", "concurrent": "groups"}
 HEAD = ["#", "tokens", "prefill t/s moeplug / stock", "prefill", "decode t/s moeplug / stock", "decode"]
 

@@ -15,6 +15,7 @@ group's speed is the aggregate of its requests.
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -131,14 +132,17 @@ def together_groups(prompts: Sequence[Any], streams: int) -> list[list[Any]]:
 def time_together(url: str, groups: Sequence[Sequence[str | list[int]]], n_predict: int) -> Timings:
     """Each group's prompts sent at once, a thread each, decoding n_predict tokens; the next group after
     the group's last answer. Group g is prompt g of the result, with the group's aggregate speed: its
-    prompts' tokens over the longest prompt time, and its generated tokens over the longest generation
-    time (the requests share the server's batches, so these are what the server delivered to all of
-    them at once). A group with a failed request is left out, its errors kept."""
+    prompts' tokens over the longest prompt time (llama-server's timings), and its generated tokens
+    over the wall time from sending the group to its last answer, prompts included (the requests share
+    the server's batches, and one's prompt may be computed while another decodes: the wall time is
+    what the group waited). A group with a failed request is left out, its errors kept."""
     out = Timings()
     for g, group in enumerate(groups):
         out.sent.append(f"{g}:{n_predict}x{len(group)}")
+        started = time.monotonic()
         with ThreadPoolExecutor(max_workers=len(group)) as pool:
             futures = [pool.submit(complete, url, prompt, n_predict, ignore_eos=True) for prompt in group]
+        wall = time.monotonic() - started  # the pool waits for every answer before it closes
         timings, failed = [], False
         for k, fut in enumerate(futures):
             try:
@@ -152,14 +156,13 @@ def time_together(url: str, groups: Sequence[Sequence[str | list[int]]], n_predi
             prompt_n = sum(int(t["prompt_n"]) for t in timings)
             prompt_ms = max(float(t["prompt_ms"]) for t in timings)
             predicted_n = sum(int(t["predicted_n"]) for t in timings)
-            predicted_ms = max(float(t["predicted_ms"]) for t in timings)
         except ERRORS as exc:
             out.errors.append(f"group {g}: {type(exc).__name__}: {exc}")
             continue
-        if prompt_ms <= 0 or predicted_ms <= 0:
-            out.errors.append(f"group {g}: llama-server timed a phase at 0 ms")
+        if prompt_ms <= 0 or wall <= 0:
+            out.errors.append(f"group {g}: llama-server timed its prompts at 0 ms")
             continue
-        out.prompts[g] = Timed([1e3 * prompt_n / prompt_ms], 1e3 * predicted_n / predicted_ms, prompt_n)
+        out.prompts[g] = Timed([1e3 * prompt_n / prompt_ms], predicted_n / wall, prompt_n)
     return out
 
 

@@ -221,7 +221,7 @@ def test_bench_sends_prompts_together(home: dict[str, str]) -> None:
     text_out = moeplug(home, "bench", "demo", "--rounds", "1", "-n", "4", "--max-prompts", "2", "--prefill-reps", "1",
                        "--concurrent", "6")
     assert text_out.returncode == 0, text_out.stderr[-3000:]
-    assert "prompts sent together" in text_out.stdout and "(median over 1 groups)" in text_out.stdout
+    assert "prompts sent together (a row is a group" in text_out.stdout and "(median over 1 groups)" in text_out.stdout
     assert "6 parallel slots on both sides (-np 6 -kvu)" in text_out.stdout
 
 

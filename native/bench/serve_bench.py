@@ -95,7 +95,8 @@ TABLES = {"text-profiled": "text: the bundled profiling prompts (profiles/*.txt)
           "chat": f"chat: each unseen prompt as a conversation of {CHAT_TURNS} turns, each turn sent after the last "
                   "answer with the server's prompt cache, so it prefills its new text alone (a prompt here is a turn)",
           "concurrent": "concurrent: the unseen prompts in groups sent at once (--streams), on as many parallel slots; "
-                        "a prompt here is a group, its t/s the group's tokens over its longest request's time",
+                        "a prompt here is a group: prefill its prompts' tokens over the longest prompt's time, decode its "
+                        "generated tokens over the wall time the group waited, prompts included",
           "replay": "trace replay: held-out prompts of the trace, moeplug planned from its training prompts",
           "random": "random token ids"}
 
