@@ -15,6 +15,7 @@ from helpers import CliResult, run_cli_process, xdg_homes
 from moeplug.bench import FIT_PAD_MIB, fit_within, raised_fit_target, with_threads
 from moeplug.errors import MoeplugError
 from moeplug.sizes import MIB
+from moeplug.traffic import parse_requests
 
 pytestmark = pytest.mark.native
 
@@ -218,6 +219,11 @@ def test_bench_sends_prompts_together(home: dict[str, str]) -> None:
     log = (Path(home["XDG_STATE_HOME"]) / "moeplug" / "logs" / "server-bench-demo.log").read_text(errors="replace")
     assert "--moe-cache-slots" in " ".join(doc["sides"]["moeplug"]["args"]) and "moe-cache:" in log
     assert _most_in_flight(log) == 3
+    # what `moeplug reprofile` learns the workload from counts every request of a group once: the
+    # launch's context probe, the warm-up, six prompts one at a time, then the two groups' six
+    done = parse_requests(log)
+    assert len(done) == 14 and [r.generated_tokens for r in done[-6:]] == [8] * 6
+    assert sorted(r.prompt_tokens for r in done[-6:]) == sorted(alone)
     text_out = moeplug(home, "bench", "demo", "--rounds", "1", "-n", "4", "--max-prompts", "2", "--prefill-reps", "1",
                        "--concurrent", "6")
     assert text_out.returncode == 0, text_out.stderr[-3000:]
