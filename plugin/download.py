@@ -13,10 +13,11 @@ import shutil
 from pathlib import Path
 
 from moeplug.errors import MoeplugError
-from moeplug.fsutil import sha256_file
+from moeplug.fsutil import sha256_file, write_text_atomic
 from moeplug.output import human_bytes
 from moeplug.progress import Note, ProgressFn, silent
-from moeplug.refs import ModelRef, ResolvedModel, pick_quant_files, resolve_hf_cached, shard_set, hf_cache_dir
+from moeplug.refs import (ModelRef, ResolvedModel, hf_cache_dir, hf_repo_dir, pick_quant_files, resolve_hf_cached,
+                          shard_set)
 
 DISK_HEADROOM = 1.02  # a little room for the cache's own files
 
@@ -87,4 +88,8 @@ def _download(ref: ModelRef, progress: ProgressFn) -> ResolvedModel:
         except (HfHubHTTPError, OSError) as exc:
             raise MoeplugError(f"{ref.repo}/{f}: download failed ({exc}); run again to resume") from None
         check_hash(paths[-1], hashes.get(f), f"{ref.repo}/{f}", progress)
+    if info.sha:
+        # the files were fetched at the commit main named: the cache's refs/main says so, as a download of
+        # "main" leaves it, so that this cache (offline, or llama.cpp's -hf) finds them by the reference
+        write_text_atomic(hf_repo_dir(ref.repo) / "refs" / "main", info.sha)
     return ResolvedModel(ref=ref, path=paths[0], files=paths, source="hf-download", revision=info.sha)

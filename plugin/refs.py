@@ -211,10 +211,16 @@ def pick_quant_files(files: list[str], quant: str, where: str) -> list[str]:
     return shard_set(models[0], set(files), where)
 
 
+def hf_repo_dir(repo: str) -> Path:
+    """A repository's folder in the shared Hugging Face cache (blobs, snapshots, refs)."""
+    return hf_cache_dir() / f"models--{repo.replace('/', '--')}"
+
+
 def resolve_hf_cached(ref: ModelRef) -> ResolvedModel:
+    """The files a reference names in the snapshot the cache's refs/main points at."""
     assert ref.repo is not None
     cache = hf_cache_dir()
-    repo_dir = cache / f"models--{ref.repo.replace('/', '--')}"
+    repo_dir = hf_repo_dir(ref.repo)
     ref_file = repo_dir / "refs" / "main"
     if not ref_file.is_file():
         raise MoeplugError(f"{ref.repo} is not in the Hugging Face cache ({cache}); it has to be downloaded first")
