@@ -28,7 +28,7 @@ from moeplug.install import installed_build, read_installed, up_to_date
 from moeplug.measure import (ERRORS, Timings, chat_turns, median_ratio_interval, time_chat, time_prompts, time_together,
                              together_groups)
 from moeplug.options import STOCK_VRAM
-from moeplug.profile.runner import DEFAULT_PROMPT_SETS, read_prompts, resolve_prompt_set
+from moeplug.profile.runner import HELDOUT_PROMPT_SET, read_prompts, resolve_prompt_set
 from moeplug.progress import Note, ProgressFn, silent
 from moeplug.server import complete
 from moeplug.server_flags import ubatch_args, with_threads
@@ -80,21 +80,21 @@ def fit_within(args: list[str], cap: int, held_by: Callable[[list[str]], int | N
 
 
 def bench_prompts(prompt_files: list[Path], max_prompts: int) -> list[str]:
-    """The prompts: those of the files given, else the bundled profiling sets alternating (a cap
-    takes some of each); at most max_prompts (0: all)."""
+    """The prompts: those of the files (or bundled set names) given, alternating (a cap takes some of
+    each), else the bundled held-out set, which no default profile is made from, so that the plan is
+    not timed on the text its slots were chosen for; at most max_prompts (0: all)."""
     if prompt_files:
         sets = [read_prompts(resolve_prompt_set(str(p))[1]) for p in prompt_files]
     else:
-        sets = [read_prompts(resolve_prompt_set(name)[1]) for name in DEFAULT_PROMPT_SETS]
+        sets = [read_prompts(resolve_prompt_set(HELDOUT_PROMPT_SET)[1])]
     texts = [p for group in itertools.zip_longest(*sets) for p in group if p]
     if not texts:
         raise MoeplugError("no prompts in " + ", ".join(map(str, prompt_files)))
     return texts[:max_prompts] if max_prompts else texts
 
 
-def long_prompts(url: str, texts: list[str], n_tokens: int, count: int = LONG_PROMPTS) -> list[list[int]]:
-    """`count` prompts of exactly n_tokens token ids: the texts as the server tokenizes them, one after
-    another from a different text for each prompt, cycled until long enough."""
+def tokenized(url: str, texts: list[str]) -> list[list[int]]:
+    """The texts as the llama-server at url tokenizes them."""
     import requests
 
     ids = []
@@ -103,6 +103,24 @@ def long_prompts(url: str, texts: list[str], n_tokens: int, count: int = LONG_PR
         if r.status_code != 200:
             raise MoeplugError(f"llama-server /tokenize answered {r.status_code}: {r.text[:200]}")
         ids.append([int(t) for t in r.json()["tokens"]])
+    return ids
+
+
+def check_together_fits(url: str, groups: list[list[str]], n_predict: int, ctx: int) -> None:
+    """Prompts sent together share the server's one KV cache: each group's prompts and answers must
+    fit the context, or the server refuses them mid-run; a one-line error before any is sent."""
+    for group in groups:
+        need = sum(len(ids) + n_predict for ids in tokenized(url, group))
+        if need > ctx:
+            raise MoeplugError(f"{len(group)} prompts at once need {need} tokens of context (their prompts and "
+                               f"{n_predict} generated each), the plan's is {ctx}: '--concurrent N' fewer, shorter "
+                               f"prompts, or a model installed with a larger --ctx")
+
+
+def long_prompts(url: str, texts: list[str], n_tokens: int, count: int = LONG_PROMPTS) -> list[list[int]]:
+    """`count` prompts of exactly n_tokens token ids: the texts as the server tokenizes them, one after
+    another from a different text for each prompt, cycled until long enough."""
+    ids = tokenized(url, texts)
     if not any(ids):
         raise MoeplugError("the prompts tokenize to nothing: no long prompt can be made of them")
     out = []
@@ -291,6 +309,8 @@ def compare(name: str, *, rounds: int = 2, n_predict: int = 64, prefill_reps: in
             try:
                 if long_tokens and not workloads["long"]:
                     workloads["long"] = long_prompts(srv.url, texts, long_tokens)
+                if concurrent and r == 0 and side == SIDES[0]:
+                    check_together_fits(srv.url, workloads["concurrent"], n_predict, plan.ctx)
                 for w, prompts in workloads.items():
                     got = time_chat(srv.url, prompts, n_predict) if w == "chat" else \
                         time_together(srv.url, prompts, n_predict) if w == "concurrent" else \

@@ -95,8 +95,9 @@ def register(sub: Any) -> None:
     p.add_argument("--prefill-reps", type=REPEATS, default=3,
                    help="requests per prompt and launch whose prefill is timed, the median kept (default 3)")
     p.add_argument("--prompt-file", action="append", default=[], metavar="FILE",
-                   help="your own prompts (.txt, separated by lines of '---'; repeatable; default: the bundled "
-                        "profiling sets)")
+                   help="your own prompts (.txt, separated by lines of '---'), or a bundled set's name (codeish, "
+                        "chatty: the ones profiles are made from); repeatable; default: the bundled held-out set, "
+                        "which profiling never runs")
     p.add_argument("--max-prompts", type=PROMPT_CAP, default=8, help="at most this many prompts (0: all; default 8)")
     p.add_argument("--chat", action="store_true",
                    help="also each prompt as a conversation of three turns on the server's prompt cache")

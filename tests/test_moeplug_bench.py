@@ -195,7 +195,7 @@ def _most_in_flight(log: str) -> int:
     return most
 
 
-def test_bench_sends_prompts_together(home: dict[str, str]) -> None:
+def test_bench_sends_prompts_together(home: dict[str, str], tmp_path: Path) -> None:
     """--concurrent N: the prompts in groups of N sent at once; llama-server (4 parallel slots by
     default) processes them together, on moeplug's side as on stock's, and a group's row is the
     group's aggregate: its prompts' tokens, the same as those prompts alone."""
@@ -224,11 +224,18 @@ def test_bench_sends_prompts_together(home: dict[str, str]) -> None:
     done = parse_requests(log)
     assert len(done) == 14 and [r.generated_tokens for r in done[-6:]] == [8] * 6
     assert sorted(r.prompt_tokens for r in done[-6:]) == sorted(alone)
-    text_out = moeplug(home, "bench", "demo", "--rounds", "1", "-n", "4", "--max-prompts", "2", "--prefill-reps", "1",
-                       "--concurrent", "6")
+    short = tmp_path / "short.txt"
+    short.write_text("Name three colours.\n---\nWhat is two plus two?\n")
+    text_out = moeplug(home, "bench", "demo", "--rounds", "1", "-n", "4", "--prefill-reps", "1", "--concurrent", "6",
+                       "--prompt-file", str(short))
     assert text_out.returncode == 0, text_out.stderr[-3000:]
     assert "prompts sent together (a row is a group" in text_out.stdout and "(median over 1 groups)" in text_out.stdout
     assert "6 parallel slots on both sides (-np 6 -kvu)" in text_out.stdout
+    # more prompts at once than the plan's context holds: one line before any is sent
+    full = moeplug(home, "bench", "demo", "--rounds", "1", "-n", "4", "--prefill-reps", "1", "--concurrent", "64")
+    assert full.returncode == 1 and "Traceback" not in full.stderr
+    assert "64 prompts at once need" in full.stderr and "the plan's is 1024" in full.stderr
+    assert full.stderr.strip().splitlines()[-1].startswith("moeplug: error: 64 prompts at once need")
 
 
 def test_with_threads_replaces_the_count() -> None:

@@ -28,8 +28,8 @@ rest on moeplug's side, 4-15% on stock's):
             `--stock-vram budget` raises -fitt before the rounds, a launch at a time, until stock
             holds no more than the budget too (`fit,budget`: both stock rows)
 
-Workloads: `text` (the bundled profiling prompts, profiles/*.txt, and prompts/unseen.txt, which
-profiling never sees: code in other languages, prose, German, French, Chinese, repetitive text),
+Workloads: `text` (the bundled profiling prompts, profiles/codeish.txt and chatty.txt, and
+profiles/heldout.txt, which profiling never sees: code in other languages, prose, German, French, Chinese, repetitive text),
 `replay` (both servers run `--moe-route-replay` with the same replay file of the held-out
 prompts: every request takes the file's next prompt, the launch's context probe and the warm-up
 requests the first ones on both sides alike; the trace is split by prompt, never by token),
@@ -84,14 +84,14 @@ from moeplug.measure import (CHAT_TURNS, chat_turns, median_ratio_interval, time
                              time_together, together_groups)
 
 HERE = Path(__file__).resolve().parent
-UNSEEN_PROMPTS = HERE / "prompts" / "unseen.txt"
+UNSEEN_PROMPTS = HERE.parents[1] / "profiles" / "heldout.txt"  # the bundled set profiling never runs
 WARMUP_TOKENS, WARMUP_PREDICT = 32, 16  # a warm-up request's prompt and generated tokens
 DEFAULT_TRACE = HERE.parents[1] / ".." / "shared" / "data" / "traces" / "gpt-oss-20b" / "decode-routing-mmlu.npz"
 REPLAY_FLAG = "--moe-route-replay"
 WORKLOADS = ("text", "chat", "concurrent", "replay", "random")
 TABLE_ORDER = ("text-profiled", "text-unseen", "chat", "concurrent", "replay", "random")  # a run's tables, in this order
 TABLES = {"text-profiled": "text: the bundled profiling prompts (profiles/*.txt)",
-          "text-unseen": "text: prompts profiling never sees (native/bench/prompts/unseen.txt)",
+          "text-unseen": "text: prompts profiling never sees (profiles/heldout.txt)",
           "chat": f"chat: each unseen prompt as a conversation of {CHAT_TURNS} turns, each turn sent after the last "
                   "answer with the server's prompt cache, so it prefills its new text alone (a prompt here is a turn)",
           "concurrent": "concurrent: the unseen prompts in groups sent at once (--streams), on as many parallel slots; "

@@ -27,6 +27,8 @@ from moeplug.progress import Note, ProgressFn, Step, silent
 from moeplug.runlog import run_logged
 
 DEFAULT_PROMPT_SETS = ("codeish", "chatty")
+# a bundled set no default profile is made from: what benchmarks time a plan on (moeplug.bench)
+HELDOUT_PROMPT_SET = "heldout"
 _PROGRESS_RE = re.compile(r"prompt (\d+)/(\d+)")
 
 
