@@ -159,7 +159,7 @@ def time_together(url: str, groups: Sequence[Sequence[str | list[int]]], n_predi
         except ERRORS as exc:
             out.errors.append(f"group {g}: {type(exc).__name__}: {exc}")
             continue
-        if prompt_ms <= 0 or wall <= 0:
+        if prompt_ms <= 0:
             out.errors.append(f"group {g}: llama-server timed its prompts at 0 ms")
             continue
         out.prompts[g] = Timed([1e3 * prompt_n / prompt_ms], predicted_n / wall, prompt_n)

@@ -82,9 +82,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import GIB, MIB, Prebuilt, free_vram_or_say, interleaved_rounds, median  # noqa: E402
 from moeplug.measure import (CHAT_TURNS, chat_turns, median_ratio_interval, time_chat, time_prompts,  # noqa: E402
                              time_together, together_groups)
+from moeplug.profile.runner import HELDOUT_PROMPT_SET, resolve_prompt_set  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-UNSEEN_PROMPTS = HERE.parents[1] / "profiles" / "heldout.txt"  # the bundled set profiling never runs
+UNSEEN_PROMPTS = resolve_prompt_set(HELDOUT_PROMPT_SET)[1]  # the bundled set profiling never runs
 WARMUP_TOKENS, WARMUP_PREDICT = 32, 16  # a warm-up request's prompt and generated tokens
 DEFAULT_TRACE = HERE.parents[1] / ".." / "shared" / "data" / "traces" / "gpt-oss-20b" / "decode-routing-mmlu.npz"
 REPLAY_FLAG = "--moe-route-replay"
