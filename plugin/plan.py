@@ -157,6 +157,10 @@ class Plan:
     # patch 0024, on by default); off, the compute buffer holds one weight copy as stock's does and the
     # bytes go to slots (the server then runs with GGML_SCHED_EXPERT_COPY_AHEAD=0: server_env)
     copy_ahead: bool = True
+    # prompt batches of this many tokens or more go to the GPU with their missed experts copied over
+    # (GGML_OP_OFFLOAD_MIN_BATCH, read by llama.cpp's scheduler and by the cache; SHORT_PROMPT_OFFLOAD), None
+    # for llama.cpp's 32: set where the cache holds slots on a GPU
+    offload_min_batch: int | None = None
     # the server's CPU threads (-t), None for llama.cpp's default (plan.server_threads); threads_asked:
     # what the user asked for (0: llama.cpp's default), None for the planner's choice (kept on re-plans)
     threads: int | None = None
@@ -184,7 +188,10 @@ class Plan:
 
     def server_env(self) -> dict[str, str]:
         """The environment the plan's server runs with beside its flags."""
-        return {} if self.copy_ahead else {"GGML_SCHED_EXPERT_COPY_AHEAD": "0"}
+        env = {} if self.copy_ahead else {"GGML_SCHED_EXPERT_COPY_AHEAD": "0"}
+        if self.offload_min_batch is not None:
+            env["GGML_OP_OFFLOAD_MIN_BATCH"] = str(self.offload_min_batch)
+        return env
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -234,8 +241,17 @@ COPY_AHEAD_FEW_PARTIAL = 0.25
 # raised when a change to the planner makes the plans it stored before worth making again: `moeplug serve`,
 # `moeplug bench` and the hooks re-plan an installed model whose plan an older revision made, from its
 # stored budget, context and choices (install.up_to_date; 1: the threads halved only where few layers are
-# partly resident, twenty-seventh session)
-PLANNER_REVISION = 1
+# partly resident, twenty-seventh session; 2: short prompt batches on the GPU, SHORT_PROMPT_OFFLOAD)
+PLANNER_REVISION = 2
+# With the cache's slots on a GPU, a prompt batch of this many tokens or more goes to the GPU: the slots
+# serve their experts there and the missed ones are copied over, where llama.cpp sends a batch below 32
+# tokens to the CPU, which computes every selection of a layer in RAM (the cache: every miss) for each
+# token. Measured through the server (thirty-second session, native/BENCHMARKS.md; Qwen3 shape at 12
+# GiB, 8 prompts of 24 random tokens, 3 rounds): prefill 2.15x of stock (first requests 1.83x, lowest
+# 1.73x) against 1.36x (first requests 0.88x, lowest 0.78x) on the CPU; decode unchanged within the run
+# (1.04x against 1.15x, rounds overlapping). Batches below it (a decoded token, a draft's verification
+# batch, a few parallel requests) keep the CPU beside the GPU (native/DESIGN.md).
+SHORT_PROMPT_OFFLOAD = 16
 SERVER_THREADS_MIN_CORES = 8  # below it, llama.cpp's default thread count (server_threads)
 # the share of the MoE layers at or below which partly resident layers leave the CPU so little of a token
 # that half the cores serve it better than all (server_threads; twenty-seventh session, through the server
@@ -620,13 +636,18 @@ def _make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, p
     args += spec.server_args(gpu=True) if spec else []
     prompts = any(c.prefill is not None for c in costs)
     cache = "--moe-cache-slots" in args  # without it, prompt batches take stock's path
+    short = SHORT_PROMPT_OFFLOAD if cache and any(0 < n < info.n_expert for n in slots) else None
+    if short:
+        notes.append(f"short prompts go to the GPU from {short} tokens on, their missed experts copied over "
+                     f"(GGML_OP_OFFLOAD_MIN_BATCH={short}; llama.cpp sends batches below 32 tokens to the CPU, "
+                     f"which computes every missed selection of each token)")
     return Plan(backend="cuda", vram_budget_bytes=vram_budget, stock_ncmoe=ncmoe,
                 modelled_host_ms=1e3 * modelled_seconds(costs, slots, stock=not cache),
                 stock_modelled_host_ms=1e3 * modelled_seconds(costs, stock_slots, stock=True), server_args=args,
                 modelled_prompt_us=1e6 * modelled_prompt_seconds(costs, slots, stock=not cache) if prompts else None,
                 stock_modelled_prompt_us=1e6 * modelled_prompt_seconds(costs, stock_slots, stock=True) if prompts else None,
                 prefill_guard=prompt_factor, stream_share=share, modelled_stream_saving_ms=1e3 * saving,
-                warnings=_fit_warnings(s["fit_fraction"], s["predicted_hit_rate"]), notes=notes, **(base | s))
+                offload_min_batch=short, warnings=_fit_warnings(s["fit_fraction"], s["predicted_hit_rate"]), notes=notes, **(base | s))
 
 
 def tokens_per_step(acceptance: float, n_draft: int) -> float:
