@@ -1,0 +1,23 @@
+# (a) the product path with short prompts to the GPU (planner revision 2): Qwen3 shape at 12 GiB, moeplug bench --chat;
+# (b) gpt-oss shape at 25%, 24-token random prompts, GGML_OP_OFFLOAD_MIN_BATCH 32 (llama.cpp's, the old plans) against 16
+source .carry/setup.sh; BIN=$(bin_dir); CAR=$(basename $(dirname $BIN))
+BID=$(python3 -c "from moeplug.native.build import build_id, resolve_options, load_spec; print(build_id(load_spec(), resolve_options(None, False, 0, None)))")
+echo "carried $CAR resolved $BID"
+[ -e ~/.local/share/moeplug/builds/$BID ] || ln -s ~/.local/share/moeplug/builds/$CAR ~/.local/share/moeplug/builds/$BID
+t=$SECONDS; python3 -m moeplug dev make-model --shape qwen3-30b-a3b --out /tmp/qwen3-shape.gguf > /dev/null; echo "model rc=$? $((SECONDS-t)) s"
+t=$SECONDS; python3 -m moeplug install /tmp/qwen3-shape.gguf --no-serve --vram-budget 12GiB --ctx 8192 --profile-tokens 64 > $OUT/install.txt 2>&1; echo "install rc=$? $((SECONDS-t)) s"; grep -i "environment\|short prompts" $OUT/install.txt | head -3
+NAME=$(python3 -m moeplug list --json | python3 -c "import json,sys; print(json.load(sys.stdin)['models'][0]['name'])"); echo "NAME=$NAME"
+t=$SECONDS; python3 -m moeplug bench $NAME --rounds 2 --chat --json > $OUT/bench.json 2> $OUT/bench.err; echo "bench rc=$? $((SECONDS-t)) s"; tail -3 $OUT/bench.err
+python3 - $OUT/bench.json <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+print("moeplug env", d["sides"]["moeplug"].get("env"))
+for w, v in d.get("workloads", {}).items():
+    for k in ("prefill", "first", "decode"):
+        s = v.get(k) or {}
+        print(w, k, "median", s.get("ratio_median"), "lowest", s.get("ratio_lowest"), "interval", s.get("ratio_interval"))
+print("notes", d.get("notes"))
+PY
+cp ~/.local/state/moeplug/logs/*.log $OUT/ 2>/dev/null; rm -f /tmp/qwen3-shape.gguf; echo "product path done at $SECONDS s"
+python3 native/bench/serve_bench.py --shape gpt-oss-20b --budgets 25% --workloads random --random-tokens 24 --random-prompts 8 --ctx 8192 -n 32 --rounds 2 --prefill-reps 3 --row-env GGML_OP_OFFLOAD_MIN_BATCH=32,16 --prebuilt-moeplug $BIN --prebuilt-stock $BIN --time-limit $((560 - SECONDS)) --json $OUT/a.json > $OUT/a.md 2> $OUT/a.err; echo "rc=$?"; tail -8 $OUT/a.err
+grep -E "^\| 25%" $OUT/a.md | head; grep "first request alone" $OUT/a.md; echo "total $SECONDS s"
