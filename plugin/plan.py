@@ -247,11 +247,12 @@ PLANNER_REVISION = 2
 # serve their experts there and the missed ones are copied over, where llama.cpp sends a batch below 32
 # tokens to the CPU, which computes every selection of a layer in RAM (the cache: every miss) for each
 # token. Measured through the server (thirty-second session, native/BENCHMARKS.md; Qwen3 shape at 12
-# GiB, 8 prompts of 24 random tokens, 3 rounds): prefill 2.15x of stock (first requests 1.83x, lowest
-# 1.73x) against 1.36x (first requests 0.88x, lowest 0.78x) on the CPU; decode unchanged within the run
-# (1.04x against 1.15x, rounds overlapping). Batches below it (a decoded token, a draft's verification
-# batch, a few parallel requests) keep the CPU beside the GPU (native/DESIGN.md).
-SHORT_PROMPT_OFFLOAD = 16
+# GiB, 8 random prompts): 24 tokens at 16, prefill 2.15x of stock (first requests 1.83x) against 1.36x
+# (first requests 0.88x) on the CPU; 12 tokens at 8, 2.14x (first requests 1.90x) against 1.15x (first
+# requests 0.80x, lowest 0.66x) at 16; the gpt-oss shape at 25%, 24 tokens, 1.51x against 1.40x. Decode
+# unchanged within the runs. Batches below it (a decoded token, a draft's verification batch of 4, a
+# few parallel requests' step) keep the CPU beside the GPU; below 8 was not measured (native/DESIGN.md).
+SHORT_PROMPT_OFFLOAD = 8
 SERVER_THREADS_MIN_CORES = 8  # below it, llama.cpp's default thread count (server_threads)
 # the share of the MoE layers at or below which partly resident layers leave the CPU so little of a token
 # that half the cores serve it better than all (server_threads; twenty-seventh session, through the server

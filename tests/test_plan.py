@@ -387,7 +387,7 @@ def test_a_plan_without_copies_ahead_gives_their_bytes_to_slots(tmp_path: Path) 
     # both layers partly resident: the planner keeps the copies ahead
     assert make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile).to_json() == on.to_json()
     assert on.copy_ahead and not off.copy_ahead
-    short = {"GGML_OP_OFFLOAD_MIN_BATCH": "16"}  # short prompts to the GPU wherever the cache holds slots there
+    short = {"GGML_OP_OFFLOAD_MIN_BATCH": "8"}  # short prompts to the GPU wherever the cache holds slots there
     assert on.server_env() == short and off.server_env() == {"GGML_SCHED_EXPERT_COPY_AHEAD": "0"} | short
     assert off.compute_bytes == on.compute_bytes - expert_copy_ahead_bytes(info)
     assert off.slots_total > on.slots_total and off.expert_vram_bytes > on.expert_vram_bytes
@@ -433,16 +433,16 @@ def test_the_planner_drops_the_copies_ahead_where_few_layers_are_partly_resident
     assert auto.compute_bytes == forced.compute_bytes - expert_copy_ahead_bytes(info)
     assert any("prompt batches copy their expert weights one at a time" in n for n in auto.notes)
     from moeplug.install_cli import plan_text
-    assert "server environment: GGML_OP_OFFLOAD_MIN_BATCH=16 GGML_SCHED_EXPERT_COPY_AHEAD=0" in plan_text(auto)
+    assert "server environment: GGML_OP_OFFLOAD_MIN_BATCH=8 GGML_SCHED_EXPERT_COPY_AHEAD=0" in plan_text(auto)
     assert "copied one at a time" in plan_text(auto) and "copied ahead" in plan_text(forced)
-    assert "server environment: GGML_OP_OFFLOAD_MIN_BATCH=16\n" in plan_text(forced) + "\n"
+    assert "server environment: GGML_OP_OFFLOAD_MIN_BATCH=8\n" in plan_text(forced) + "\n"
     record = InstalledModel(name="m", ref=str(path), path=str(path), profile=None, build_id="b", ctx=2048, plan=auto)
-    assert record.server_env() == {"GGML_SCHED_EXPERT_COPY_AHEAD": "0", "GGML_OP_OFFLOAD_MIN_BATCH": "16"}
+    assert record.server_env() == {"GGML_SCHED_EXPERT_COPY_AHEAD": "0", "GGML_OP_OFFLOAD_MIN_BATCH": "8"}
     assert InstalledModel.from_json(json.loads(json.dumps(record.to_json()))).server_env() == record.server_env()
     many = fixed_bytes(info, 2048) + 4 * layer  # half the experts' bytes: spread over most layers
     kept = make_plan(info, 2048, many, tmp_path / "p.gguf", profile=prof)
     assert sum(0 < n < info.n_expert for n in kept.slots_per_layer) > COPY_AHEAD_FEW_PARTIAL * 8
-    assert kept.copy_ahead and kept.server_env() == {"GGML_OP_OFFLOAD_MIN_BATCH": "16"}
+    assert kept.copy_ahead and kept.server_env() == {"GGML_OP_OFFLOAD_MIN_BATCH": "8"}
 
 
 def test_short_prompts_go_to_the_gpu_where_the_cache_holds_slots_there(tmp_path: Path) -> None:
