@@ -159,7 +159,7 @@ class Plan:
     copy_ahead: bool = True
     # prompt batches of this many tokens or more go to the GPU with their missed experts copied over
     # (GGML_OP_OFFLOAD_MIN_BATCH, read by llama.cpp's scheduler and by the cache; SHORT_PROMPT_OFFLOAD), None
-    # for llama.cpp's 32: set where the cache holds slots on a GPU
+    # for llama.cpp's 32: set where the cache holds slots on one GPU
     offload_min_batch: int | None = None
     # the server's CPU threads (-t), None for llama.cpp's default (plan.server_threads); threads_asked:
     # what the user asked for (0: llama.cpp's default), None for the planner's choice (kept on re-plans)
@@ -637,7 +637,8 @@ def _make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, p
     args += spec.server_args(gpu=True) if spec else []
     prompts = any(c.prefill is not None for c in costs)
     cache = "--moe-cache-slots" in args  # without it, prompt batches take stock's path
-    short = SHORT_PROMPT_OFFLOAD if cache and any(0 < n < info.n_expert for n in slots) else None
+    # one GPU only: on two the cache's device copy engages on the first alone (native/DESIGN.md), unmeasured
+    short = SHORT_PROMPT_OFFLOAD if cache and not split_args and any(0 < n < info.n_expert for n in slots) else None
     if short:
         notes.append(f"short prompts go to the GPU from {short} tokens on, their missed experts copied over "
                      f"(GGML_OP_OFFLOAD_MIN_BATCH={short}; llama.cpp sends batches below 32 tokens to the CPU, "
@@ -648,7 +649,8 @@ def _make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, p
                 modelled_prompt_us=1e6 * modelled_prompt_seconds(costs, slots, stock=not cache) if prompts else None,
                 stock_modelled_prompt_us=1e6 * modelled_prompt_seconds(costs, stock_slots, stock=True) if prompts else None,
                 prefill_guard=prompt_factor, stream_share=share, modelled_stream_saving_ms=1e3 * saving,
-                offload_min_batch=short, warnings=_fit_warnings(s["fit_fraction"], s["predicted_hit_rate"]), notes=notes, **(base | s))
+                offload_min_batch=short, warnings=_fit_warnings(s["fit_fraction"], s["predicted_hit_rate"]),
+                notes=notes, **(base | s))
 
 
 def tokens_per_step(acceptance: float, n_draft: int) -> float:

@@ -446,10 +446,10 @@ def test_the_planner_drops_the_copies_ahead_where_few_layers_are_partly_resident
 
 
 def test_short_prompts_go_to_the_gpu_where_the_cache_holds_slots_there(tmp_path: Path) -> None:
-    """A plan whose cache holds slots on a GPU sends prompt batches of SHORT_PROMPT_OFFLOAD tokens or more
+    """A plan whose cache holds slots on one GPU sends prompt batches of SHORT_PROMPT_OFFLOAD tokens or more
     to the GPU (GGML_OP_OFFLOAD_MIN_BATCH in its server's environment, said in a note and kept in the
-    installed record); a plan without the cache (every expert in VRAM, no profile: stock's placement) or
-    without a GPU leaves llama.cpp's threshold alone, and a record from before reads as such."""
+    installed record); a plan without the cache (every expert in VRAM, no profile: stock's placement),
+    without a GPU or on two leaves llama.cpp's threshold alone, and a record from before reads as such."""
     from moeplug.plan import SHORT_PROMPT_OFFLOAD, Plan
 
     model, profile = big_expert_model(tmp_path)
@@ -467,7 +467,10 @@ def test_short_prompts_go_to_the_gpu_where_the_cache_holds_slots_there(tmp_path:
                       profile=profile)
     stock = make_plan(info, 2048, fixed_bytes(info, 2048) + 3 * info.expert_bytes // 4, None)
     cpu = make_plan(info, 2048, None, tmp_path / "p.gguf", profile=profile)
-    for plan in (whole, stock, cpu):
+    half = fixed_bytes(info, 2048) + 3 * info.expert_bytes // 8
+    two = make_plan(info, 2048, [half, half], tmp_path / "p.gguf", profile=profile)  # unmeasured on two GPUs
+    assert two.devices is not None and "--moe-cache-slots" in two.server_args
+    for plan in (whole, stock, cpu, two):
         assert plan.offload_min_batch is None and "GGML_OP_OFFLOAD_MIN_BATCH" not in plan.server_env()
 
 
