@@ -17,9 +17,9 @@ the launch's context probe (one prompt batch, no decoding), `--warmup N` unmeasu
 measured prompt used to pay them (in the sixteenth session it decoded about 20% slower than the
 rest on moeplug's side, 4-15% on stock's):
 
-  moeplug   the plan's flags on the patched build (a profile of the bundled text prompts for the
-            text and random workloads; for the replay workload, a profile of the trace's training
-            prompts, `moeplug profile --from-trace`); `--copy-ahead on,off` adds a row planned for
+  moeplug   the plan's flags and environment on the patched build (a profile of the bundled text
+            prompts for the text and random workloads; for the replay workload, a profile of the
+            trace's training prompts, `moeplug profile --from-trace`); `--copy-ahead on,off` adds a row planned for
             prompt batches that copy their expert weights one at a time (the second weight copy's
             compute buffer given to slots, GGML_SCHED_EXPERT_COPY_AHEAD=0)
   stock     stock llama-server `--fit on -fitt (free VRAM - budget)` from a stock build, with the
@@ -696,7 +696,8 @@ ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
 
 def row_envs(ap: argparse.ArgumentParser, text: str) -> list[dict[str, str]]:
     """--row-env NAME=V1,V2: a moeplug row per value of one environment variable of its process
-    ('unset': the variable left as the caller's); [{}] when empty."""
+    ('unset': the variable left as the plan's environment sets it, else as the caller's; the plan's own
+    value is written out to time without it, e.g. GGML_OP_OFFLOAD_MIN_BATCH=32); [{}] when empty."""
     if not text:
         return [{}]
     name, eq, values = text.partition("=")
@@ -838,7 +839,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="moeplug rows per --moe-cache-stream share (of each layer's misses, the GPU computes the "
                          "hottest carrying this share from host memory), e.g. 0,0.4 (default: the plan's)")
     ap.add_argument("--row-env", default="", help="moeplug rows per value of an environment variable of its server, "
-                    "e.g. GGML_CUDA_EXPERT_COPY_AHEAD_BLOCKS=unset,64 ('unset': as the caller's)")
+                    "e.g. GGML_CUDA_EXPERT_COPY_AHEAD_BLOCKS=unset,64 ('unset': no value of the row's own, so the "
+                    "plan's environment's, else the caller's)")
     ap.add_argument("--row-args", default="", help="moeplug rows per set of extra llama-server flags, sets split by "
                     "';', e.g. 'none;--no-op-offload' (none: no extra flags)")
     ap.add_argument("--ubatches", default="", help="moeplug rows per physical batch (-ub) its plan is made for, e.g. "
