@@ -134,6 +134,15 @@ def long_prompts(url: str, texts: list[str], n_tokens: int, count: int = LONG_PR
     return out
 
 
+def short_prompts(url: str, texts: list[str], n_tokens: int) -> list[list[int]]:
+    """Each text's first n_tokens token ids as the server tokenizes them (a chat's opening line, a short
+    request); texts with fewer tokens are left out, and where none has as many, one line says so."""
+    ids = [seq[:n_tokens] for seq in tokenized(url, texts) if len(seq) >= n_tokens]
+    if not ids:
+        raise MoeplugError(f"no prompt is {n_tokens} tokens long: '--short N' fewer")
+    return ids
+
+
 @dataclass
 class Side:
     """One side's launches: its server arguments and environment, and per workload and prompt each
@@ -215,7 +224,7 @@ def compare(name: str, *, rounds: int = 2, n_predict: int = 64, prefill_reps: in
             prompt_files: list[Path] | None = None, max_prompts: int = 8, chat: bool = False,
             stock_vram: str = "fit", threads: int | None = None, stock_threads: int | None = None,
             stock_ubatch: int | None = None, prompt_tokens: int | None = None, concurrent: int = 0,
-            progress: ProgressFn = silent) -> Comparison:
+            short: int = 0, progress: ProgressFn = silent) -> Comparison:
     """Run an installed model's plan and stock --fit at the same budget in turns (see the module);
     raises where the model is being served (the GPU must be the two servers' alone) or a launch or
     prompt fails. stock_vram "budget": before the rounds, stock's -fitt is raised until its server
@@ -226,7 +235,9 @@ def compare(name: str, *, rounds: int = 2, n_predict: int = 64, prefill_reps: in
     also a "long" workload, LONG_PROMPTS prompts of that many tokens (long_prompts, made at the first
     launch; None: the prompt length the plan was made for, where it has one; 0: none). concurrent: also
     a "concurrent" workload, the prompts in groups of that many sent at once (measure.time_together;
-    0: none); beyond llama-server's AUTO_PARALLEL slots both sides get as many (-np, one KV cache)."""
+    0: none); beyond llama-server's AUTO_PARALLEL slots both sides get as many (-np, one KV cache). short:
+    also a "short" workload, each prompt's first `short` tokens (short_prompts, made at the first launch;
+    0: none): llama.cpp computes a prompt below 32 tokens on the CPU, moeplug's plans from 8 on the GPU."""
     if stock_vram not in STOCK_VRAM:
         raise MoeplugError(f"stock VRAM {stock_vram!r}: one of {', '.join(STOCK_VRAM)}")
     read_installed(name)  # an unknown name fails first
@@ -247,6 +258,8 @@ def compare(name: str, *, rounds: int = 2, n_predict: int = 64, prefill_reps: in
             raise MoeplugError(f"prompts of {long_tokens} tokens generating {n_predict} do not fit the plan's "
                                f"context of {plan.ctx} tokens: '--prompt-tokens N' for a shorter one, 0 for none")
         workloads["long"] = []  # made of the texts by the first server's tokenizer
+    if short:
+        workloads["short"] = []  # made of the texts by the first server's tokenizer
     if concurrent:
         workloads["concurrent"] = together_groups(texts, concurrent)
     found = gpus()
@@ -309,6 +322,8 @@ def compare(name: str, *, rounds: int = 2, n_predict: int = 64, prefill_reps: in
             try:
                 if long_tokens and not workloads["long"]:
                     workloads["long"] = long_prompts(srv.url, texts, long_tokens)
+                if short and not workloads["short"]:
+                    workloads["short"] = short_prompts(srv.url, texts, short)
                 if concurrent and r == 0 and side == SIDES[0]:
                     check_together_fits(srv.url, workloads["concurrent"], n_predict, plan.ctx)
                 for w, prompts in workloads.items():

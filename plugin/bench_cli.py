@@ -8,14 +8,17 @@ from typing import Any
 
 from moeplug.estimates import DEFAULT_UBATCH
 from moeplug.install_cli import PROMPT_TOKENS, UBATCH
-from moeplug.options import CONCURRENT, GENERATE, PROMPT_CAP, REPEATS, ROUNDS, SERVER_THREADS, STOCK_VRAM, add_json
+from moeplug.options import (CONCURRENT, GENERATE, PROMPT_CAP, REPEATS, ROUNDS, SERVER_THREADS, SHORT_PROMPT, STOCK_VRAM,
+                             add_json)
 from moeplug.output import Output, human_bytes, table
 
 WHAT = {"text": "prompts", "chat": "chat turns (each prompt a conversation on the prompt cache)",
         "long": "long prompts (the prompts' text one after another, cut to the length)",
+        "short": "short prompts (each prompt's first tokens: a chat's opening line, a short request)",
         "concurrent": "prompts sent together (a row is a group: prefill its prompts' tokens over the longest prompt's "
                       "time, decode its generated tokens over the wall time the group waited, prompts included)"}
-NOUN = {"text": "prompts", "chat": "chat turns", "long": "long prompts", "concurrent": "groups"}
+NOUN = {"text": "prompts", "chat": "chat turns", "long": "long prompts", "short": "short prompts",
+        "concurrent": "groups"}
 HEAD = ["#", "tokens", "prefill t/s moeplug / stock", "prefill", "decode t/s moeplug / stock", "decode"]
 
 
@@ -53,7 +56,7 @@ def comparison_text(c: Any) -> str:
         lines += ["", f"{WHAT[w]}:", table(HEAD, rows, "rrrrrr")]
         lines.append(f"prefill {_ratio(d['prefill'])}, decode {_ratio(d['decode'])} of stock (median over "
                      f"{d['prompts']} {NOUN[w]})")
-        if c.prefill_reps > 1 and w in ("text", "long"):
+        if c.prefill_reps > 1 and w in ("text", "long", "short"):
             lines.append(f"each prompt's first request alone (the slots another prompt left): prefill "
                          f"{_ratio(d['first'])}")
     lines.append("CPU threads: " + ", ".join(f"{side} {_threads(s['args'])}" for side, s in doc["sides"].items()))
@@ -78,7 +81,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                    prompt_files=[Path(p) for p in args.prompt_file], max_prompts=args.max_prompts, chat=args.chat,
                    stock_vram=args.stock_vram, threads=args.threads, stock_threads=args.stock_threads,
                    stock_ubatch=args.stock_ubatch, prompt_tokens=args.prompt_tokens,
-                   concurrent=args.concurrent or 0, progress=out.progress)
+                   concurrent=args.concurrent or 0, short=args.short or 0, progress=out.progress)
     return out.result(done, comparison_text)
 
 
@@ -118,6 +121,10 @@ def register(sub: Any) -> None:
                    help=f"also time {LONG_PROMPTS} long prompts of N tokens, the prompts' text one after another "
                         f"(default: the prompt length the plan was made for, set or learned by 'moeplug reprofile', "
                         f"where it has one; 0: none)")
+    p.add_argument("--short", type=SHORT_PROMPT, metavar="N",
+                   help="also time each prompt cut to its first N tokens, 1-4096, as a chat's opening line or a "
+                        "short request (llama.cpp computes a prompt below 32 tokens on the CPU; moeplug's plans send "
+                        "one of 8 or more to the GPU)")
     p.add_argument("--concurrent", type=CONCURRENT, metavar="N",
                    help="also send the prompts N at a time, 2-64, as users or agents sharing the server do, and compare "
                         "what both sides deliver to all of them together (beyond llama-server's 4 parallel slots, "

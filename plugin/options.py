@@ -148,6 +148,7 @@ GENERATE = Number(int, 1, 4096, "a number of tokens to generate")
 STOCK_VRAM = ("fit", "budget")
 PROMPT_CAP = Number(int, 0, 100000, "a number of prompts")
 CONCURRENT = Number(int, 2, 64, "a number of prompts sent at once")
+SHORT_PROMPT = Number(int, 1, 4096, "a prompt length in tokens")
 BUDGET = Budgets()
 CUDA_ARCH = CudaArch()
 

@@ -184,6 +184,35 @@ def test_bench_times_long_prompts_of_the_planned_length(home: dict[str, str]) ->
     assert len(big.stderr.strip().splitlines()) == 1
 
 
+def test_bench_times_short_prompts(home: dict[str, str]) -> None:
+    """--short N: each prompt's first N tokens as the server tokenizes them, the same tokens on both
+    sides, a workload of its own; out of range, or longer than every prompt, one line."""
+    r = moeplug(home, "bench", "demo", "--rounds", "1", "-n", "2", "--max-prompts", "2", "--prefill-reps", "2",
+                "--short", "12", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    assert list(doc["workloads"]) == ["text", "short"]
+    short, text = doc["workloads"]["short"], doc["workloads"]["text"]
+    assert short["prompts"] == 2 and [row["prompt_tokens"] for row in short["rows"]] == [12, 12]
+    assert all(row["prompt_tokens"] > 12 for row in text["rows"])
+    for row in short["rows"]:
+        assert row["prefill"]["ratio"] == pytest.approx(row["prefill"]["moeplug_tps"] / row["prefill"]["stock_tps"])
+    out = moeplug(home, "bench", "demo", "--rounds", "1", "-n", "2", "--max-prompts", "1", "--prefill-reps", "2",
+                  "--short", "8")
+    assert out.returncode == 0 and "short prompts (each prompt's first tokens" in out.stdout
+    assert "of stock (median over 1 short prompts)" in out.stdout
+    assert out.stdout.count("each prompt's first request alone") == 2  # the text's and the short prompts'
+    for bad in ("0", "5000", "x"):
+        r = moeplug(home, "bench", "demo", "--short", bad)
+        assert r.returncode == 2 and "--short" in r.stderr and "Traceback" not in r.stderr
+    long = moeplug(home, "bench", "demo", "--rounds", "1", "-n", "2", "--max-prompts", "1", "--short", "4096")
+    assert long.returncode == 1 and "no prompt is 4096 tokens long" in long.stderr
+    errors = [line for line in long.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and "Traceback" not in long.stderr  # after the first launch's progress line
+    status = moeplug(home, "status", "--json")  # the launch it was found at is stopped again
+    assert status.returncode == 0 and json.loads(status.stdout)["servers"] == []
+
+
 def _most_in_flight(log: str) -> int:
     """The most requests llama-server's log shows processing at once: slots between "processing task"
     and "stop processing"."""
