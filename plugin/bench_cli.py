@@ -8,8 +8,8 @@ from typing import Any
 
 from moeplug.estimates import DEFAULT_UBATCH
 from moeplug.install_cli import PROMPT_TOKENS, UBATCH
-from moeplug.options import (CONCURRENT, GENERATE, PROMPT_CAP, REPEATS, ROUNDS, SERVER_THREADS, SHORT_PROMPT, STOCK_VRAM,
-                             add_json)
+from moeplug.options import (CONCURRENT, GENERATE, PROMPT_CAP, REPEATS, ROUNDS, SERVER_THREADS, SHORT_PROMPT,
+                             STOCK_VRAM, add_json)
 from moeplug.output import Output, human_bytes, table
 
 WHAT = {"text": "prompts", "chat": "chat turns (each prompt a conversation on the prompt cache)",

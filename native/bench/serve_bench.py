@@ -19,9 +19,9 @@ rest on moeplug's side, 4-15% on stock's):
 
   moeplug   the plan's flags and environment on the patched build (a profile of the bundled text
             prompts for the text and random workloads; for the replay workload, a profile of the
-            trace's training prompts, `moeplug profile --from-trace`); `--copy-ahead on,off` adds a row planned for
-            prompt batches that copy their expert weights one at a time (the second weight copy's
-            compute buffer given to slots, GGML_SCHED_EXPERT_COPY_AHEAD=0)
+            trace's training prompts, `moeplug profile --from-trace`); `--copy-ahead on,off` adds a
+            row planned for prompt batches that copy their expert weights one at a time (the second
+            weight copy's compute buffer given to slots, GGML_SCHED_EXPERT_COPY_AHEAD=0)
   stock     stock llama-server `--fit on -fitt (free VRAM - budget)` from a stock build, with the
             same context, load mode (-lm), threads and parallel slots. llama.cpp's estimate leaves out
             some of what its server holds (154-172 MiB over 8-16 GiB budgets on the H200):
