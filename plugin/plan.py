@@ -159,7 +159,7 @@ class Plan:
     copy_ahead: bool = True
     # prompt batches of this many tokens or more go to the GPU with their missed experts copied over
     # (GGML_OP_OFFLOAD_MIN_BATCH, read by llama.cpp's scheduler and by the cache; SHORT_PROMPT_OFFLOAD), None
-    # for llama.cpp's 32: set where the cache holds slots on one GPU
+    # for llama.cpp's (estimates.MIN_UBATCH): set where the cache holds slots on one GPU
     offload_min_batch: int | None = None
     # the server's CPU threads (-t), None for llama.cpp's default (plan.server_threads); threads_asked:
     # what the user asked for (0: llama.cpp's default), None for the planner's choice (kept on re-plans)
@@ -641,8 +641,8 @@ def _make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, p
     short = SHORT_PROMPT_OFFLOAD if cache and not split_args and any(0 < n < info.n_expert for n in slots) else None
     if short:
         notes.append(f"short prompts go to the GPU from {short} tokens on, their missed experts copied over "
-                     f"(GGML_OP_OFFLOAD_MIN_BATCH={short}; llama.cpp sends batches below 32 tokens to the CPU, "
-                     f"which computes every missed selection of each token)")
+                     f"(GGML_OP_OFFLOAD_MIN_BATCH={short}; llama.cpp sends batches below {MIN_UBATCH} tokens to the "
+                     f"CPU, which computes every missed selection of each token)")
     return Plan(backend="cuda", vram_budget_bytes=vram_budget, stock_ncmoe=ncmoe,
                 modelled_host_ms=1e3 * modelled_seconds(costs, slots, stock=not cache),
                 stock_modelled_host_ms=1e3 * modelled_seconds(costs, stock_slots, stock=True), server_args=args,
