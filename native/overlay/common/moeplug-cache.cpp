@@ -334,7 +334,7 @@ std::vector<common_moeplug_cache_choice> common_moeplug_cache_choose(
 
 bool common_moeplug_cache_enable(llama_model * model, const std::string & model_path, const std::string & profile_path,
         const std::string & slots, int32_t max_batch, int32_t margin_mib, bool count,
-        const std::string & policy, float half_life, int32_t uploads, float stream) {
+        const std::string & policy, float half_life, int32_t uploads, float stream, int32_t offload_min_batch) {
     llama_moeplug_cache_result result = {};
     const bool dynamic = policy == "dynamic";
     try {
@@ -364,6 +364,7 @@ bool common_moeplug_cache_enable(llama_model * model, const std::string & model_
         mp.half_life  = half_life;
         mp.max_uploads = uploads;
         mp.stream_share = stream;
+        mp.offload_min_batch = offload_min_batch;
         if (!llama_model_moeplug_cache_init(model, &mp, &result)) {
             throw std::runtime_error(result.reason);
         }
@@ -383,7 +384,7 @@ bool common_moeplug_cache_enable(llama_model * model, const std::string & model_
         (double) (half_life > 0.0f ? half_life : 128.0f), uploads > 0 ? uploads : 4);
     // prompt batches of the partly resident layers: one pass, the device copying their experts from the slots
     const std::string prompt_desc = result.n_layers_copied == 0 ? "" :
-        string_format(", prompt batches in one pass on %d layers", result.n_layers_copied);
+        string_format(", prompt batches in one pass on %d layers from %d tokens", result.n_layers_copied, result.offload_min_batch);
     // misses of some layers computed by the device from host memory, beside the CPU
     const std::string stream_desc = result.n_layers_streamed == 0 ? "" :
         string_format(", %d layers stream %.0f%% of their misses", result.n_layers_streamed, 100.0 * result.stream_share);
@@ -411,7 +412,7 @@ bool common_moeplug_cache_init(llama_model * model, const common_params & params
             engaged = common_moeplug_cache_enable(model, params.model.path, src.profile, src.slots,
                 params.moeplug_cache_max_batch, params.moeplug_cache_margin_mib, params.endpoint_metrics,
                 params.moeplug_cache_policy, params.moeplug_cache_half_life, params.moeplug_cache_uploads,
-                params.moeplug_cache_stream);
+                params.moeplug_cache_stream, params.moeplug_cache_offload_min_batch);
         }
     }
     if (params.moeplug_cache_record) {

@@ -68,10 +68,14 @@ std::vector<common_moeplug_cache_choice> common_moeplug_cache_choose(
 // followed by ", policy static" or ", policy dynamic (half-life H tokens, U uploads per batch)";
 // returns whether it engaged. policy: "static" or "dynamic" (--moe-cache-policy); half_life and
 // uploads: the dynamic policy's (<= 0: the defaults); stream: of each layer's misses, the share the device
-// computes from host memory (--moe-cache-stream), named in the line where it engages on some layer
+// computes from host memory (--moe-cache-stream), named in the line where it engages on some layer;
+// offload_min_batch: the prompt batches of the layers whose device copies their experts go to it from this
+// many tokens (--moe-cache-offload-min-batch; 0: the device's threshold), named in the line with those layers:
+// ", prompt batches in one pass on L layers from N tokens"
 bool common_moeplug_cache_enable(llama_model * model, const std::string & model_path, const std::string & profile_path,
         const std::string & slots, int32_t max_batch, int32_t margin_mib, bool count = false,
-        const std::string & policy = "static", float half_life = 0.0f, int32_t uploads = 0, float stream = 0.0f);
+        const std::string & policy = "static", float half_life = 0.0f, int32_t uploads = 0, float stream = 0.0f,
+        int32_t offload_min_batch = 0);
 
 // common_moeplug_cache_enable from params.moeplug_cache_*, when a profile is given (through
 // common_moeplug_cache_resolve); counts slot hits when the server's metrics endpoint is on; then,

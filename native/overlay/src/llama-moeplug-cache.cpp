@@ -120,7 +120,7 @@ const llama_moeplug_cache_layer * llama_moeplug_cache::find(const ggml_tensor * 
     if (layer->full) {
         return layer;
     }
-    if (layer->device_copy && offload && n_tokens >= offload_min_batch) {
+    if (layer->device_copy && offload && n_tokens >= min_batch(*layer)) {
         if (stock_on_slots != nullptr) {
             *stock_on_slots = true;
         }
@@ -164,6 +164,9 @@ void llama_moeplug_cache_init_sched(const llama_moeplug_cache * cache, ggml_back
         for (const auto & [src, dst] : layer->slots) {
             if (ggml_n_dims(src) == 3) { // the weights of a MUL_MAT_ID, each copied by the scheduler
                 ggml_backend_sched_set_expert_slots(sched, src, dst, layer->map_slot);
+            }
+            if (cache->copy_min_batch > 0) { // the layer's prompt batches go to the device from their own batch size
+                ggml_backend_sched_set_expert_offload(sched, src, cache->copy_min_batch);
             }
         }
     }
@@ -356,7 +359,7 @@ ggml_tensor * llama_moeplug_cache::build_experts(
     ggml_backend_t dev_backend = moe_sched_backend(g.sched, cache->dev);
     const bool on_device = dev_backend != nullptr && ggml_backend_dev_type(cache->dev) != GGML_BACKEND_DEVICE_TYPE_CPU &&
         g.backend_cpu != nullptr;
-    const bool on_host_batch = !g.cparams.op_offload || n_tokens < offload_min_batch;
+    const bool on_host_batch = !g.cparams.op_offload || n_tokens < min_batch(*cache);
     ggml_tensor * cur_h = cur;
     ggml_tensor * ids_h = ids_src;
     ggml_tensor * sel_h = selected_experts;
@@ -673,6 +676,9 @@ bool llama_moeplug_cache_build(llama_model & model, const llama_moeplug_cache_pa
     if (params.max_batch < 1) {
         throw std::runtime_error(format("max batch %d: it must be at least 1", params.max_batch));
     }
+    if (params.offload_min_batch < 0) {
+        throw std::runtime_error(format("offload min batch %d: it must be 0 or more", params.offload_min_batch));
+    }
 
     std::vector<moe_layer_plan> plans;
     std::map<std::string, int> skipped;
@@ -817,6 +823,8 @@ bool llama_moeplug_cache_build(llama_model & model, const llama_moeplug_cache_pa
     if (const char * v = getenv("GGML_OP_OFFLOAD_MIN_BATCH")) {
         cache->offload_min_batch = std::max(1, atoi(v));
     }
+    cache->copy_min_batch = params.offload_min_batch;
+    result.offload_min_batch = cache->copy_min_batch > 0 ? cache->copy_min_batch : cache->offload_min_batch;
     for (const auto & [down, layer] : cache->layers) {
         result.n_layers_copied     += layer->device_copy;
         result.n_layers_streamed   += layer->stream;

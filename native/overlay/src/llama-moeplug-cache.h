@@ -171,6 +171,13 @@ struct llama_moeplug_cache {
 
     // prompt batches of this many tokens or more go to the device with their experts (GGML_OP_OFFLOAD_MIN_BATCH)
     int32_t offload_min_batch = 32;
+    // ... those of the layers whose device copies their experts (device_copy) from this many, their weights named to
+    // the scheduler (ggml_backend_sched_set_expert_offload); 0: offload_min_batch
+    int32_t copy_min_batch = 0;
+
+    int32_t min_batch(const llama_moeplug_cache_layer & layer) const {
+        return layer.device_copy && copy_min_batch > 0 ? copy_min_batch : offload_min_batch;
+    }
 
     // the layer to run with two passes (or a whole layer on its slots) for a batch of n_tokens, or
     // nullptr for the stock graph; *stock_on_slots: the stock graph, the device copying its experts
