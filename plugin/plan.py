@@ -56,7 +56,8 @@ from moeplug.model_inspect import ModelInfo
 from moeplug.multi_gpu import plan_split
 from moeplug.output import human_bytes
 from moeplug.profile.format import Profile
-from moeplug.server_flags import DYNAMIC_ARGS, experts_in_ram_args, placement_args, ubatch_args, with_threads
+from moeplug.server_flags import (DYNAMIC_ARGS, OFFLOAD_MIN_BATCH_FLAG, experts_in_ram_args, placement_args, ubatch_args,
+                                  with_threads)
 from moeplug.speculation import SpecNeed, Speculation, nextn_blocks, nextn_weight_bytes, spec_need
 from moeplug.sizes import GIB
 
@@ -158,8 +159,8 @@ class Plan:
     # bytes go to slots (the server then runs with GGML_SCHED_EXPERT_COPY_AHEAD=0: server_env)
     copy_ahead: bool = True
     # prompt batches of this many tokens or more go to the GPU with their missed experts copied over
-    # (GGML_OP_OFFLOAD_MIN_BATCH, read by llama.cpp's scheduler and by the cache; SHORT_PROMPT_OFFLOAD), None
-    # for llama.cpp's (estimates.MIN_UBATCH): set where the cache holds slots on one GPU
+    # (--moe-cache-offload-min-batch in server_args; SHORT_PROMPT_OFFLOAD), None for llama.cpp's
+    # (estimates.MIN_UBATCH): set where the cache holds slots on one GPU
     offload_min_batch: int | None = None
     # the server's CPU threads (-t), None for llama.cpp's default (plan.server_threads); threads_asked:
     # what the user asked for (0: llama.cpp's default), None for the planner's choice (kept on re-plans)
@@ -188,10 +189,7 @@ class Plan:
 
     def server_env(self) -> dict[str, str]:
         """The environment the plan's server runs with beside its flags."""
-        env = {} if self.copy_ahead else {"GGML_SCHED_EXPERT_COPY_AHEAD": "0"}
-        if self.offload_min_batch is not None:
-            env["GGML_OP_OFFLOAD_MIN_BATCH"] = str(self.offload_min_batch)
-        return env
+        return {} if self.copy_ahead else {"GGML_SCHED_EXPERT_COPY_AHEAD": "0"}
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -241,8 +239,9 @@ COPY_AHEAD_FEW_PARTIAL = 0.25
 # raised when a change to the planner makes the plans it stored before worth making again: `moeplug serve`,
 # `moeplug bench` and the hooks re-plan an installed model whose plan an older revision made, from its
 # stored budget, context and choices (install.up_to_date; 1: the threads halved only where few layers are
-# partly resident, twenty-seventh session; 2: short prompt batches on the GPU, SHORT_PROMPT_OFFLOAD)
-PLANNER_REVISION = 2
+# partly resident, twenty-seventh session; 2: short prompt batches on the GPU, SHORT_PROMPT_OFFLOAD; 3: the
+# same through the server's flag, not its environment)
+PLANNER_REVISION = 3
 # With the cache's slots on a GPU, a prompt batch of this many tokens or more goes to the GPU: the slots
 # serve their experts there and the missed ones are copied over, where llama.cpp sends a batch below 32
 # tokens to the CPU, which computes every selection of a layer in RAM (the cache: every miss) for each
@@ -252,6 +251,8 @@ PLANNER_REVISION = 2
 # requests 0.80x, lowest 0.66x) at 16; the gpt-oss shape at 25%, 24 tokens, 1.51x against 1.40x. Decode
 # unchanged within the runs. Batches below it (a decoded token, a draft's verification batch of 4, a
 # few parallel requests' step) keep the CPU beside the GPU; below 8 was not measured (native/DESIGN.md).
+# The server takes it as a flag (server_flags.OFFLOAD_MIN_BATCH_FLAG) that applies to the cache's layers of
+# that model alone, so router presets and Ollama's runners carry it per model.
 SHORT_PROMPT_OFFLOAD = 8
 SERVER_THREADS_MIN_CORES = 8  # below it, llama.cpp's default thread count (server_threads)
 # the share of the MoE layers at or below which partly resident layers leave the CPU so little of a token
@@ -640,8 +641,9 @@ def _make_plan(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, p
     # one GPU only: on two the cache's device copy engages on the first alone (native/DESIGN.md), unmeasured
     short = SHORT_PROMPT_OFFLOAD if cache and not split_args and any(0 < n < info.n_expert for n in slots) else None
     if short:
+        args += [OFFLOAD_MIN_BATCH_FLAG, str(short)]
         notes.append(f"short prompts go to the GPU from {short} tokens on, their missed experts copied over "
-                     f"(GGML_OP_OFFLOAD_MIN_BATCH={short}; llama.cpp sends batches below {MIN_UBATCH} tokens to the "
+                     f"({OFFLOAD_MIN_BATCH_FLAG} {short}; llama.cpp sends batches below {MIN_UBATCH} tokens to the "
                      f"CPU, which computes every missed selection of each token)")
     return Plan(backend="cuda", vram_budget_bytes=vram_budget, stock_ncmoe=ncmoe,
                 modelled_host_ms=1e3 * modelled_seconds(costs, slots, stock=not cache),

@@ -18,6 +18,10 @@ from moeplug.profile.format import Profile
 # engine's rule simulated in Python) the slots served 52.7% of selections at 25% of the expert
 # bytes (static 46.7%, 128/4 51.6%) and 80.5% at 50% (static 76.9%, 128/4 79.7%): DESIGN.md.
 DYNAMIC_ARGS = ["--moe-cache-policy", "dynamic", "--moe-cache-half-life", "32", "--moe-cache-uploads", "8"]
+# prompt batches of N tokens or more go to the GPU for the layers whose GPU copies their experts from the
+# slots (native patches 0031-0032); llama.cpp's own threshold, GGML_OP_OFFLOAD_MIN_BATCH (32), applies to
+# every model of a process, this flag to one model and to its cache's layers alone
+OFFLOAD_MIN_BATCH_FLAG = "--moe-cache-offload-min-batch"
 
 
 def env_of(args: list[str]) -> dict[str, str]:

@@ -154,6 +154,9 @@ def test_hook_swaps_in_every_model_finds_its_profile_and_remove_restores(ollama,
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["environment"]["LLAMA_ARG_MOE_CACHE_SLOTS"] == "auto" and "export LLAMA_ARG_MOE_CACHE_PROFILE=" in doc["next"]
+    # short prompts to the GPU for the cache's layers alone, per model (not GGML_OP_OFFLOAD_MIN_BATCH: every model)
+    assert doc["environment"]["LLAMA_ARG_MOE_CACHE_OFFLOAD_MIN_BATCH"] == "8"
+    assert not any(k.startswith("GGML_") for k in doc["environment"])
     assert tree_digest(lib) != ollama["stock"]
     assert "moe_cache_profile" in subprocess.run([str(lib / "llama-server"), "--help"], capture_output=True,
                                                  text=True).stdout.replace("-", "_")
@@ -174,8 +177,7 @@ def test_hook_swaps_in_every_model_finds_its_profile_and_remove_restores(ollama,
     sidecar = Path(inst["profile"]).with_suffix(".slots")
     assert f"slots = {slots[0] if len(set(slots)) == 1 else ','.join(map(str, slots))}" in sidecar.read_text()
 
-    env = {"LLAMA_ARG_MOE_CACHE_PROFILE": doc["environment"]["LLAMA_ARG_MOE_CACHE_PROFILE"],
-           "LLAMA_ARG_MOE_CACHE_SLOTS": "auto", "LLAMA_MOE_CACHE_DEVICE": "CPU"}
+    env = {**doc["environment"], "LLAMA_MOE_CACHE_DEVICE": "CPU"}  # every variable the hook sets, read by its server
     tokens, log = answer(lib / "llama-server", ollama["blobs"]["alpha"], tmp_path / "alpha.log", env)
     lines = cache_lines(log)
     used = [n for n in slots if n]

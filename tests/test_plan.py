@@ -387,8 +387,7 @@ def test_a_plan_without_copies_ahead_gives_their_bytes_to_slots(tmp_path: Path) 
     # both layers partly resident: the planner keeps the copies ahead
     assert make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile).to_json() == on.to_json()
     assert on.copy_ahead and not off.copy_ahead
-    short = {"GGML_OP_OFFLOAD_MIN_BATCH": "8"}  # short prompts to the GPU wherever the cache holds slots there
-    assert on.server_env() == short and off.server_env() == {"GGML_SCHED_EXPERT_COPY_AHEAD": "0"} | short
+    assert on.server_env() == {} and off.server_env() == {"GGML_SCHED_EXPERT_COPY_AHEAD": "0"}
     assert off.compute_bytes == on.compute_bytes - expert_copy_ahead_bytes(info)
     assert off.slots_total > on.slots_total and off.expert_vram_bytes > on.expert_vram_bytes
     assert off.stock_ncmoe == on.stock_ncmoe  # stock's placement is the same either way
@@ -433,24 +432,27 @@ def test_the_planner_drops_the_copies_ahead_where_few_layers_are_partly_resident
     assert auto.compute_bytes == forced.compute_bytes - expert_copy_ahead_bytes(info)
     assert any("prompt batches copy their expert weights one at a time" in n for n in auto.notes)
     from moeplug.install_cli import plan_text
-    assert "server environment: GGML_OP_OFFLOAD_MIN_BATCH=8 GGML_SCHED_EXPERT_COPY_AHEAD=0" in plan_text(auto)
+    assert "server environment: GGML_SCHED_EXPERT_COPY_AHEAD=0\n" in plan_text(auto) + "\n"
     assert "copied one at a time" in plan_text(auto) and "copied ahead" in plan_text(forced)
-    assert "server environment: GGML_OP_OFFLOAD_MIN_BATCH=8\n" in plan_text(forced) + "\n"
+    assert "server environment" not in plan_text(forced)
     record = InstalledModel(name="m", ref=str(path), path=str(path), profile=None, build_id="b", ctx=2048, plan=auto)
-    assert record.server_env() == {"GGML_SCHED_EXPERT_COPY_AHEAD": "0", "GGML_OP_OFFLOAD_MIN_BATCH": "8"}
+    assert record.server_env() == {"GGML_SCHED_EXPERT_COPY_AHEAD": "0"}
     assert InstalledModel.from_json(json.loads(json.dumps(record.to_json()))).server_env() == record.server_env()
     many = fixed_bytes(info, 2048) + 4 * layer  # half the experts' bytes: spread over most layers
     kept = make_plan(info, 2048, many, tmp_path / "p.gguf", profile=prof)
     assert sum(0 < n < info.n_expert for n in kept.slots_per_layer) > COPY_AHEAD_FEW_PARTIAL * 8
-    assert kept.copy_ahead and kept.server_env() == {"GGML_OP_OFFLOAD_MIN_BATCH": "8"}
+    assert kept.copy_ahead and kept.server_env() == {}
 
 
 def test_short_prompts_go_to_the_gpu_where_the_cache_holds_slots_there(tmp_path: Path) -> None:
     """A plan whose cache holds slots on one GPU sends prompt batches of SHORT_PROMPT_OFFLOAD tokens or more
-    to the GPU (GGML_OP_OFFLOAD_MIN_BATCH in its server's environment, said in a note and kept in the
-    installed record); a plan without the cache (every expert in VRAM, no profile: stock's placement),
-    without a GPU or on two leaves llama.cpp's threshold alone, and a record from before reads as such."""
-    from moeplug.plan import SHORT_PROMPT_OFFLOAD, Plan
+    to the GPU (--moe-cache-offload-min-batch in its server's flags, for the cache's layers of that model
+    alone, said in a note and kept in the installed record; no process-wide GGML_OP_OFFLOAD_MIN_BATCH); a
+    plan without the cache (every expert in VRAM, no profile: stock's placement), without a GPU or on two
+    leaves llama.cpp's threshold alone; a record of the planner's revision 2, which set the variable
+    instead, is made again (install.up_to_date)."""
+    from moeplug.plan import PLANNER_REVISION, SHORT_PROMPT_OFFLOAD, Plan, outdated
+    from moeplug.server_flags import OFFLOAD_MIN_BATCH_FLAG
 
     model, profile = big_expert_model(tmp_path)
     info = inspect_model(model)
@@ -458,11 +460,12 @@ def test_short_prompts_go_to_the_gpu_where_the_cache_holds_slots_there(tmp_path:
                        profile=profile)
     assert any(0 < n < info.n_expert for n in cached.slots_per_layer) and "--moe-cache-slots" in cached.server_args
     assert cached.offload_min_batch == SHORT_PROMPT_OFFLOAD < 32
-    assert cached.server_env()["GGML_OP_OFFLOAD_MIN_BATCH"] == str(SHORT_PROMPT_OFFLOAD)
-    assert any(f"GGML_OP_OFFLOAD_MIN_BATCH={SHORT_PROMPT_OFFLOAD}" in n for n in cached.notes)
-    assert Plan.from_json(json.loads(json.dumps(cached.to_json()))).server_env() == cached.server_env()
-    old = {k: v for k, v in cached.to_json().items() if k != "offload_min_batch"}
-    assert "GGML_OP_OFFLOAD_MIN_BATCH" not in Plan.from_json(old).server_env()
+    i = cached.server_args.index(OFFLOAD_MIN_BATCH_FLAG)
+    assert cached.server_args[i + 1] == str(SHORT_PROMPT_OFFLOAD) and cached.server_env() == {}
+    assert any(f"{OFFLOAD_MIN_BATCH_FLAG} {SHORT_PROMPT_OFFLOAD}" in n for n in cached.notes)
+    again = Plan.from_json(json.loads(json.dumps(cached.to_json())))
+    assert again.server_args == cached.server_args and again.offload_min_batch == SHORT_PROMPT_OFFLOAD
+    assert not outdated(again) and outdated(Plan.from_json(cached.to_json() | {"planner": PLANNER_REVISION - 1}))
     whole = make_plan(info, 2048, fixed_bytes(info, 2048) + 2 * info.expert_bytes, tmp_path / "p.gguf",
                       profile=profile)
     stock = make_plan(info, 2048, fixed_bytes(info, 2048) + 3 * info.expert_bytes // 4, None)
@@ -471,7 +474,8 @@ def test_short_prompts_go_to_the_gpu_where_the_cache_holds_slots_there(tmp_path:
     two = make_plan(info, 2048, [half, half], tmp_path / "p.gguf", profile=profile)  # unmeasured on two GPUs
     assert two.devices is not None and "--moe-cache-slots" in two.server_args
     for plan in (whole, stock, cpu, two):
-        assert plan.offload_min_batch is None and "GGML_OP_OFFLOAD_MIN_BATCH" not in plan.server_env()
+        assert plan.offload_min_batch is None and OFFLOAD_MIN_BATCH_FLAG not in plan.server_args
+        assert "GGML_OP_OFFLOAD_MIN_BATCH" not in plan.server_env()
 
 
 def test_a_plan_without_copies_ahead_prices_its_uploads_at_stocks_rate(tmp_path: Path) -> None:

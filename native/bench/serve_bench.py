@@ -697,7 +697,9 @@ ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
 def row_envs(ap: argparse.ArgumentParser, text: str) -> list[dict[str, str]]:
     """--row-env NAME=V1,V2: a moeplug row per value of one environment variable of its process
     ('unset': the variable left as the plan's environment sets it, else as the caller's; the plan's own
-    value is written out to time without it, e.g. GGML_OP_OFFLOAD_MIN_BATCH=32); [{}] when empty."""
+    value is written out to time without it, e.g. GGML_SCHED_EXPERT_COPY_AHEAD=1); [{}] when empty. The
+    plan's short-prompt threshold is a flag: --row-args 'none;--moe-cache-offload-min-batch 0' times it against
+    llama.cpp's own."""
     if not text:
         return [{}]
     name, eq, values = text.partition("=")

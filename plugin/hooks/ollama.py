@@ -251,11 +251,15 @@ def profiles_dir() -> Path:
 
 def environment() -> dict[str, str]:
     """What `ollama serve` needs: every model finds its profile and planned slots in moeplug's store,
-    and the slots follow the prompt as under `moeplug serve` (server_flags.DYNAMIC_ARGS)."""
-    from moeplug.server_flags import DYNAMIC_ARGS, env_of
+    the slots follow the prompt as under `moeplug serve` (server_flags.DYNAMIC_ARGS), and short prompts
+    go to the GPU as moeplug's plans send them (plan.SHORT_PROMPT_OFFLOAD): for the layers whose GPU
+    copies their experts from the slots alone, so a model without a profile runs as Ollama ran it."""
+    from moeplug.plan import SHORT_PROMPT_OFFLOAD
+    from moeplug.server_flags import DYNAMIC_ARGS, OFFLOAD_MIN_BATCH_FLAG, env_of
 
     return {"LLAMA_ARG_MOE_CACHE_PROFILE": str(profiles_dir()), "LLAMA_ARG_MOE_CACHE_SLOTS": "auto",
-            "LLAMA_ARG_MOE_CACHE_MAX_BATCH": "512", **env_of(DYNAMIC_ARGS)}
+            "LLAMA_ARG_MOE_CACHE_MAX_BATCH": "512",
+            **env_of(DYNAMIC_ARGS + [OFFLOAD_MIN_BATCH_FLAG, str(SHORT_PROMPT_OFFLOAD)])}
 
 
 def systemd_dirs() -> list[Path]:
