@@ -49,3 +49,26 @@ def test_prompt_batches_copy_the_slots_and_equal_stock(gpu_build, fixture_models
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert ENGAGED in r.stderr, r.stderr[-3000:]
     assert r.stdout.strip().endswith("logits bitwise equal"), r.stdout
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "gpt-oss"])
+def test_short_prompt_batches_go_to_the_gpu_from_the_flags_threshold(gpu_build, fixture_models, tmp_path: Path,
+                                                                      name: str) -> None:
+    """--moe-cache-offload-min-batch 8 (patches 0031-0032): batches of 10 tokens (the test's 100 prompt tokens in ten) take the one-pass path on the
+    GPU, which the moe-cache line names, and their logits are bitwise those of stock's own offload of the
+    same batches (GGML_OP_OFFLOAD_MIN_BATCH=8 for the whole process, as before the flag). Without the
+    variable, stock computes such a batch on the CPU and the cache's on the GPU: their logits differ
+    (within stock's own GPU/CPU envelope), which shows that the flag alone moved the batches."""
+    model = fixture_models[name]
+    profile = make_profile(gpu_build, model, tmp_path / "p.gguf", 16)
+    cmd = [str(gpu_build.binary("test-moe-cache")), "-m", str(model), "--moe-cache-profile", str(profile),
+           "--moe-cache-slots", "3", "--moe-cache-max-batch", "512", "-ngl", "99", "--cpu-moe", "-lm", "none",
+           "-ub", "10", "-n", "0", "--moe-cache-offload-min-batch", "8", *DYNAMIC]
+    env = {k: v for k, v in os.environ.items() if k != "GGML_OP_OFFLOAD_MIN_BATCH"}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env | {"GGML_OP_OFFLOAD_MIN_BATCH": "8"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "layers from 8 tokens" in r.stderr, r.stderr[-3000:]
+    assert r.stdout.strip().endswith("logits bitwise equal"), r.stdout
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert "layers from 8 tokens" in r.stderr, r.stderr[-3000:]
+    assert not r.stdout.strip().endswith("logits bitwise equal"), r.stdout
