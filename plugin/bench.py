@@ -25,7 +25,7 @@ from moeplug.errors import MoeplugError
 from moeplug.estimates import DEFAULT_UBATCH
 from moeplug.gpu import gpus, process_vram_bytes
 from moeplug.install import installed_build, read_installed, up_to_date
-from moeplug.measure import (ERRORS, Timings, chat_turns, median_ratio_interval, time_chat, time_prompts, time_together,
+from moeplug.measure import (CHAT_TURNS, ERRORS, Timings, chat_turns, median_ratio_interval, time_chat, time_prompts, time_together,
                              together_groups)
 from moeplug.options import STOCK_VRAM
 from moeplug.profile.runner import HELDOUT_PROMPT_SET, read_prompts, resolve_prompt_set
@@ -182,6 +182,15 @@ class Comparison:
     stock_vram: str = "fit"  # STOCK_VRAM
     fit_tries: list[dict[str, Any]] = field(default_factory=list)  # stock held to the budget: each launch's -fitt, bytes
 
+    def _summary(self, workload: str, what: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """The median and lowest of these rows' ratios, and the median's interval over the rounds."""
+        r = [row[what]["ratio"] for row in rows if row[what]["ratio"] is not None]
+        keep = {row["prompt"] for row in rows}
+        mine, theirs = (self.sides[side].samples(workload, what) for side in SIDES)
+        return {"ratio_median": statistics.median(r) if r else None, "ratio_lowest": min(r) if r else None,
+                "ratio_interval": median_ratio_interval([(mine[i], theirs[i]) for i in sorted(mine)
+                                                         if i in theirs and i in keep])}
+
     def rows(self, workload: str) -> list[dict[str, Any]]:
         """Per prompt: tokens prefilled and both sides' t/s with the ratios."""
         mine = self.sides["moeplug"]
@@ -204,13 +213,13 @@ class Comparison:
         workloads = {}
         for w in self.workloads:
             rows = self.rows(w)
-            summary = {}
-            for what in ("prefill", "first", "decode"):
-                r = [row[what]["ratio"] for row in rows if row[what]["ratio"] is not None]
-                mine, theirs = (self.sides[side].samples(w, what) for side in SIDES)
-                summary[what] = {"ratio_median": statistics.median(r) if r else None, "ratio_lowest": min(r) if r else None,
-                                 "ratio_interval": median_ratio_interval([(mine[i], theirs[i]) for i in sorted(mine)
-                                                                          if i in theirs])}
+            summary = {what: self._summary(w, what, rows) for what in ("prefill", "first", "decode")}
+            if w == "chat":
+                # a conversation's opening turn prefills in full on the slots another conversation left; the later
+                # turns prefill their new text on slots that followed the turns before
+                for key, opening in (("opening", True), ("later", False)):
+                    summary[key] = self._summary(w, "prefill", [r for r in rows
+                                                                if (r["prompt"] % CHAT_TURNS == 0) == opening])
             workloads[w] = {"prompts": len(rows), "rows": rows, **summary}
         return {"name": self.name, "budget_bytes": self.budget_bytes, "rounds": self.rounds,
                 "n_predict": self.n_predict, "prefill_reps": self.prefill_reps, "notes": self.notes,
@@ -220,7 +229,7 @@ class Comparison:
                 "workloads": workloads}
 
 
-def compare(name: str, *, rounds: int = 2, n_predict: int = 64, prefill_reps: int = 3,
+def compare(name: str, *, rounds: int = 3, n_predict: int = 64, prefill_reps: int = 3,
             prompt_files: list[Path] | None = None, max_prompts: int = 8, chat: bool = False,
             stock_vram: str = "fit", threads: int | None = None, stock_threads: int | None = None,
             stock_ubatch: int | None = None, prompt_tokens: int | None = None, concurrent: int = 0,

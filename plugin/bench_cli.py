@@ -56,6 +56,9 @@ def comparison_text(c: Any) -> str:
         lines += ["", f"{WHAT[w]}:", table(HEAD, rows, "rrrrrr")]
         lines.append(f"prefill {_ratio(d['prefill'])}, decode {_ratio(d['decode'])} of stock (median over "
                      f"{d['prompts']} {NOUN[w]})")
+        if w == "chat" and d["opening"]["ratio_median"] is not None:
+            lines.append(f"opening turns alone (a new conversation, on the slots another one left): prefill "
+                         f"{_ratio(d['opening'])}; later turns: prefill {_ratio(d['later'])}")
         if c.prefill_reps > 1 and w in ("text", "long", "short"):
             lines.append(f"each prompt's first request alone (the slots another prompt left): prefill "
                          f"{_ratio(d['first'])}")
@@ -93,7 +96,9 @@ def register(sub: Any) -> None:
                        "same VRAM budget, in turns, on the same prompts; print each prompt's prefill and decode "
                        "speed on both sides and the ratios. Stop the model first if it is served.")
     p.add_argument("model", help="an installed name (see 'moeplug list')")
-    p.add_argument("--rounds", type=ROUNDS, default=2, help="launches of each side, alternating (default 2)")
+    p.add_argument("--rounds", type=ROUNDS, default=3,
+                   help="launches of each side, alternating (default 3: a prompt's median over three rounds "
+                        "leaves out one delayed request, where over two it is their mean)")
     p.add_argument("-n", "--n-predict", type=GENERATE, default=64, help="tokens generated per prompt (default 64)")
     p.add_argument("--prefill-reps", type=REPEATS, default=3,
                    help="requests per prompt and launch whose prefill is timed, the median kept (default 3)")

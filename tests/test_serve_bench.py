@@ -238,6 +238,15 @@ def test_serve_bench_chat(patched_build, stock_build, bench_model: Path, tmp_pat
     stdout, doc = run_bench(patched_build, stock_build, bench_model, tmp_path, "--workloads", "chat")
     check_table(stdout, doc, "chat")
     assert doc["tables"]["chat"][0]["prompts"] == 2 * serve_bench.CHAT_TURNS
+    # the opening turns (a new conversation) and the later ones apart, each from the same per-turn ratios
+    row, (mine, stock) = doc["tables"]["chat"][0], [next(c for c in doc["configs"] if c["side"] == side)
+                                                    for side in ("moeplug", "stock")]
+    for key, opening in (("prefill_opening", True), ("prefill_later", False)):
+        per = [statistics.median(s[0] for s in mine["samples"][k]) / statistics.median(s[0] for s in stock["samples"][k])
+               for k in mine["samples"] if (int(k.split("/")[1]) % serve_bench.CHAT_TURNS == 0) == opening]
+        assert len(per) == (2 if opening else 4)
+        assert row[key] == pytest.approx({"ratio_median": statistics.median(per), "ratio_lowest": min(per)})
+    assert "prefill of the opening turns alone" in stdout
     for c in doc["configs"]:
         ctx, new = c["context_tokens"], c["prompt_tokens"]
         for conv in range(2):

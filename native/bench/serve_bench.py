@@ -377,6 +377,14 @@ def first_ratios(mine: Config, stock: Config, workload: str) -> list[float]:
     return [a[i] / b[i] for i in sorted(a) if i in b and b[i] > 0]
 
 
+def turn_ratios(mine: Config, stock: Config, opening: bool) -> list[float]:
+    """The chat workload's prefill ratios of its opening turns (a new conversation: it meets the slots
+    another conversation's turns left, and prefills in full) or of its later turns (on slots that
+    followed the turns before; their new text alone)."""
+    a, b = per_prompt(mine, "chat", 0), per_prompt(stock, "chat", 0)
+    return [a[i] / b[i] for i in sorted(a) if i in b and b[i] > 0 and (i % CHAT_TURNS == 0) == opening]
+
+
 def spread(cfg: Config, workload: str, test: int) -> float | None:
     """How far one server's own rounds part: over the prompts it ran in two rounds or more, the
     lowest of a prompt's slowest t/s over its fastest (None with one round). A per-prompt ratio
@@ -503,6 +511,8 @@ def table_rows(pairs: list[tuple[Config, Config]], workload: str) -> list[dict[s
         # follow requests of one token (None without repeats)
         first = first_ratios(mine, stock, workload)
         row["prefill_first"] = ratio_summary(first) if first else None
+        if workload == "chat":
+            row["prefill_opening"], row["prefill_later"] = (ratio_summary(turn_ratios(mine, stock, o)) for o in (True, False))
         row["delayed"] = {side: delayed_share(cfg, workload) for side, cfg in (("moeplug", mine), ("stock", stock))}
         row["spread"] = {side: {key: spread(cfg, workload, test) for test, key in ((0, "prefill"), (1, "decode"))}
                          for side, cfg in (("moeplug", mine), ("stock", stock))}
@@ -566,6 +576,10 @@ def print_table(workload: str, rows: list[dict[str, Any]]) -> None:
         if (f := r.get("prefill_first")) is not None:
             print(f"\n{r['budget']}, {r['moeplug']} vs stock {r['stock']}: prefill of each prompt's first request "
                   f"alone (its decoding one; the table's median pools the repeats): {ratio(f)}")
+    for r in rows:
+        if (o := r.get("prefill_opening")) is not None and o["ratio_median"] is not None:
+            print(f"\n{r['budget']}, {r['moeplug']} vs stock {r['stock']}: prefill of the opening turns alone (a new "
+                  f"conversation, on the slots another one left): {ratio(o)}; of the later turns: {ratio(r['prefill_later'])}")
     for r in rows:
         if r["model"] is not None:
             print("\n" + model_text(r))
