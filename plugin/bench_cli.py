@@ -40,6 +40,20 @@ def _flag(args: list[str], flag: str, default: str) -> str:
     return args[args.index(flag) + 1] if flag in args else default
 
 
+BELOW_PAR = 0.97  # a prompt this much slower than stock is named under its table
+
+
+def _below_par(rows: list[dict[str, Any]], noun: str) -> str | None:
+    """One line naming the rows whose prefill or decode ran below BELOW_PAR of stock, or None."""
+    said = []
+    for what in ("prefill", "decode"):
+        slow = [(r["prompt"], r[what]["ratio"]) for r in rows if r[what]["ratio"] is not None
+                and r[what]["ratio"] < BELOW_PAR]
+        if slow:
+            said.append(f"{what} {', '.join(f'#{i} {x:.2f}x' for i, x in slow)}")
+    return f"below {BELOW_PAR:.2f}x of stock here, of the {len(rows)} {noun}: {'; '.join(said)}" if said else None
+
+
 def comparison_text(c: Any) -> str:
     doc = c.to_json()
     budget = c.budget_bytes
@@ -56,6 +70,9 @@ def comparison_text(c: Any) -> str:
         lines += ["", f"{WHAT[w]}:", table(HEAD, rows, "rrrrrr")]
         lines.append(f"prefill {_ratio(d['prefill'])}, decode {_ratio(d['decode'])} of stock (median over "
                      f"{d['prompts']} {NOUN[w]})")
+        below = _below_par(d["rows"], NOUN[w])
+        if below:
+            lines.append(below)
         if w == "chat" and d["opening"]["ratio_median"] is not None:
             lines.append(f"opening turns alone (a new conversation, on the slots another one left): prefill "
                          f"{_ratio(d['opening'])}; later turns: prefill {_ratio(d['later'])}")

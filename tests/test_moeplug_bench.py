@@ -307,3 +307,16 @@ def test_bench_bad_input_is_one_line(home: dict[str, str], tmp_path: Path) -> No
         assert r.returncode == 1 and "'moeplug stop demo' first" in r.stderr and "Traceback" not in r.stderr
     finally:
         assert moeplug(home, "stop", "demo").returncode == 0
+
+
+def test_the_prompts_below_stock_are_named() -> None:
+    """Under each table, one line names the prompts whose prefill or decode ran below 0.97x of stock."""
+    from moeplug.bench_cli import _below_par
+
+    def row(i: int, prefill: float, decode: float | None) -> dict:
+        return {"prompt": i, "prefill": {"ratio": prefill}, "decode": {"ratio": decode}}
+
+    rows = [row(0, 0.93, 1.2), row(1, 1.1, 0.9), row(2, 0.97, 0.97), row(3, 0.951, None)]
+    assert _below_par(rows, "chat turns") == ("below 0.97x of stock here, of the 4 chat turns: prefill #0 0.93x, "
+                                             "#3 0.95x; decode #1 0.90x")
+    assert _below_par([row(0, 1.0, 1.3)], "prompts") is None
