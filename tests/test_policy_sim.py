@@ -34,4 +34,6 @@ def test_slots_that_follow_the_prompt_find_experts_the_profile_never_saw(tmp_pat
     hit, swaps = share["engine: margin 2, 8 uploads, one per layer"]
     assert 95.0 < hit < 100.0 and swaps == pytest.approx(4 / (3 * 64), abs=0.01)
     assert share["LRU, every miss inserted at once"] == (100.0, 0.0)  # inserted during the prompt
+    # the first prompt batch brought 6 and 7 into VRAM: kept in the slots from there, no upload ever
+    assert share["engine, slots filled from the prompt batch"] == (100.0, 0.0)
     assert "3 requests, 2 of 8 slots per layer" in out

@@ -10,6 +10,11 @@ selections that hit a slot is printed for:
     replaces the coldest resident one where it beats it by the margin, at most `uploads` swaps over
     all layers, one pending per layer, a swapped expert resident from the batch after the next;
   - looser variants of that rule (no cap, several swaps per layer, no margin);
+  - the engine's rule with the slots filled from each prompt batch's own copies: on the GPU a prompt
+    batch copies every expert it selects into VRAM (the slots' ones from the slots, the others over
+    the bus), so after it each layer could keep, device to device and at no bus cost, the `slots`
+    hottest of the experts it holds and the ones the batch used (a lever not built: this says what
+    it would buy);
   - LRU per layer, every miss inserted at once (an upload per miss, free of cost here).
 No weights, no timing: which experts are resident when, only.
 
@@ -38,8 +43,10 @@ def requests_of(experts: np.ndarray, offsets: np.ndarray, first: int, count: int
 
 
 def engine(prof: np.ndarray, reqs, slots: int, half_life: float, margin: float, uploads: int,
-           per_layer: int) -> tuple[float, float]:
-    """Hit share of decoded selections and swaps per decoded token under the decayed-count rule."""
+           per_layer: int, fill_from_prompt: bool = False) -> tuple[float, float]:
+    """Hit share of decoded selections and swaps (uploads) per decoded token under the decayed-count
+    rule; fill_from_prompt: after each prompt batch the slots are the hottest of the resident experts
+    and the batch's own, at once and without an upload."""
     n_layer, n_expert = prof.shape
     score = prof * half_life / np.log(2)
     res = np.zeros((n_layer, n_expert), bool)
@@ -48,7 +55,7 @@ def engine(prof: np.ndarray, reqs, slots: int, half_life: float, margin: float, 
     pending: list[tuple[int, int, int]] = []  # (step it lands after, layer, expert)
     hits = total = swaps = step = 0
 
-    def after(ids: np.ndarray) -> None:
+    def after(ids: np.ndarray, prompt: bool = False) -> None:
         nonlocal pending, swaps
         score[:] *= 2 ** (-len(ids) / half_life)
         for layer in range(n_layer):
@@ -57,6 +64,15 @@ def engine(prof: np.ndarray, reqs, slots: int, half_life: float, margin: float, 
             if t <= step:
                 res[layer, e] = True
         pending = [x for x in pending if x[0] > step]
+        if prompt and fill_from_prompt:
+            for layer in range(n_layer):
+                held = res[layer].copy()
+                held[np.unique(ids[:, layer])] = True
+                pool = np.nonzero(held)[0]
+                res[layer] = False
+                res[layer, pool[np.argsort(-score[layer, pool], kind="stable")[:slots]]] = True
+            pending = []
+            return
         cands = []
         for layer in range(n_layer):
             if per_layer == 1 and any(pl == layer for _, pl, _ in pending):
@@ -77,7 +93,7 @@ def engine(prof: np.ndarray, reqs, slots: int, half_life: float, margin: float, 
 
     for prompt, decoded in reqs:
         step += 1
-        after(prompt)
+        after(prompt, prompt=True)
         for t in range(len(decoded)):
             ids = decoded[t:t + 1]
             for layer in range(n_layer):
@@ -136,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             ("margin 2, no cap, one per layer", engine(prof, reqs, a.slots, a.half_life, 2.0, 0, 1)),
             ("margin 0.5, no cap, two per layer", engine(prof, reqs, a.slots, a.half_life, 0.5, 0, 2)),
             ("margin 0, no cap, four per layer", engine(prof, reqs, a.slots, a.half_life, 0.0, 0, 4)),
+            ("engine, slots filled from the prompt batch", engine(prof, reqs, a.slots, a.half_life, 2.0, 8, 1, True)),
             ("LRU, every miss inserted at once", lru(prof, reqs, a.slots))]
     for name, (hit, swaps) in rows:
         print(f"{name:<44} {hit:6.1%} {swaps:6.2f}")
