@@ -25,8 +25,8 @@ from moeplug.errors import MoeplugError
 from moeplug.estimates import DEFAULT_UBATCH
 from moeplug.gpu import gpus, process_vram_bytes
 from moeplug.install import installed_build, read_installed, up_to_date
-from moeplug.measure import (CHAT_TURNS, ERRORS, Timings, chat_turns, median_ratio_interval, time_chat, time_prompts, time_together,
-                             together_groups)
+from moeplug.measure import (CHAT_TURNS, ERRORS, Timings, chat_turns, median_ratio_interval, time_chat, time_prompts,
+                             time_together, together_groups)
 from moeplug.options import STOCK_VRAM
 from moeplug.profile.runner import HELDOUT_PROMPT_SET, read_prompts, resolve_prompt_set
 from moeplug.progress import Note, ProgressFn, silent

@@ -512,7 +512,8 @@ def table_rows(pairs: list[tuple[Config, Config]], workload: str) -> list[dict[s
         first = first_ratios(mine, stock, workload)
         row["prefill_first"] = ratio_summary(first) if first else None
         if workload == "chat":
-            row["prefill_opening"], row["prefill_later"] = (ratio_summary(turn_ratios(mine, stock, o)) for o in (True, False))
+            row["prefill_opening"], row["prefill_later"] = (ratio_summary(turn_ratios(mine, stock, opening))
+                                                            for opening in (True, False))
         row["delayed"] = {side: delayed_share(cfg, workload) for side, cfg in (("moeplug", mine), ("stock", stock))}
         row["spread"] = {side: {key: spread(cfg, workload, test) for test, key in ((0, "prefill"), (1, "decode"))}
                          for side, cfg in (("moeplug", mine), ("stock", stock))}
@@ -579,7 +580,8 @@ def print_table(workload: str, rows: list[dict[str, Any]]) -> None:
     for r in rows:
         if (o := r.get("prefill_opening")) is not None and o["ratio_median"] is not None:
             print(f"\n{r['budget']}, {r['moeplug']} vs stock {r['stock']}: prefill of the opening turns alone (a new "
-                  f"conversation, on the slots another one left): {ratio(o)}; of the later turns: {ratio(r['prefill_later'])}")
+                  f"conversation, on the slots another one left): {ratio(o)}; of the later turns: "
+                  f"{ratio(r['prefill_later'])}")
     for r in rows:
         if r["model"] is not None:
             print("\n" + model_text(r))
