@@ -218,8 +218,8 @@ class Comparison:
                 # a conversation's opening turn prefills in full on the slots another conversation left; the later
                 # turns prefill their new text on slots that followed the turns before
                 for key, opening in (("opening", True), ("later", False)):
-                    summary[key] = self._summary(w, "prefill", [r for r in rows
-                                                                if (r["prompt"] % CHAT_TURNS == 0) == opening])
+                    turns = [r for r in rows if (r["prompt"] % CHAT_TURNS == 0) == opening]
+                    summary[key] = {what: self._summary(w, what, turns) for what in ("prefill", "decode")}
             workloads[w] = {"prompts": len(rows), "rows": rows, **summary}
         return {"name": self.name, "budget_bytes": self.budget_bytes, "rounds": self.rounds,
                 "n_predict": self.n_predict, "prefill_reps": self.prefill_reps, "notes": self.notes,

@@ -73,9 +73,11 @@ def comparison_text(c: Any) -> str:
         below = _below_par(d["rows"], NOUN[w])
         if below:
             lines.append(below)
-        if w == "chat" and d["opening"]["ratio_median"] is not None:
+        if w == "chat" and d["opening"]["prefill"]["ratio_median"] is not None:
+            o, later = d["opening"], d["later"]
             lines.append(f"opening turns alone (a new conversation, on the slots another one left): prefill "
-                         f"{_ratio(d['opening'])}; later turns: prefill {_ratio(d['later'])}")
+                         f"{_ratio(o['prefill'])}, decode {_ratio(o['decode'])}; later turns: prefill "
+                         f"{_ratio(later['prefill'])}, decode {_ratio(later['decode'])}")
         if c.prefill_reps > 1 and w in ("text", "long", "short"):
             lines.append(f"each prompt's first request alone (the slots another prompt left): prefill "
                          f"{_ratio(d['first'])}")

@@ -65,10 +65,12 @@ def test_bench_serves_the_plan_and_stock_in_turns(home: dict[str, str]) -> None:
             assert w[what] == pytest.approx({"ratio_median": statistics.median(per), "ratio_lowest": min(per)})
     # a conversation's opening turns apart from its later ones: the same per-turn ratios, split by turn
     for key, turns in (("opening", (0, 3)), ("later", (1, 2, 4, 5))):
-        per = [row["prefill"]["ratio"] for row in chat["rows"] if row["prompt"] in turns]
-        lo, hi = chat[key].pop("ratio_interval")
-        assert 0 < lo <= hi
-        assert chat[key] == pytest.approx({"ratio_median": statistics.median(per), "ratio_lowest": min(per)})
+        assert set(chat[key]) == {"prefill", "decode"}
+        for what in ("prefill", "decode"):
+            per = [row[what]["ratio"] for row in chat["rows"] if row["prompt"] in turns]
+            lo, hi = chat[key][what].pop("ratio_interval")
+            assert 0 < lo <= hi
+            assert chat[key][what] == pytest.approx({"ratio_median": statistics.median(per), "ratio_lowest": min(per)})
     assert "opening" not in text
     # a chat turn after the first prefilled its own text: the conversation before it came from the prompt cache
     rows = chat["rows"]
@@ -88,7 +90,8 @@ def test_bench_text_output(home: dict[str, str]) -> None:
     assert "demo: moeplug's plan against stock llama-server --fit at the same budget" in r.stdout
     assert "prefill t/s moeplug / stock" in r.stdout and "of stock (median over 1 prompts)" in r.stdout
     assert "of stock (median over 3 chat turns)" in r.stdout
-    assert "opening turns alone (a new conversation, on the slots another one left): prefill" in r.stdout
+    assert re.search(r"opening turns alone \(a new conversation, on the slots another one left\): prefill [\d.]+x "
+                     r"\(lowest [\d.]+x\), decode [\d.]+x \(lowest [\d.]+x\); later turns: prefill", r.stdout)
     assert "first request alone" not in r.stdout  # one request per prompt: nothing apart
     assert "95% interval" not in r.stdout  # one round: no interval over rounds
 

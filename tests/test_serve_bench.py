@@ -4,6 +4,7 @@ the trace's layout (24 layers x 4 of 32 experts, experts in MXFP4)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -241,12 +242,14 @@ def test_serve_bench_chat(patched_build, stock_build, bench_model: Path, tmp_pat
     # the opening turns (a new conversation) and the later ones apart, each from the same per-turn ratios
     row, (mine, stock) = doc["tables"]["chat"][0], [next(c for c in doc["configs"] if c["side"] == side)
                                                     for side in ("moeplug", "stock")]
-    for key, opening in (("prefill_opening", True), ("prefill_later", False)):
-        per = [statistics.median(s[0] for s in mine["samples"][k]) / statistics.median(s[0] for s in stock["samples"][k])
+    for (what, test), opening in itertools.product((("prefill", 0), ("decode", 1)), (True, False)):
+        per = [statistics.median(s[test] for s in mine["samples"][k]) /
+               statistics.median(s[test] for s in stock["samples"][k])
                for k in mine["samples"] if (int(k.split("/")[1]) % serve_bench.CHAT_TURNS == 0) == opening]
         assert len(per) == (2 if opening else 4)
+        key = f"{what}_{'opening' if opening else 'later'}"
         assert row[key] == pytest.approx({"ratio_median": statistics.median(per), "ratio_lowest": min(per)})
-    assert "prefill of the opening turns alone" in stdout
+    assert "the opening turns alone (a new conversation, on the slots another one left): prefill" in stdout
     for c in doc["configs"]:
         ctx, new = c["context_tokens"], c["prompt_tokens"]
         for conv in range(2):

@@ -377,11 +377,11 @@ def first_ratios(mine: Config, stock: Config, workload: str) -> list[float]:
     return [a[i] / b[i] for i in sorted(a) if i in b and b[i] > 0]
 
 
-def turn_ratios(mine: Config, stock: Config, opening: bool) -> list[float]:
-    """The chat workload's prefill ratios of its opening turns (a new conversation: it meets the slots
-    another conversation's turns left, and prefills in full) or of its later turns (on slots that
-    followed the turns before; their new text alone)."""
-    a, b = per_prompt(mine, "chat", 0), per_prompt(stock, "chat", 0)
+def turn_ratios(mine: Config, stock: Config, opening: bool, test: int = 0) -> list[float]:
+    """The chat workload's prefill (test 0) or decode (1) ratios of its opening turns (a new conversation:
+    it meets the slots another conversation's turns left, and prefills in full) or of its later turns
+    (on slots that followed the turns before; their new text alone)."""
+    a, b = per_prompt(mine, "chat", test), per_prompt(stock, "chat", test)
     return [a[i] / b[i] for i in sorted(a) if i in b and b[i] > 0 and (i % CHAT_TURNS == 0) == opening]
 
 
@@ -512,8 +512,9 @@ def table_rows(pairs: list[tuple[Config, Config]], workload: str) -> list[dict[s
         first = first_ratios(mine, stock, workload)
         row["prefill_first"] = ratio_summary(first) if first else None
         if workload == "chat":
-            row["prefill_opening"], row["prefill_later"] = (ratio_summary(turn_ratios(mine, stock, opening))
-                                                            for opening in (True, False))
+            for test, key in ((0, "prefill"), (1, "decode")):
+                row[f"{key}_opening"], row[f"{key}_later"] = (ratio_summary(turn_ratios(mine, stock, opening, test))
+                                                              for opening in (True, False))
         row["delayed"] = {side: delayed_share(cfg, workload) for side, cfg in (("moeplug", mine), ("stock", stock))}
         row["spread"] = {side: {key: spread(cfg, workload, test) for test, key in ((0, "prefill"), (1, "decode"))}
                          for side, cfg in (("moeplug", mine), ("stock", stock))}
@@ -579,9 +580,10 @@ def print_table(workload: str, rows: list[dict[str, Any]]) -> None:
                   f"alone (its decoding one; the table's median pools the repeats): {ratio(f)}")
     for r in rows:
         if (o := r.get("prefill_opening")) is not None and o["ratio_median"] is not None:
-            print(f"\n{r['budget']}, {r['moeplug']} vs stock {r['stock']}: prefill of the opening turns alone (a new "
-                  f"conversation, on the slots another one left): {ratio(o)}; of the later turns: "
-                  f"{ratio(r['prefill_later'])}")
+            print(f"\n{r['budget']}, {r['moeplug']} vs stock {r['stock']}: the opening turns alone (a new "
+                  f"conversation, on the slots another one left): prefill {ratio(o)}, decode "
+                  f"{ratio(r['decode_opening'])}; the later turns: prefill {ratio(r['prefill_later'])}, decode "
+                  f"{ratio(r['decode_later'])}")
     for r in rows:
         if r["model"] is not None:
             print("\n" + model_text(r))
