@@ -25,7 +25,7 @@ from moeplug.errors import MoeplugError
 from moeplug.estimates import DEFAULT_UBATCH
 from moeplug.gpu import gpus, process_vram_bytes
 from moeplug.install import installed_build, read_installed, up_to_date
-from moeplug.measure import (CHAT_TURNS, ERRORS, Timings, chat_turns, median_ratio_interval, time_chat, time_prompts,
+from moeplug.measure import (ERRORS, Timings, chat_turns, median_ratio_interval, opening_turn, time_chat, time_prompts,
                              time_together, together_groups)
 from moeplug.options import STOCK_VRAM
 from moeplug.profile.runner import HELDOUT_PROMPT_SET, read_prompts, resolve_prompt_set
@@ -218,7 +218,7 @@ class Comparison:
                 # a conversation's opening turn prefills in full on the slots another conversation left; the later
                 # turns prefill their new text on slots that followed the turns before
                 for key, opening in (("opening", True), ("later", False)):
-                    turns = [r for r in rows if (r["prompt"] % CHAT_TURNS == 0) == opening]
+                    turns = [r for r in rows if opening_turn(r["prompt"]) == opening]
                     summary[key] = {what: self._summary(w, what, turns) for what in ("prefill", "decode")}
             workloads[w] = {"prompts": len(rows), "rows": rows, **summary}
         return {"name": self.name, "budget_bytes": self.budget_bytes, "rounds": self.rounds,

@@ -94,6 +94,11 @@ def time_prompts(url: str, prompts: Sequence[str | list[int]], n_predict: int, p
     return out
 
 
+def opening_turn(i: int) -> bool:
+    """Whether time_chat's prompt i is a conversation's first turn (a new conversation, prefilled in full)."""
+    return i % CHAT_TURNS == 0
+
+
 def time_chat(url: str, conversations: Sequence[Sequence[str]], n_predict: int) -> Timings:
     """Each conversation's turns in order (turn t of conversation c is prompt c * CHAT_TURNS + t): a
     turn's prompt is the conversation so far, the turns' text and the answers' token ids (llama-server

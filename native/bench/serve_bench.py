@@ -80,7 +80,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import GIB, MIB, Prebuilt, free_vram_or_say, interleaved_rounds, median  # noqa: E402
-from moeplug.measure import (CHAT_TURNS, chat_turns, median_ratio_interval, time_chat, time_prompts,  # noqa: E402
+from moeplug.measure import (CHAT_TURNS, chat_turns, median_ratio_interval, opening_turn, time_chat, time_prompts,  # noqa: E402
                              time_together, together_groups)
 from moeplug.profile.runner import HELDOUT_PROMPT_SET, resolve_prompt_set  # noqa: E402
 
@@ -382,7 +382,7 @@ def turn_ratios(mine: Config, stock: Config, opening: bool, test: int = 0) -> li
     it meets the slots another conversation's turns left, and prefills in full) or of its later turns
     (on slots that followed the turns before; their new text alone)."""
     a, b = per_prompt(mine, "chat", test), per_prompt(stock, "chat", test)
-    return [a[i] / b[i] for i in sorted(a) if i in b and b[i] > 0 and (i % CHAT_TURNS == 0) == opening]
+    return [a[i] / b[i] for i in sorted(a) if i in b and b[i] > 0 and opening_turn(i) == opening]
 
 
 def spread(cfg: Config, workload: str, test: int) -> float | None:
