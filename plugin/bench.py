@@ -10,7 +10,9 @@ leaves out some of what its server holds (on an H200, 154-172 MiB over 8-16 GiB 
 the budget, as moeplug's plan does (fit_within). They take turns, round after round, every
 other round in reverse order, so that neither always runs first. Each launch answers a warm-up
 request, then the prompts (moeplug.measure): per prompt the ratio of moeplug's t/s to stock's, each
-the median over rounds, then the median and the lowest over prompts.
+the median over rounds, then the median and the lowest over prompts. Beside a prompt's decode over
+its whole answer, where answers are longer than measure.SHORT_STEPS tokens, the decode of a short
+answer to it (`decode_short`): the first tokens after a new prompt, on slots that followed another.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from moeplug.errors import MoeplugError
 from moeplug.estimates import DEFAULT_UBATCH
 from moeplug.gpu import gpus, process_vram_bytes
 from moeplug.install import installed_build, read_installed, up_to_date
-from moeplug.measure import (ERRORS, Timings, chat_turns, median_ratio_interval, opening_turn, time_chat, time_prompts,
-                             time_together, together_groups)
+from moeplug.measure import (ERRORS, Timings, chat_turns, median_ratio_interval, opening_turn, short_steps, time_chat,
+                             time_prompts, time_together, together_groups)
 from moeplug.options import STOCK_VRAM
 from moeplug.profile.runner import HELDOUT_PROMPT_SET, read_prompts, resolve_prompt_set
 from moeplug.progress import Note, ProgressFn, silent
@@ -36,6 +38,7 @@ from moeplug.serving import find_record, launch_verified, model_lock, stop
 from moeplug.sizes import MIB
 
 SIDES = ("moeplug", "stock")
+MEASURES = ("prefill", "first", "decode", "decode_short")  # per prompt, where the workload has it (decode_short)
 WARMUP_PREDICT = 16
 LONG_PROMPTS = 2  # prompts of the "long" workload (compare's prompt_tokens)
 AUTO_PARALLEL = 4  # llama-server's parallel slots where -np is not given (b11434: "auto", 4, one KV cache for all)
@@ -160,9 +163,11 @@ class Side:
 
     def samples(self, workload: str, what: str) -> dict[int, list[float]]:
         """prompt -> each round's prefill (the median of its requests), first (its first request's
-        prefill) or decode t/s."""
-        pick = {"prefill": lambda t: t.prefill_median, "first": lambda t: t.prefill[0], "decode": lambda t: t.decode}
-        return {i: [pick[what](t) for t in ts] for i, ts in self.timed.get(workload, {}).items()}
+        prefill), decode or decode_short t/s (the prompts that have it)."""
+        pick = {"prefill": lambda t: t.prefill_median, "first": lambda t: t.prefill[0], "decode": lambda t: t.decode,
+                "decode_short": lambda t: t.decode_short}
+        out = {i: [v for v in map(pick[what], ts) if v is not None] for i, ts in self.timed.get(workload, {}).items()}
+        return {i: v for i, v in out.items() if v}
 
     def per_prompt(self, workload: str, what: str) -> dict[int, float]:
         """prompt -> the median over rounds of samples()."""
@@ -184,8 +189,8 @@ class Comparison:
 
     def _summary(self, workload: str, what: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
         """The median and lowest of these rows' ratios, and the median's interval over the rounds."""
-        r = [row[what]["ratio"] for row in rows if row[what]["ratio"] is not None]
-        keep = {row["prompt"] for row in rows}
+        r = [row[what]["ratio"] for row in rows if what in row and row[what]["ratio"] is not None]
+        keep = {row["prompt"] for row in rows if what in row}
         mine, theirs = (self.sides[side].samples(workload, what) for side in SIDES)
         return {"ratio_median": statistics.median(r) if r else None, "ratio_lowest": min(r) if r else None,
                 "ratio_interval": median_ratio_interval([(mine[i], theirs[i]) for i in sorted(mine)
@@ -195,17 +200,17 @@ class Comparison:
         """Per prompt: tokens prefilled and both sides' t/s with the ratios."""
         mine = self.sides["moeplug"]
         out = []
-        per = {(side, what): self.sides[side].per_prompt(workload, what) for side in SIDES
-               for what in ("prefill", "first", "decode")}
+        per = {(side, what): self.sides[side].per_prompt(workload, what) for side in SIDES for what in MEASURES}
         for i in sorted(per[("moeplug", "prefill")]):
             if i not in per[("stock", "prefill")]:
                 continue
             first = mine.timed[workload][i][0]  # the tokens: the same every launch on moeplug's side
             row: dict[str, Any] = {"prompt": i, "prompt_tokens": first.prompt_tokens,
                                    **({"context_tokens": first.context_tokens} if first.context_tokens else {})}
-            for what in ("prefill", "first", "decode"):
-                m, s = per[("moeplug", what)][i], per[("stock", what)][i]
-                row[what] = {"moeplug_tps": m, "stock_tps": s, "ratio": m / s if s > 0 else None}
+            for what in MEASURES:
+                if i in per[("moeplug", what)] and i in per[("stock", what)]:
+                    m, s = per[("moeplug", what)][i], per[("stock", what)][i]
+                    row[what] = {"moeplug_tps": m, "stock_tps": s, "ratio": m / s if s > 0 else None}
             out.append(row)
         return out
 
@@ -213,7 +218,8 @@ class Comparison:
         workloads = {}
         for w in self.workloads:
             rows = self.rows(w)
-            summary = {what: self._summary(w, what, rows) for what in ("prefill", "first", "decode")}
+            summary = {what: self._summary(w, what, rows) for what in MEASURES
+                       if what != "decode_short" or any(what in row for row in rows)}
             if w == "chat":
                 # a conversation's opening turn prefills in full on the slots another conversation left; the later
                 # turns prefill their new text on slots that followed the turns before
@@ -338,7 +344,7 @@ def compare(name: str, *, rounds: int = 3, n_predict: int = 64, prefill_reps: in
                 for w, prompts in workloads.items():
                     got = time_chat(srv.url, prompts, n_predict) if w == "chat" else \
                         time_together(srv.url, prompts, n_predict) if w == "concurrent" else \
-                        time_prompts(srv.url, prompts, n_predict, prefill_reps)
+                        time_prompts(srv.url, prompts, n_predict, prefill_reps, short_steps(n_predict))
                     if got.errors:
                         raise MoeplugError(f"{side} llama-server, {w}: {got.errors[0]}")
                     s.add(w, got)

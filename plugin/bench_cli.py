@@ -8,6 +8,7 @@ from typing import Any
 
 from moeplug.estimates import DEFAULT_UBATCH
 from moeplug.install_cli import PROMPT_TOKENS, UBATCH
+from moeplug.measure import SHORT_STEPS
 from moeplug.options import (CONCURRENT, GENERATE, PROMPT_CAP, REPEATS, ROUNDS, SERVER_THREADS, SHORT_PROMPT,
                              STOCK_VRAM, add_json)
 from moeplug.output import Output, human_bytes, table
@@ -46,11 +47,11 @@ BELOW_PAR = 0.97  # a prompt this much slower than stock is named under its tabl
 def _below_par(rows: list[dict[str, Any]], noun: str) -> str | None:
     """One line naming the rows whose prefill or decode ran below BELOW_PAR of stock, or None."""
     said = []
-    for what in ("prefill", "decode"):
-        slow = [(r["prompt"], r[what]["ratio"]) for r in rows if r[what]["ratio"] is not None
+    for what, label in (("prefill", "prefill"), ("decode", "decode"), ("decode_short", "short answers' decode")):
+        slow = [(r["prompt"], r[what]["ratio"]) for r in rows if what in r and r[what]["ratio"] is not None
                 and r[what]["ratio"] < BELOW_PAR]
         if slow:
-            said.append(f"{what} {', '.join(f'#{i} {x:.2f}x' for i, x in slow)}")
+            said.append(f"{label} {', '.join(f'#{i} {x:.2f}x' for i, x in slow)}")
     return f"below {BELOW_PAR:.2f}x of stock here, of the {len(rows)} {noun}: {'; '.join(said)}" if said else None
 
 
@@ -70,6 +71,9 @@ def comparison_text(c: Any) -> str:
         lines += ["", f"{WHAT[w]}:", table(HEAD, rows, "rrrrrr")]
         lines.append(f"prefill {_ratio(d['prefill'])}, decode {_ratio(d['decode'])} of stock (median over "
                      f"{d['prompts']} {NOUN[w]})")
+        if "decode_short" in d:
+            lines.append(f"short answers alone ({SHORT_STEPS} tokens, a new prompt on the slots another prompt left): "
+                         f"decode {_ratio(d['decode_short'])}")
         below = _below_par(d["rows"], NOUN[w])
         if below:
             lines.append(below)
@@ -118,7 +122,9 @@ def register(sub: Any) -> None:
     p.add_argument("--rounds", type=ROUNDS, default=3,
                    help="launches of each side, alternating (default 3: a prompt's median over three rounds "
                         "leaves out one delayed request, where over two it is their mean)")
-    p.add_argument("-n", "--n-predict", type=GENERATE, default=64, help="tokens generated per prompt (default 64)")
+    p.add_argument("-n", "--n-predict", type=GENERATE, default=64,
+                   help=f"tokens generated per prompt (default 64); above {SHORT_STEPS + 1}, each prompt is also "
+                        f"answered in {SHORT_STEPS} tokens, the first tokens after a new prompt timed alone")
     p.add_argument("--prefill-reps", type=REPEATS, default=3,
                    help="requests per prompt and launch whose prefill is timed, the median kept (default 3)")
     p.add_argument("--prompt-file", action="append", default=[], metavar="FILE",

@@ -2,9 +2,11 @@
 server's own `timings`, as `moeplug bench` and `native/bench/serve_bench.py` measure them.
 
 Three ways to send a workload. `time_prompts`: each prompt once with the tokens to decode, then
-repeats of one token in passes over the prompts, so that no prompt is timed right after itself (a
-dynamic slot policy would just have followed its routing, and its prefill would look faster than
-a new prompt's); a prompt's prefill is the median of its requests. `time_chat`: each text a
+(optionally) once more with a short answer, then repeats of one token in passes over the prompts, so
+that no prompt is timed right after itself (a dynamic slot policy would just have followed its
+routing, and its prefill would look faster than a new prompt's); a prompt's prefill is the median of
+its requests. The short answer's decode is the first tokens after a new prompt alone: the slots it
+meets followed another prompt, and a long answer's decode hides how fast they follow. `time_chat`: each text a
 conversation of a few turns, every turn sent after the last answer with the conversation so far
 as its prompt and llama-server's prompt cache on, so a turn prefills its own text alone.
 `time_together`: prompts in groups sent at once, as several users or agents sharing one server do;
@@ -28,6 +30,7 @@ from moeplug.errors import MoeplugError
 from moeplug.server import complete
 
 CHAT_TURNS = 3  # turns a text is cut in for time_chat
+SHORT_STEPS = 16  # decoding steps of time_prompts' short answers (n_predict one more: the first token is the prompt's)
 ERRORS = (MoeplugError, requests.RequestException, KeyError, ValueError, TypeError)
 
 
@@ -41,6 +44,7 @@ class Timed:
     context_tokens: int | None = None  # chat: the whole conversation up to this turn (tokens_evaluated)
     drafted: int = 0  # speculative decoding: tokens drafted and accepted
     accepted: int = 0
+    decode_short: float | None = None  # t/s of a short answer's SHORT_STEPS steps, where time_prompts sent one
 
     @property
     def prefill_median(self) -> float:
@@ -74,9 +78,17 @@ def _timed(reply: dict[str, Any]) -> Timed:
                  drafted=int(t.get("draft_n", 0)), accepted=int(t.get("draft_n_accepted", 0)))
 
 
-def time_prompts(url: str, prompts: Sequence[str | list[int]], n_predict: int, prefill_reps: int = 1) -> Timings:
-    """Each prompt decoding n_predict tokens, then prefill_reps - 1 passes over the prompts with
-    requests of one token (the prompts that answered the first time)."""
+def short_steps(n_predict: int) -> int:
+    """The decoding steps of time_prompts' short answers for a workload generating n_predict tokens:
+    SHORT_STEPS where that is fewer than its own answers take, else 0 (none: its answers are short)."""
+    return SHORT_STEPS if n_predict - 1 > SHORT_STEPS else 0
+
+
+def time_prompts(url: str, prompts: Sequence[str | list[int]], n_predict: int, prefill_reps: int = 1,
+                 short: int = 0) -> Timings:
+    """Each prompt decoding n_predict tokens; then, where short > 0, a pass over the prompts answering
+    each in short decoding steps (Timed.decode_short); then prefill_reps - 1 passes over the prompts
+    with requests of one token (the prompts that answered the first time)."""
     out = Timings()
     for i, prompt in enumerate(prompts):
         out.sent.append(f"{i}:{n_predict}")
@@ -84,6 +96,13 @@ def time_prompts(url: str, prompts: Sequence[str | list[int]], n_predict: int, p
             out.prompts[i] = _timed(complete(url, prompt, n_predict, ignore_eos=True))
         except ERRORS as exc:
             out.errors.append(f"prompt {i}: {type(exc).__name__}: {exc}")
+    for i in list(out.prompts) if short > 0 else []:
+        out.sent.append(f"{i}:{short + 1}")
+        try:
+            out.prompts[i].decode_short = float(complete(url, prompts[i], short + 1, ignore_eos=True)["timings"]
+                                                ["predicted_per_second"])
+        except ERRORS as exc:
+            out.errors.append(f"prompt {i}, short answer: {type(exc).__name__}: {exc}")
     for rep in range(1, prefill_reps):
         for i in list(out.prompts):
             out.sent.append(f"{i}:1")

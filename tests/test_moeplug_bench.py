@@ -37,7 +37,8 @@ def installed(env: dict[str, str]) -> dict:
 
 
 def test_bench_serves_the_plan_and_stock_in_turns(home: dict[str, str]) -> None:
-    r = moeplug(home, "bench", "demo", "--rounds", "2", "-n", "4", "--max-prompts", "2", "--prefill-reps", "2",
+    # -n 18: answers longer than a short answer's 16 steps, so each prompt is also answered in 16
+    r = moeplug(home, "bench", "demo", "--rounds", "2", "-n", "18", "--max-prompts", "2", "--prefill-reps", "2",
                 "--chat", "--json")
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(r.stdout)
@@ -72,10 +73,19 @@ def test_bench_serves_the_plan_and_stock_in_turns(home: dict[str, str]) -> None:
             assert 0 < lo <= hi
             assert chat[key][what] == pytest.approx({"ratio_median": statistics.median(per), "ratio_lowest": min(per)})
     assert "opening" not in text
+    # each prompt's short answer (16 steps after a new prompt) apart; chat turns have none
+    for row in text["rows"]:
+        d = row["decode_short"]
+        assert d["moeplug_tps"] > 0 and d["stock_tps"] > 0 and d["ratio"] == pytest.approx(d["moeplug_tps"] / d["stock_tps"])
+    per = [row["decode_short"]["ratio"] for row in text["rows"]]
+    lo, hi = text["decode_short"].pop("ratio_interval")
+    assert 0 < lo <= hi
+    assert text["decode_short"] == pytest.approx({"ratio_median": statistics.median(per), "ratio_lowest": min(per)})
+    assert "decode_short" not in chat and not any("decode_short" in row for row in chat["rows"])
     # a chat turn after the first prefilled its own text: the conversation before it came from the prompt cache
     rows = chat["rows"]
     for before, turn in ((rows[i], rows[i + 1]) for i in (0, 1, 3, 4)):
-        assert turn["context_tokens"] > before["context_tokens"] + 4  # the answer (-n 4) and the turn's text
+        assert turn["context_tokens"] > before["context_tokens"] + 18  # the answer (-n 18) and the turn's text
         assert turn["context_tokens"] - turn["prompt_tokens"] >= before["context_tokens"]
     assert any("no NVIDIA GPU" in n for n in doc["notes"])
     # nothing left running
@@ -94,6 +104,11 @@ def test_bench_text_output(home: dict[str, str]) -> None:
                      r"\(lowest [\d.]+x\), decode [\d.]+x \(lowest [\d.]+x\); later turns: prefill", r.stdout)
     assert "first request alone" not in r.stdout  # one request per prompt: nothing apart
     assert "95% interval" not in r.stdout  # one round: no interval over rounds
+    assert "short answers alone" not in r.stdout  # -n 2: every answer is short
+    longer = moeplug(home, "bench", "demo", "--rounds", "1", "-n", "20", "--max-prompts", "1", "--prefill-reps", "1")
+    assert longer.returncode == 0, longer.stderr[-3000:]
+    assert re.search(r"short answers alone \(16 tokens, a new prompt on the slots another prompt left\): decode "
+                     r"[\d.]+x \(lowest [\d.]+x\)", longer.stdout)
 
 
 def test_bench_stock_held_to_the_budget_without_a_gpu(home: dict[str, str]) -> None:
@@ -313,7 +328,8 @@ def test_bench_bad_input_is_one_line(home: dict[str, str], tmp_path: Path) -> No
 
 
 def test_the_prompts_below_stock_are_named() -> None:
-    """Under each table, one line names the prompts whose prefill or decode ran below 0.97x of stock."""
+    """Under each table, one line names the prompts whose prefill, decode or short answers' decode ran below
+    0.97x of stock."""
     from moeplug.bench_cli import _below_par
 
     def row(i: int, prefill: float, decode: float | None) -> dict:
@@ -323,3 +339,7 @@ def test_the_prompts_below_stock_are_named() -> None:
     assert _below_par(rows, "chat turns") == ("below 0.97x of stock here, of the 4 chat turns: prefill #0 0.93x, "
                                              "#3 0.95x; decode #1 0.90x")
     assert _below_par([row(0, 1.0, 1.3)], "prompts") is None
+    # a short answer's decode, where the prompts have one
+    short = [row(0, 1.0, 1.3) | {"decode_short": {"ratio": 0.94}}, row(1, 1.0, 0.96) | {"decode_short": {"ratio": 1.1}}]
+    assert _below_par(short, "prompts") == ("below 0.97x of stock here, of the 2 prompts: decode #1 0.96x; short "
+                                            "answers' decode #0 0.94x")

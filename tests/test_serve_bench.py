@@ -88,8 +88,9 @@ def check_table(stdout: str, doc: dict, workload: str) -> None:
 
 
 def test_serve_bench_text_and_random(patched_build, stock_build, bench_model: Path, tmp_path: Path) -> None:
+    # -n 18: answers longer than a short answer's 16 steps, so each prompt is also answered in 16
     stdout, doc = run_bench(patched_build, stock_build, bench_model, tmp_path, "--workloads", "text,random",
-                            "--warmup", "2", "--prefill-reps", "3")
+                            "--warmup", "2", "--prefill-reps", "3", "-n", "18")
     for workload in ("text-profiled", "text-unseen", "random"):
         check_table(stdout, doc, workload)
     # --prefill-reps 3: each prompt's prefill, every round, the median of three answered requests
@@ -98,14 +99,16 @@ def test_serve_bench_text_and_random(patched_build, stock_build, bench_model: Pa
         for k, rounds in c["prefill_reps"].items():
             assert [len(r) for r in rounds] == [3, 3] and all(x > 0 for r in rounds for x in r)
             assert [s[0] for s in c["samples"][k]] == [statistics.median(r) for r in rounds]
-        # the repeats come in passes over a workload's prompts after its decoding requests, never a prompt right
-        # after itself (its own routing would then be in a dynamic policy's slots)
+        # the short answers (16 steps: n_predict 17) and the repeats come in passes over a workload's prompts after
+        # its decoding requests, never a prompt right after itself (its own routing would then be in a dynamic
+        # policy's slots)
         assert len(c["sequence"]) == 2
         for sent in c["sequence"]:
             for w in ("text-profiled", "text-unseen", "random"):
                 mine = [x for x in sent if x.startswith(w + "/")]
                 n = sum(1 for k in c["samples"] if k.startswith(w + "/"))
-                assert n > 1 and mine == [f"{w}/{i}:4" for i in range(n)] + [f"{w}/{i}:1" for i in range(n)] * 2
+                assert n > 1 and mine == [f"{w}/{i}:{k}" for k in (18, 17) for i in range(n)] + \
+                    [f"{w}/{i}:1" for i in range(n)] * 2
             assert all(a.split(":")[0] != b.split(":")[0] for a, b in zip(sent, sent[1:]))
     assert "prefill the median of 3 requests" in stdout
     # --tables-from prints the same tables again from the JSON, running nothing
@@ -129,6 +132,19 @@ def test_serve_bench_text_and_random(patched_build, stock_build, bench_model: Pa
         assert row["prefill_first"]["ratio_median"] == pytest.approx(statistics.median(first))
         assert (f"prefill of each prompt's first request alone (its decoding one; the table's median pools the "
                 f"repeats): {statistics.median(first):.2f}x (lowest {min(first):.2f}x)") in stdout
+    # each prompt's short answer alone: its decode ratio from the samples' third value, printed under the table
+    for workload in ("text-profiled", "text-unseen", "random"):
+        row = doc["tables"][workload][0]
+        keys = [k for k in mine["samples"] if k.startswith(workload + "/")]
+        assert all(len(s) == 3 and s[2] > 0 for k in keys for s in mine["samples"][k] + stock["samples"][k])
+        short = [statistics.median(s[2] for s in mine["samples"][k]) / statistics.median(s[2] for s in stock["samples"][k])
+                 for k in keys]
+        d = row["decode_short"]
+        assert d["steps"] == 16 and d["ratio_median"] == pytest.approx(statistics.median(short))
+        assert d["ratio_lowest"] == pytest.approx(min(short)) and d["ratio_interval"] is not None
+        assert (f"decode of short answers alone (16 tokens to each prompt, on the slots another prompt left): "
+                f"{d['moeplug_tps']:.1f} / {d['stock_tps']:.1f} t/s, {statistics.median(short):.2f}x "
+                f"(lowest {min(short):.2f}x") in stdout
     # every launch answered two warm-up requests before the measured ones, which they are not among
     assert [c["warmed"] for c in doc["configs"]] == [2 * 2] * len(doc["configs"])
     bad = subprocess.run([sys.executable, str(SERVE_BENCH), "--warmup", "-1"], capture_output=True, text=True, timeout=60)

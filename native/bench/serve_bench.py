@@ -80,7 +80,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import GIB, MIB, Prebuilt, free_vram_or_say, interleaved_rounds, median  # noqa: E402
-from moeplug.measure import (CHAT_TURNS, chat_turns, median_ratio_interval, opening_turn, time_chat, time_prompts,  # noqa: E402
+from moeplug.measure import (CHAT_TURNS, SHORT_STEPS, chat_turns, median_ratio_interval, opening_turn, short_steps,
+                             time_chat, time_prompts,  # noqa: E402
                              time_together, together_groups)
 from moeplug.profile.runner import HELDOUT_PROMPT_SET, resolve_prompt_set  # noqa: E402
 
@@ -118,7 +119,8 @@ class Config:
     env: dict[str, str] = field(default_factory=dict)
     desc: str = ""
     # (workload, prompt index) -> [prefill t/s, decode t/s] of each round
-    samples: dict[tuple[str, int], list[tuple[float, float]]] = field(default_factory=dict)
+    # (workload, prompt index) -> each round's (prefill, decode, short answer's decode or None) t/s
+    samples: dict[tuple[str, int], list[tuple[float, float, float | None]]] = field(default_factory=dict)
     prompt_tokens: dict[tuple[str, int], int] = field(default_factory=dict)  # the prompt's prefilled tokens (prompt_n)
     # chat: (workload, turn index) -> the whole conversation's tokens up to that turn (tokens_evaluated), of which
     # the prompt cache held all but prompt_n
@@ -256,7 +258,9 @@ def run_config(cfg: Config, model: Path, ctx: int, prompts: dict[str, list], n_p
             elif w == "concurrent":
                 got = time_together(srv.url, prompts[w], n_predict)
             else:
-                got = time_prompts(srv.url, prompts[w], n_predict, prefill_reps if w != "replay" else 1)
+                # replay: each request takes the replay file's next prompt, so one request a prompt
+                got = time_prompts(srv.url, prompts[w], n_predict, prefill_reps if w != "replay" else 1,
+                                   short_steps(n_predict) if w != "replay" else 0)
             record(cfg, w, got, sent)
             after = fetch_cache_counters(srv.port)
             if before is not None and after is not None:
@@ -344,7 +348,7 @@ def record(cfg: Config, w: str, got: Any, sent: list[str]) -> None:
     for e in got.errors:
         print(f"# {cfg.budget} {cfg.side}: {w} {e}", file=sys.stderr)
     for i, t in got.prompts.items():
-        cfg.samples.setdefault((w, i), []).append((t.prefill_median, t.decode))
+        cfg.samples.setdefault((w, i), []).append((t.prefill_median, t.decode, t.decode_short))
         cfg.prefill_reps.setdefault((w, i), []).append(t.prefill)
         cfg.prompt_tokens[(w, i)] = t.prompt_tokens
         if t.context_tokens is not None:
@@ -356,8 +360,17 @@ def record(cfg: Config, w: str, got: Any, sent: list[str]) -> None:
 
 
 def per_prompt(cfg: Config, workload: str, test: int) -> dict[int, float]:
-    """prompt index -> median over rounds of its t/s (test 0 prefill, 1 decode)."""
-    return {i: median([s[test] for s in v]) for (w, i), v in cfg.samples.items() if w == workload and v}
+    """prompt index -> median over rounds of its t/s (test 0 prefill, 1 decode, 2 a short answer's decode:
+    the prompts that have it)."""
+    return {i: median(x) for i, x in timed(cfg, workload, test).items()}
+
+
+def timed(cfg: Config, workload: str, test: int) -> dict[int, list[float]]:
+    """prompt index -> each round's t/s of test (per_prompt), where it was timed (a JSON of a run before the
+    short answers has two values a sample)."""
+    out = {i: [s[test] for s in v if len(s) > test and s[test] is not None]
+           for (w, i), v in cfg.samples.items() if w == workload}
+    return {i: x for i, x in out.items() if x}
 
 
 def first_prefill(cfg: Config, workload: str) -> dict[int, float]:
@@ -433,8 +446,7 @@ def delayed_share(cfg: Config, workload: str) -> list[float] | None:
 def ratio_interval(mine: Config, stock: Config, workload: str, test: int) -> list[float] | None:
     """The median per-prompt ratio's 95% interval over the run's rounds (moeplug.measure.median_ratio_interval:
     each prompt's rounds drawn again on each side; seeded, so a JSON's tables print the same again)."""
-    a = {i: [s[test] for s in v] for (w, i), v in mine.samples.items() if w == workload and v}
-    b = {i: [s[test] for s in v] for (w, i), v in stock.samples.items() if w == workload and v}
+    a, b = timed(mine, workload, test), timed(stock, workload, test)
     return median_ratio_interval([(a[i], b[i]) for i in sorted(a) if i in b])
 
 
@@ -511,6 +523,13 @@ def table_rows(pairs: list[tuple[Config, Config]], workload: str) -> list[dict[s
         # follow requests of one token (None without repeats)
         first = first_ratios(mine, stock, workload)
         row["prefill_first"] = ratio_summary(first) if first else None
+        # a short answer's decode alone: the first tokens after a new prompt, on slots that followed another (None
+        # where the workload's answers are short themselves, and for replay)
+        short = ratios(mine, stock, workload, 2)
+        row["decode_short"] = {"moeplug_tps": median(list(per_prompt(mine, workload, 2).values())),
+                               "stock_tps": median(list(per_prompt(stock, workload, 2).values())),
+                               **ratio_summary(short), "ratio_interval": ratio_interval(mine, stock, workload, 2),
+                               "steps": SHORT_STEPS} if short else None
         if workload == "chat":
             for test, key in ((0, "prefill"), (1, "decode")):
                 row[f"{key}_opening"], row[f"{key}_later"] = (ratio_summary(turn_ratios(mine, stock, opening, test))
@@ -578,6 +597,12 @@ def print_table(workload: str, rows: list[dict[str, Any]]) -> None:
         if (f := r.get("prefill_first")) is not None:
             print(f"\n{r['budget']}, {r['moeplug']} vs stock {r['stock']}: prefill of each prompt's first request "
                   f"alone (its decoding one; the table's median pools the repeats): {ratio(f)}")
+    for r in rows:
+        if (d := r.get("decode_short")) is not None:
+            iv = f", 95% interval {d['ratio_interval'][0]:.2f}x-{d['ratio_interval'][1]:.2f}x" if d["ratio_interval"] else ""
+            print(f"\n{r['budget']}, {r['moeplug']} vs stock {r['stock']}: decode of short answers alone ({d['steps']} "
+                  f"tokens to each prompt, on the slots another prompt left): {d['moeplug_tps']:.1f} / "
+                  f"{d['stock_tps']:.1f} t/s, {ratio(d)}{iv}")
     for r in rows:
         if (o := r.get("prefill_opening")) is not None and o["ratio_median"] is not None:
             print(f"\n{r['budget']}, {r['moeplug']} vs stock {r['stock']}: the opening turns alone (a new "
