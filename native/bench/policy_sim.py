@@ -16,6 +16,11 @@ selections that hit a slot is printed for:
     hottest of the experts it holds and the ones the batch used (a lever not built: this says what
     it would buy);
   - LRU per layer, every miss inserted at once (an upload per miss, free of cost here).
+Beside it, the experts each prompt batch selects without a slot, per layer and request: what a new
+prompt's batch uploads on the GPU, which the slots the previous request left decide. And a variant
+that keeps the profile as a floor under the counts (`--prior F`: an expert's count never weighs less
+than F times its seed), so that a request's routing does not wash the generally hot experts out of
+the slots before the next prompt (simulated, not built).
 No weights, no timing: which experts are resident when, only.
 
     python native/bench/policy_sim.py --slots 8 --requests 24
@@ -43,12 +48,16 @@ def requests_of(experts: np.ndarray, offsets: np.ndarray, first: int, count: int
 
 
 def engine(prof: np.ndarray, reqs, slots: int, half_life: float, margin: float, uploads: int,
-           per_layer: int, fill_from_prompt: bool = False) -> tuple[float, float]:
-    """Hit share of decoded selections and swaps (uploads) per decoded token under the decayed-count
-    rule; fill_from_prompt: after each prompt batch the slots are the hottest of the resident experts
-    and the batch's own, at once and without an upload."""
+           per_layer: int, fill_from_prompt: bool = False, prior: float = 0.0) -> tuple[float, float, float]:
+    """Hit share of decoded selections, swaps (uploads) per decoded token and the experts a prompt
+    batch selects without a slot (per layer and request) under the decayed-count rule;
+    fill_from_prompt: after each prompt batch the slots are the hottest of the resident experts and
+    the batch's own, at once and without an upload; prior: the rule compares counts plus prior times
+    the seed (the profile's steady state), a floor the decay never takes away."""
     n_layer, n_expert = prof.shape
-    score = prof * half_life / np.log(2)
+    seed = prof * half_life / np.log(2)
+    score = seed.copy()
+    floor = prior * seed
     res = np.zeros((n_layer, n_expert), bool)
     for layer in range(n_layer):
         res[layer, np.argsort(-prof[layer])[:slots]] = True
@@ -78,20 +87,23 @@ def engine(prof: np.ndarray, reqs, slots: int, half_life: float, margin: float, 
             if per_layer == 1 and any(pl == layer for _, pl, _ in pending):
                 continue
             waiting = {pe for _, pl, pe in pending if pl == layer}
-            missed = [e for e in np.argsort(-score[layer]) if not res[layer, e] and e not in waiting]
-            resident = sorted(np.nonzero(res[layer])[0], key=lambda e: score[layer, e])
+            eff = score[layer] + floor[layer]
+            missed = [e for e in np.argsort(-eff) if not res[layer, e] and e not in waiting]
+            resident = sorted(np.nonzero(res[layer])[0], key=lambda e: eff[e])
             for k, e in enumerate(missed[:min(per_layer, len(resident))]):
                 out = resident[k]
-                if score[layer, e] <= score[layer, out] + margin:
+                if eff[e] <= eff[out] + margin:
                     break
-                cands.append((score[layer, e] - score[layer, out], layer, e, out))
+                cands.append((eff[e] - eff[out], layer, e, out))
         cands.sort(key=lambda c: -c[0])
         for _, layer, e, out in cands[:uploads] if uploads else cands:
             res[layer, out] = False
             pending.append((step + 1, layer, e))
             swaps += 1
 
+    prompt_misses = 0
     for prompt, decoded in reqs:
+        prompt_misses += sum(int((~res[layer, np.unique(prompt[:, layer])]).sum()) for layer in range(n_layer))
         step += 1
         after(prompt, prompt=True)
         for t in range(len(decoded)):
@@ -102,15 +114,17 @@ def engine(prof: np.ndarray, reqs, slots: int, half_life: float, margin: float, 
                     hits += bool(res[layer, e])
             step += 1
             after(ids)
-    return hits / total, swaps / sum(len(d) for _, d in reqs)
+    return hits / total, swaps / sum(len(d) for _, d in reqs), prompt_misses / (n_layer * len(reqs))
 
 
 def lru(prof: np.ndarray, reqs, slots: int) -> tuple[float, float]:
-    """Hit share and uploads per decoded token of an LRU per layer (every miss inserted at once)."""
+    """Hit share and uploads per decoded token of an LRU per layer (every miss inserted at once), and the
+    experts a prompt batch selects without a slot (before it inserts them)."""
     n_layer = prof.shape[0]
     res = [list(np.argsort(-prof[layer])[:slots][::-1]) for layer in range(n_layer)]  # most recent last
-    hits = total = ups = 0
+    hits = total = ups = prompt_misses = 0
     for prompt, decoded in reqs:
+        prompt_misses += sum(len(set(np.unique(prompt[:, layer])) - set(res[layer])) for layer in range(n_layer))
         for counted, seq in ((False, prompt), (True, decoded)):
             for t in range(len(seq)):
                 for layer in range(n_layer):
@@ -125,7 +139,7 @@ def lru(prof: np.ndarray, reqs, slots: int) -> tuple[float, float]:
                         else:
                             res[layer].pop(0)
                         res[layer].append(e)
-    return hits / total, ups / sum(len(d) for _, d in reqs)
+    return hits / total, ups / sum(len(d) for _, d in reqs), prompt_misses / (n_layer * len(reqs))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slots", type=int, default=8, help="slots per layer (of 32)")
     ap.add_argument("--requests", type=int, default=24, help="held-out requests")
     ap.add_argument("--half-life", type=float, default=32.0)
+    ap.add_argument("--prior", type=float, default=0.5, help="the floor variant's prior (times the seed)")
     ap.add_argument("--train", type=int, default=400, help="trace prompts the profile is made of (0:N); the "
                     "requests are held-out prompts from N on")
     a = ap.parse_args(argv)
@@ -146,16 +161,18 @@ def main(argv: list[str] | None = None) -> int:
     if not reqs:
         ap.error(f"no held-out prompt from {a.train} on has 128 decoded tokens")
     print(f"{len(reqs)} requests, {a.slots} of {n_expert} slots per layer; hit share of decoded selections, "
-          f"swaps (uploads) per decoded token")
+          f"swaps (uploads) per decoded token, experts a prompt batch selects without a slot (per layer)")
     rows = [("static (the profile's slots)", engine(prof, reqs, a.slots, a.half_life, 1e9, 0, 1)),
             ("engine: margin 2, 8 uploads, one per layer", engine(prof, reqs, a.slots, a.half_life, 2.0, 8, 1)),
             ("margin 2, no cap, one per layer", engine(prof, reqs, a.slots, a.half_life, 2.0, 0, 1)),
             ("margin 0.5, no cap, two per layer", engine(prof, reqs, a.slots, a.half_life, 0.5, 0, 2)),
             ("margin 0, no cap, four per layer", engine(prof, reqs, a.slots, a.half_life, 0.0, 0, 4)),
             ("engine, slots filled from the prompt batch", engine(prof, reqs, a.slots, a.half_life, 2.0, 8, 1, True)),
+            (f"engine, the profile a floor ({a.prior:g})", engine(prof, reqs, a.slots, a.half_life, 2.0, 8, 1,
+                                                                  prior=a.prior)),
             ("LRU, every miss inserted at once", lru(prof, reqs, a.slots))]
-    for name, (hit, swaps) in rows:
-        print(f"{name:<44} {hit:6.1%} {swaps:6.2f}")
+    for name, (hit, swaps, misses) in rows:
+        print(f"{name:<44} {hit:6.1%} {swaps:6.2f} {misses:6.2f}")
     return 0
 
 
