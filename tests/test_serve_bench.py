@@ -547,3 +547,24 @@ def test_serve_bench_ubatches_and_stock_args(patched_build, stock_build, bench_m
     small = sorted(p.name.split("-random")[0] for p in logs.iterdir()
                    if re.search(r"n_ubatch +=  *64\n", p.read_text()))
     assert len(small) == 2 and sum("-stock-" in n for n in small) == 1, small
+
+
+def test_tables_from_runs_before_and_after_the_short_answers() -> None:
+    """--tables-from on two H200 runs kept in the repository: one from before the short answers (two values
+    a sample: no short-answer line) and the thirty-fifth session's call d, whose lines it prints again."""
+    results = SERVE_BENCH.parent / "results"
+    runs = [results / "2026-12-04-thirtyfourth" / "d" / "r44.json", results / "2026-12-04-thirtyfifth" / "d" / "short.json"]
+    before, after = (subprocess.run([sys.executable, str(SERVE_BENCH), "--tables-from", str(r)], capture_output=True,
+                                    text=True, timeout=60) for r in runs)
+    assert before.returncode == 0 and after.returncode == 0, before.stderr + after.stderr
+    assert "| 12 GiB | 35-128 of 128 per layer (19 whole layers), dynamic | 6 | 1294.0 / 1055.2 | 1.23x (lowest 1.17x) " \
+        "| 85.8 / 92.2 | 0.94x (lowest 0.86x) |" in before.stdout
+    assert "short answers" not in before.stdout
+    lines = [line for line in after.stdout.splitlines() if "decode of short answers alone" in line]
+    assert [line.split("prompt left): ", 1)[1] for line in lines] == [
+        "81.6 / 75.5 t/s, 1.08x (lowest 0.87x), 95% interval 0.89x-1.30x",
+        "86.0 / 70.4 t/s, 1.12x (lowest 0.97x), 95% interval 1.03x-1.29x",
+        "83.6 / 83.6 t/s, 0.97x (lowest 0.89x), 95% interval 0.90x-1.18x"]
+    # the tables as the run printed them
+    recorded = (results / "2026-12-04-thirtyfifth" / "d" / "short.md").read_text()
+    assert all(line in recorded for line in after.stdout.splitlines() if line.startswith("| 12 GiB"))
