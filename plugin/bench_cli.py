@@ -45,7 +45,8 @@ BELOW_PAR = 0.97  # a prompt this much slower than stock is named under its tabl
 
 
 def _below_par(rows: list[dict[str, Any]], noun: str) -> str | None:
-    """One line naming the rows whose prefill or decode ran below BELOW_PAR of stock, or None."""
+    """One line naming the rows whose prefill, decode or short answer's decode ran below BELOW_PAR of stock,
+    or None."""
     said = []
     for what, label in (("prefill", "prefill"), ("decode", "decode"), ("decode_short", "short answers' decode")):
         slow = [(r["prompt"], r[what]["ratio"]) for r in rows if what in r and r[what]["ratio"] is not None

@@ -117,7 +117,7 @@ def engine(prof: np.ndarray, reqs, slots: int, half_life: float, margin: float, 
     return hits / total, swaps / sum(len(d) for _, d in reqs), prompt_misses / (n_layer * len(reqs))
 
 
-def lru(prof: np.ndarray, reqs, slots: int) -> tuple[float, float]:
+def lru(prof: np.ndarray, reqs, slots: int) -> tuple[float, float, float]:
     """Hit share and uploads per decoded token of an LRU per layer (every miss inserted at once), and the
     experts a prompt batch selects without a slot (before it inserts them)."""
     n_layer = prof.shape[0]

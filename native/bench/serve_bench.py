@@ -80,9 +80,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import GIB, MIB, Prebuilt, free_vram_or_say, interleaved_rounds, median  # noqa: E402
-from moeplug.measure import (CHAT_TURNS, SHORT_STEPS, chat_turns, median_ratio_interval, opening_turn, short_steps,
-                             time_chat, time_prompts,  # noqa: E402
-                             time_together, together_groups)
+from moeplug.measure import (CHAT_TURNS, SHORT_STEPS, chat_turns, median_ratio_interval, opening_turn,  # noqa: E402
+                             short_steps, time_chat, time_prompts, time_together, together_groups)
 from moeplug.profile.runner import HELDOUT_PROMPT_SET, resolve_prompt_set  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -118,7 +117,6 @@ class Config:
     workloads: list[str]
     env: dict[str, str] = field(default_factory=dict)
     desc: str = ""
-    # (workload, prompt index) -> [prefill t/s, decode t/s] of each round
     # (workload, prompt index) -> each round's (prefill, decode, short answer's decode or None) t/s
     samples: dict[tuple[str, int], list[tuple[float, float, float | None]]] = field(default_factory=dict)
     prompt_tokens: dict[tuple[str, int], int] = field(default_factory=dict)  # the prompt's prefilled tokens (prompt_n)
