@@ -99,7 +99,8 @@ def by_backend(shape: Shape) -> dict[str, tuple[float, float, int]]:
 def report(path: Path, shapes: dict[int, Shape], top: int) -> None:
     print(f"\n## {path.name}")
     if not shapes:
-        print("no timeline reports (was GGML_SCHED_TIMELINE set?)")
+        print("no timeline reports (was GGML_SCHED_TIMELINE set? a report needs N graphs of one split count in a "
+              "row, and a server whose requests decode fewer tokens than N never makes one: N=1 reports every graph)")
         return
     print("| splits | graphs | host us per graph (median report) | inputs | compute | sync us per call (calls) "
           "| by backend: inputs / compute us (splits) |")
