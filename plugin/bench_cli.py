@@ -56,6 +56,15 @@ def _below_par(rows: list[dict[str, Any]], noun: str) -> str | None:
     return f"below {BELOW_PAR:.2f}x of stock here, of the {len(rows)} {noun}: {'; '.join(said)}" if said else None
 
 
+def _stock_over(budget: int | list[int] | None, stock: int, mine: int, stock_vram: str) -> str | None:
+    """A line where stock, given the budget as users run it, held more than the budget: the ratios then
+    compare unequal VRAM, and --stock-vram budget compares at the same (one GPU's budget only)."""
+    if stock_vram != "fit" or not isinstance(budget, int) or stock <= budget:
+        return None
+    return (f"stock held {human_bytes(stock - budget)} more than the budget and {human_bytes(stock - mine)} more "
+            f"than moeplug ('--stock-vram budget' holds stock to the budget, to compare at the same VRAM)")
+
+
 def comparison_text(c: Any) -> str:
     doc = c.to_json()
     budget = c.budget_bytes
@@ -92,6 +101,9 @@ def comparison_text(c: Any) -> str:
     vram = {side: [v for v in s["vram_bytes"] if v is not None] for side, s in doc["sides"].items()}
     if all(vram.values()):
         lines.append("VRAM held: " + ", ".join(f"{side} {human_bytes(max(v))}" for side, v in vram.items()))
+        over = _stock_over(budget, max(vram["stock"]), max(vram["moeplug"]), c.stock_vram)
+        if over:
+            lines.append(over)
     if c.fit_tries:
         lines.append("stock held to the budget: " + ", then ".join(
             f"-fitt {t['fitt']} held {'?' if t['held_bytes'] is None else human_bytes(t['held_bytes'])}"

@@ -343,3 +343,18 @@ def test_the_prompts_below_stock_are_named() -> None:
     short = [row(0, 1.0, 1.3) | {"decode_short": {"ratio": 0.94}}, row(1, 1.0, 0.96) | {"decode_short": {"ratio": 1.1}}]
     assert _below_par(short, "prompts") == ("below 0.97x of stock here, of the 2 prompts: decode #1 0.96x; short "
                                             "answers' decode #0 0.94x")
+
+
+def test_stock_over_the_budget_is_said() -> None:
+    """Where stock, given the budget as users run it, held more than the budget (NVML), a line says by how
+    much, beside moeplug, and how to compare at the same VRAM; not where it held no more, nor when stock
+    was already held to the budget, nor for a budget per GPU."""
+    from moeplug.bench_cli import _stock_over
+
+    budget = 16384 * MIB
+    said = _stock_over(budget, 16518 * MIB, 16340 * MIB, "fit")
+    assert said == ("stock held 134.00 MiB more than the budget and 178.00 MiB more than moeplug ('--stock-vram "
+                    "budget' holds stock to the budget, to compare at the same VRAM)")
+    assert _stock_over(budget, 16278 * MIB, 16340 * MIB, "fit") is None
+    assert _stock_over(budget, 16518 * MIB, 16340 * MIB, "budget") is None
+    assert _stock_over([budget, budget], 16518 * MIB, 16340 * MIB, "fit") is None
