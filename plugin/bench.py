@@ -27,8 +27,8 @@ from moeplug.errors import MoeplugError
 from moeplug.estimates import DEFAULT_UBATCH
 from moeplug.gpu import gpus, process_vram_bytes
 from moeplug.install import installed_build, read_installed, up_to_date
-from moeplug.measure import (ERRORS, Timings, chat_turns, median_ratio_interval, opening_turn, short_steps, time_chat,
-                             time_prompts, time_together, together_groups)
+from moeplug.measure import (ERRORS, Timings, chat_turns, median_ratio_interval, opening_turn, round_medians,
+                             short_steps, time_chat, time_prompts, time_together, together_groups)
 from moeplug.options import STOCK_VRAM
 from moeplug.profile.runner import HELDOUT_PROMPT_SET, read_prompts, resolve_prompt_set
 from moeplug.progress import Note, ProgressFn, silent
@@ -226,6 +226,9 @@ class Comparison:
                 for key, opening in (("opening", True), ("later", False)):
                     turns = [r for r in rows if opening_turn(r["prompt"]) == opening]
                     summary[key] = {what: self._summary(w, what, turns) for what in ("prefill", "decode")}
+            # round by round, each side's median over the prompts: a server process that ran slow in all of them
+            summary["per_round"] = {side: {what: round_medians(list(self.sides[side].samples(w, what).values()))
+                                           for what in ("prefill", "decode")} for side in SIDES}
             workloads[w] = {"prompts": len(rows), "rows": rows, **summary}
         return {"name": self.name, "budget_bytes": self.budget_bytes, "rounds": self.rounds,
                 "n_predict": self.n_predict, "prefill_reps": self.prefill_reps, "notes": self.notes,

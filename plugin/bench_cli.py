@@ -81,6 +81,11 @@ def comparison_text(c: Any) -> str:
         lines += ["", f"{WHAT[w]}:", table(HEAD, rows, "rrrrrr")]
         lines.append(f"prefill {_ratio(d['prefill'])}, decode {_ratio(d['decode'])} of stock (median over "
                      f"{d['prompts']} {NOUN[w]})")
+        rounds = d["per_round"]
+        if c.rounds > 1 and all(rounds[side]["decode"] for side in rounds):
+            lines.append(f"decode t/s round by round (median over the {NOUN[w]}; a round off on one side is a server "
+                         f"process that ran slow): " + "; ".join(
+                             f"{side} {', '.join(f'{x:.1f}' for x in r['decode'])}" for side, r in rounds.items()))
         if "decode_short" in d:
             lines.append(f"short answers alone ({SHORT_STEPS} tokens, a new prompt on the slots another prompt left): "
                          f"decode {_ratio(d['decode_short'])}")

@@ -190,6 +190,14 @@ def time_together(url: str, groups: Sequence[Sequence[str | list[int]]], n_predi
     return out
 
 
+def round_medians(runs: Sequence[Sequence[float]]) -> list[float]:
+    """Round by round, the median over prompts of their t/s (runs: per prompt, its t/s in each round;
+    a prompt without a round is left out of that round's median): how one server process as a whole
+    ran, which each prompt's median over rounds hides. On the H200 one process could run 10-20% faster
+    or slower than the next in all its prompts alike."""
+    return [statistics.median([v[r] for v in runs if len(v) > r]) for r in range(max(map(len, runs), default=0))]
+
+
 def median_ratio_interval(prompts: Sequence[tuple[Sequence[float], Sequence[float]]], draws: int = 2000,
                           seed: int = 0) -> list[float] | None:
     """The 95% interval of the median over prompts of mine / theirs, each the median of its rounds,

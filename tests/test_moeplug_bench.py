@@ -82,6 +82,12 @@ def test_bench_serves_the_plan_and_stock_in_turns(home: dict[str, str]) -> None:
     assert 0 < lo <= hi
     assert text["decode_short"] == pytest.approx({"ratio_median": statistics.median(per), "ratio_lowest": min(per)})
     assert "decode_short" not in chat and not any("decode_short" in row for row in chat["rows"])
+    # round by round, each side's median over the prompts (two rounds, two launches a side)
+    for w in (text, chat):
+        for side in ("moeplug", "stock"):
+            for what in ("prefill", "decode"):
+                r = w["per_round"][side][what]
+                assert len(r) == 2 and all(x > 0 for x in r)
     # a chat turn after the first prefilled its own text: the conversation before it came from the prompt cache
     rows = chat["rows"]
     for before, turn in ((rows[i], rows[i + 1]) for i in (0, 1, 3, 4)):
@@ -105,10 +111,13 @@ def test_bench_text_output(home: dict[str, str]) -> None:
     assert "first request alone" not in r.stdout  # one request per prompt: nothing apart
     assert "95% interval" not in r.stdout  # one round: no interval over rounds
     assert "short answers alone" not in r.stdout  # -n 2: every answer is short
-    longer = moeplug(home, "bench", "demo", "--rounds", "1", "-n", "20", "--max-prompts", "1", "--prefill-reps", "1")
+    assert "round by round" not in r.stdout  # one round
+    longer = moeplug(home, "bench", "demo", "--rounds", "2", "-n", "20", "--max-prompts", "1", "--prefill-reps", "1")
     assert longer.returncode == 0, longer.stderr[-3000:]
     assert re.search(r"short answers alone \(16 tokens, a new prompt on the slots another prompt left\): decode "
-                     r"[\d.]+x \(lowest [\d.]+x\)", longer.stdout)
+                     r"[\d.]+x \(lowest [\d.]+x", longer.stdout)
+    assert re.search(r"decode t/s round by round \(median over the prompts; a round off on one side is a server process "
+                     r"that ran slow\): moeplug [\d.]+, [\d.]+; stock [\d.]+, [\d.]+\n", longer.stdout)
 
 
 def test_bench_stock_held_to_the_budget_without_a_gpu(home: dict[str, str]) -> None:

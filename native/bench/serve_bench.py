@@ -81,7 +81,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import GIB, MIB, Prebuilt, free_vram_or_say, interleaved_rounds, median  # noqa: E402
 from moeplug.measure import (CHAT_TURNS, SHORT_STEPS, chat_turns, median_ratio_interval, opening_turn,  # noqa: E402
-                             short_steps, time_chat, time_prompts, time_together, together_groups)
+                             round_medians, short_steps, time_chat, time_prompts, time_together, together_groups)
 from moeplug.profile.runner import HELDOUT_PROMPT_SET, resolve_prompt_set  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -411,8 +411,7 @@ def per_round(cfg: Config, workload: str, test: int) -> list[float]:
     whole ran, which each prompt's median over rounds hides. On the H200 one process of a row could
     run 10-20% faster or slower than the next in all its prompts alike, so two rows whose rounds
     overlap are not told apart however their medians differ."""
-    runs = [v for (w, _), v in cfg.samples.items() if w == workload]
-    return [median([v[r][test] for v in runs if len(v) > r]) for r in range(max(map(len, runs), default=0))]
+    return round_medians([[s[test] for s in v] for (w, _), v in cfg.samples.items() if w == workload])
 
 
 SLOW_REQUEST_MS = 15.0  # a prefill request this much slower than its prompt's fastest counts as delayed
