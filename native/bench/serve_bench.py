@@ -504,6 +504,15 @@ def model_text(r: dict[str, Any]) -> str:
             f"(modelled: host time against stock's own placement at the budget): {'; '.join(said)}")
 
 
+def measured(mine: Config, stock: Config, workload: str, test: int) -> dict[str, Any]:
+    """A row's figures for test (0 prefill, 1 decode, 2 a short answer's decode): each side's median over the
+    prompts, the per-prompt ratios' median and lowest, and the median's interval over the rounds."""
+    return {"moeplug_tps": median(list(per_prompt(mine, workload, test).values())),
+            "stock_tps": median(list(per_prompt(stock, workload, test).values())),
+            **ratio_summary(ratios(mine, stock, workload, test)),
+            "ratio_interval": ratio_interval(mine, stock, workload, test)}
+
+
 def table_rows(pairs: list[tuple[Config, Config]], workload: str) -> list[dict[str, Any]]:
     rows = []
     for mine, stock in pairs:
@@ -512,21 +521,15 @@ def table_rows(pairs: list[tuple[Config, Config]], workload: str) -> list[dict[s
         row: dict[str, Any] = {"budget": mine.budget, "moeplug": mine.desc, "stock": stock.desc,
                                "prompts": len(per_prompt(mine, workload, 0))}
         for test, key in ((0, "prefill"), (1, "decode")):
-            r = ratios(mine, stock, workload, test)
-            row[key] = {"moeplug_tps": median(list(per_prompt(mine, workload, test).values())),
-                        "stock_tps": median(list(per_prompt(stock, workload, test).values())), **ratio_summary(r),
-                        "ratio_interval": ratio_interval(mine, stock, workload, test)}
+            row[key] = measured(mine, stock, workload, test)
         # a new prompt's prefill alone: the slots it meets followed another prompt's decoding, where the repeats'
         # follow requests of one token (None without repeats)
         first = first_ratios(mine, stock, workload)
         row["prefill_first"] = ratio_summary(first) if first else None
         # a short answer's decode alone: the first tokens after a new prompt, on slots that followed another (None
         # where the workload's answers are short themselves, and for replay)
-        short = ratios(mine, stock, workload, 2)
-        row["decode_short"] = {"moeplug_tps": median(list(per_prompt(mine, workload, 2).values())),
-                               "stock_tps": median(list(per_prompt(stock, workload, 2).values())),
-                               **ratio_summary(short), "ratio_interval": ratio_interval(mine, stock, workload, 2),
-                               "steps": SHORT_STEPS} if short else None
+        row["decode_short"] = measured(mine, stock, workload, 2) | {"steps": SHORT_STEPS} \
+            if ratios(mine, stock, workload, 2) else None
         if workload == "chat":
             for test, key in ((0, "prefill"), (1, "decode")):
                 row[f"{key}_opening"], row[f"{key}_later"] = (ratio_summary(turn_ratios(mine, stock, opening, test))
