@@ -65,6 +65,24 @@ def test_slots_on_two_devices_are_bitwise_stock(patched_build, rpc_devices, spli
     assert "sched_timeline" not in r.stderr  # nothing timed unless GGML_SCHED_TIMELINE asks
 
 
+def test_misses_read_in_place_only_from_the_devices_own_host_memory(patched_build, rpc_devices, split_models) -> None:
+    """LLAMA_MOE_CACHE_DIRECT=1 (patches 0033-0034) has a device compute a layer's misses too, reading them where
+    they sit, only where they sit in that device's own host memory (pinned CUDA_Host on a GPU). An RPC device has
+    none: no layer reads in place, the layers overlap as without the variable, and the logits stay bitwise stock's."""
+    model, profile = split_models["qwen3moe"]
+    cmd = [str(patched_build.binary("test-moe-cache")), *rpc_devices["args"], "-m", str(model),
+           "--moe-cache-profile", str(profile), "--moe-cache-slots", "3", "--moe-cache-policy", "dynamic",
+           "-ub", "7", "-n", "32", "-t", "2", *SPLIT, *EXPERTS_IN_RAM]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                       env=os.environ | rpc_devices["env"] | {"LLAMA_MOE_CACHE_DIRECT": "1"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert r.stdout.strip().endswith("logits bitwise equal"), r.stdout
+    cache = parse_cache_line(r.stderr)
+    assert cache and cache.engaged and cache.device == "RPC0, RPC1", r.stderr[-2000:]
+    assert cache.direct_layers == 0 and "in place" not in r.stderr
+    assert cache.overlapped_layers == cache.layers == 4
+
+
 TIMELINE = re.compile(r"ggml_backend_sched_timeline_report: (\d+) graphs of (\d+) splits, host us per graph: "
                       r"([\d.]+) in splits \(inputs ([\d.]+), compute ([\d.]+)\); synchronize ([\d.]+) us per call "
                       r"\((\d+) calls\)")

@@ -72,3 +72,25 @@ def test_short_prompt_batches_go_to_the_gpu_from_the_flags_threshold(gpu_build, 
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert "layers from 8 tokens" in r.stderr, r.stderr[-3000:]
     assert not r.stdout.strip().endswith("logits bitwise equal"), r.stdout
+
+
+@pytest.mark.parametrize("ubatch", ["100", "7"])
+@pytest.mark.parametrize("name", ["qwen3moe", "gpt-oss"])
+def test_misses_read_in_place_equal_stock_full_offload(gpu_build, fixture_models, tmp_path: Path, name: str,
+                                                       ubatch: str) -> None:
+    """LLAMA_MOE_CACHE_DIRECT=1 (patches 0033-0034): a decoded token's missed experts are computed on the GPU
+    too, its kernels reading their rows from pinned RAM in place (-lm none), the resident ones on their slots.
+    Every expert then runs the kernel it runs when stock keeps every expert in VRAM, on the same bytes, and each
+    (expert, token) is zero in one of the two passes: the design predicts logits bitwise those of stock full
+    offload (--ref-full-offload), for prompt batches of 7 (below the plan's 8: the decode path) and of 100
+    (the stock pass, the experts copied) and for 32 greedy tokens."""
+    model = fixture_models[name]
+    profile = make_profile(gpu_build, model, tmp_path / "p.gguf", 16)
+    cmd = [str(gpu_build.binary("test-moe-cache")), "-m", str(model), "--moe-cache-profile", str(profile),
+           "--moe-cache-slots", "3", "--moe-cache-max-batch", "512", "-ngl", "99", "--cpu-moe", "-lm", "none",
+           "-ub", ubatch, "-n", "32", "--moe-cache-offload-min-batch", "8", *DYNAMIC, "--ref-full-offload"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                       env=os.environ | {"LLAMA_MOE_CACHE_DIRECT": "1"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "layers read their misses in place" in r.stderr, r.stderr[-3000:]
+    assert r.stdout.strip().endswith("logits bitwise equal"), r.stdout

@@ -391,9 +391,12 @@ bool common_moeplug_cache_enable(llama_model * model, const std::string & model_
     // misses of the other partly resident layers computed by the CPU while the device computes their slots
     const std::string overlap_desc = result.n_layers_overlapped == 0 ? "" :
         string_format(", %d layers compute slots and misses at once", result.n_layers_overlapped);
-    LOG_INF("moe-cache: %d layers x %s, %.2f MiB uploaded to %s in %.2f s, %s%s%s%s\n",
+    // misses of the partly resident layers computed by the device, read from host memory in place
+    const std::string direct_desc = result.n_layers_direct == 0 ? "" :
+        string_format(", %d layers read their misses in place", result.n_layers_direct);
+    LOG_INF("moe-cache: %d layers x %s, %.2f MiB uploaded to %s in %.2f s, %s%s%s%s%s\n",
         result.n_layers, slots_desc.c_str(), result.n_bytes / (1024.0 * 1024.0), result.device, result.t_upload_s,
-        policy_desc.c_str(), prompt_desc.c_str(), stream_desc.c_str(), overlap_desc.c_str());
+        policy_desc.c_str(), prompt_desc.c_str(), stream_desc.c_str(), overlap_desc.c_str(), direct_desc.c_str());
     return true;
 }
 

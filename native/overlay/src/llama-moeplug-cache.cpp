@@ -184,18 +184,18 @@ uint32_t llama_moeplug_cache::n_extra_nodes() const {
 
 namespace {
 
-// flags every MUL_MAT_ID and ADD_ID between out and the pass's inputs so that a negative id
-// contributes an exact zero
-void moe_set_skip_neg_ids(ggml_tensor * t, const std::unordered_set<const ggml_tensor *> & inputs,
+// flags every MUL_MAT_ID and ADD_ID between out and the pass's inputs: with ggml_set_skip_neg_ids a negative id
+// contributes an exact zero; with ggml_set_read_in_place the device reads the expert weights where they are
+void moe_flag_expert_ops(ggml_tensor * t, void (*flag)(ggml_tensor *), const std::unordered_set<const ggml_tensor *> & inputs,
         std::unordered_set<const ggml_tensor *> & seen) {
     if (t == nullptr || inputs.count(t) || !seen.insert(t).second) {
         return;
     }
     if (t->op == GGML_OP_MUL_MAT_ID || t->op == GGML_OP_ADD_ID) {
-        ggml_set_skip_neg_ids(t);
+        flag(t);
     }
     for (int i = 0; i < GGML_MAX_SRC; ++i) {
-        moe_set_skip_neg_ids(t->src[i], inputs, seen);
+        moe_flag_expert_ops(t->src[i], flag, inputs, seen);
     }
 }
 
@@ -345,7 +345,7 @@ ggml_tensor * llama_moeplug_cache::build_experts(
             ggml_backend_t backend) {
         ggml_tensor * e = g.build_moe_experts(x, ids, ids_s, ew, type_op, il);
         std::unordered_set<const ggml_tensor *> seen;
-        moe_set_skip_neg_ids(e, { x, ids, ids_s }, seen);
+        moe_flag_expert_ops(e, ggml_set_skip_neg_ids, { x, ids, ids_s }, seen);
         if (backend != nullptr) {
             seen.clear();
             moe_set_backend(g.sched, backend, e, { x, ids, ids_s }, seen);
@@ -375,6 +375,23 @@ ggml_tensor * llama_moeplug_cache::build_experts(
         ids_h = to_host(ids_src, "ffn_moe_ids_src_host");
         sel_h = has_scales ? to_host(selected_experts, "ffn_moe_selected_host") : selected_experts;
     };
+
+    if (cache->direct && on_device && on_host_batch) {
+        // the resident experts on their slots and the misses on the device too, read from host memory where they
+        // are: the layer runs on the device alone
+        ggml_tensor * e_slot = pass(cur, ids_slot, ids_slot_s, ws, "ffn_moe_experts_slot", nullptr);
+        ggml_build_forward_expand(gf, e_slot);
+        ggml_tensor * e_src = pass(cur, ids_src, selected_experts, w, "ffn_moe_experts_direct", dev_backend);
+        std::unordered_set<const ggml_tensor *> seen;
+        moe_flag_expert_ops(e_src, ggml_set_read_in_place, { cur, ids_src, selected_experts }, seen);
+        ggml_build_forward_expand(gf, e_src);
+
+        // each (expert, token) is exactly zero in one of the two: the sum is the stock value
+        ggml_tensor * experts = ggml_add(ctx0, e_slot, e_src);
+        g.cb(experts, "ffn_moe_experts_merged", il);
+        ggml_backend_sched_set_tensor_backend(g.sched, experts, dev_backend);
+        return experts;
+    }
 
     if (!cache->stream) {
         ggml_tensor * e_src  = nullptr;
@@ -472,6 +489,12 @@ bool moe_overlap_enabled() {
     return v == nullptr || strcmp(v, "0") != 0;
 }
 
+// LLAMA_MOE_CACHE_DIRECT=1: the device computes a layer's misses too, reading them in place (llama_moeplug_cache_layer::direct)
+bool moe_direct_enabled() {
+    const char * v = getenv("LLAMA_MOE_CACHE_DIRECT");
+    return v != nullptr && strcmp(v, "0") != 0 && v[0] != '\0';
+}
+
 bool moe_debug_no_resident() {
     const char * v = getenv("LLAMA_MOE_CACHE_NO_RESIDENT");
     return v != nullptr && strcmp(v, "0") != 0 && v[0] != '\0';
@@ -506,19 +529,25 @@ bool moe_is_cpu_dev(ggml_backend_dev_t dev) {
     return dev == nullptr || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
 }
 
+// whether every expert tensor of the layer is in the pinned host memory of the slots' device (a device, not the CPU)
+bool moe_sources_in_device_host(const moe_layer_plan & plan) {
+    ggml_backend_buffer_type_t host = moe_is_cpu_dev(plan.dev) ? nullptr : ggml_backend_dev_host_buffer_type(plan.dev);
+    for (const ggml_tensor * src : plan.sources) {
+        if (host == nullptr || src->buffer == nullptr || ggml_backend_buffer_get_type(src->buffer) != host) {
+            return false;
+        }
+    }
+    return true;
+}
+
 // whether prompt batches of the layer can run the stock pass with the device copying each expert from
 // its slot or from host memory: the slots are on the device the scheduler sends prompt batches to (the
 // model's first), every expert tensor is in that device's pinned host memory, and its backend copies
 bool moe_device_copies(const llama_model & model, const moe_layer_plan & plan) {
     const char * v = getenv("LLAMA_MOE_CACHE_DEVICE_COPY");
-    if ((v != nullptr && strcmp(v, "0") == 0) || moe_is_cpu_dev(plan.dev) || model.devices.empty() || model.devices[0].dev != plan.dev) {
+    if ((v != nullptr && strcmp(v, "0") == 0) || moe_is_cpu_dev(plan.dev) || model.devices.empty() || model.devices[0].dev != plan.dev ||
+            !moe_sources_in_device_host(plan)) {
         return false;
-    }
-    ggml_backend_buffer_type_t host = ggml_backend_dev_host_buffer_type(plan.dev);
-    for (const ggml_tensor * src : plan.sources) {
-        if (host == nullptr || src->buffer == nullptr || ggml_backend_buffer_get_type(src->buffer) != host) {
-            return false;
-        }
     }
     ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(plan.dev);
     return reg != nullptr && ggml_backend_reg_get_proc_address(reg, "ggml_backend_copy_experts_async") != nullptr;
@@ -761,9 +790,11 @@ bool llama_moeplug_cache_build(llama_model & model, const llama_moeplug_cache_pa
         // on the CPU too, the same result)
         const bool full = !no_resident && (int64_t) plan.experts.size() == layer->n_expert;
         layer->device_copy = !full && !no_resident && moe_device_copies(model, plan);
-        layer->stream = cache->stream_share > 0.0f && !full && !no_resident &&
+        layer->direct = !full && !no_resident && moe_direct_enabled() && moe_sources_in_device_host(plan);
+        layer->stream = cache->stream_share > 0.0f && !full && !no_resident && !layer->direct &&
             (moe_is_cpu_dev(plan.dev) || layer->device_copy);
-        layer->overlap = !layer->stream && !full && !no_resident && !moe_is_cpu_dev(plan.dev) && moe_overlap_enabled();
+        layer->overlap = !layer->stream && !layer->direct && !full && !no_resident && !moe_is_cpu_dev(plan.dev) &&
+            moe_overlap_enabled();
 
         for (size_t i = 0; i < plan.sources.size(); ++i) {
             const ggml_tensor * src = plan.sources[i];
@@ -829,6 +860,7 @@ bool llama_moeplug_cache_build(llama_model & model, const llama_moeplug_cache_pa
         result.n_layers_copied     += layer->device_copy;
         result.n_layers_streamed   += layer->stream;
         result.n_layers_overlapped += layer->overlap;
+        result.n_layers_direct     += layer->direct;
     }
     result.stream_share = cache->stream_share;
     uint64_t n_bytes = 0;

@@ -89,6 +89,11 @@ struct llama_moeplug_cache_layer {
     // inputs are copied to the host first and the device's pass is queued before the CPU computes the misses, so
     // that both run at once (LLAMA_MOE_CACHE_OVERLAP=0: the device's pass after the CPU's, as before)
     bool overlap = false;
+    // slots on a device whose own host memory holds every expert tensor of the layer (pinned CUDA_Host memory, loaded
+    // with --load-mode none): for a batch the scheduler leaves on the CPU, the device computes the misses too,
+    // reading their rows where they are (ggml_set_read_in_place), so the layer makes no round trip to the host
+    // (LLAMA_MOE_CACHE_DIRECT=1; in place of stream and overlap)
+    bool direct = false;
 
     mutable std::atomic<bool> warned { false }; // the layer already logged why a graph ran it stock
 
