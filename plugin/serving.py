@@ -38,6 +38,9 @@ STREAM_RE = re.compile(r"moe-cache: \d+ layers x .*, (\d+) layers stream (\d+)% 
 # and, where the CPU computes a layer's misses while the GPU computes its slots, ", L layers compute slots and
 # misses at once"
 OVERLAP_RE = re.compile(r"moe-cache: \d+ layers x .*, (\d+) layers compute slots and misses at once")
+# and, where the GPU computes a layer's misses too, reading them from pinned RAM in place (LLAMA_MOE_CACHE_DIRECT=1),
+# ", L layers read their misses in place"
+DIRECT_RE = re.compile(r"moe-cache: \d+ layers x .*, (\d+) layers read their misses in place")
 BUFFER_RE = re.compile(r"(\S+) (model|KV|compute) buffer size =\s+([\d.]+) MiB")
 
 
@@ -56,6 +59,7 @@ class CacheStatus:
     streamed_layers: int = 0  # layers whose GPU computes some misses from host memory
     stream_percent: int = 0  # the share of their misses it computes
     overlapped_layers: int = 0  # layers whose CPU computes their misses while the GPU computes their slots
+    direct_layers: int = 0  # layers whose GPU computes their misses too, read from pinned RAM in place
 
 
 def parse_cache_line(log: str) -> CacheStatus | None:
@@ -68,9 +72,10 @@ def parse_cache_line(log: str) -> CacheStatus | None:
         whole = int(m[5]) if m[5] else 0
         s = STREAM_RE.search(log)
         o = OVERLAP_RE.search(log)
+        d = DIRECT_RE.search(log)
         return CacheStatus(True, layers, most, least, total, whole, float(m[6]), m[7], float(m[8]),
                            streamed_layers=int(s[1]) if s else 0, stream_percent=int(s[2]) if s else 0,
-                           overlapped_layers=int(o[1]) if o else 0)
+                           overlapped_layers=int(o[1]) if o else 0, direct_layers=int(d[1]) if d else 0)
     m = NOT_ENGAGED_RE.search(log)
     if m:
         return CacheStatus(False, reason=m[1].strip())
@@ -94,9 +99,11 @@ def slot_range(cache: dict[str, Any]) -> str:
 
 
 def streamed_text(cache: dict[str, Any]) -> str:
-    """', N layers stream P% of their misses' where the GPU computes some misses (--moe-cache-stream)."""
-    n = cache.get("streamed_layers") or 0
-    return f", {n} layers stream {cache.get('stream_percent', 0)}% of their misses" if n else ""
+    """', N layers stream P% of their misses' where the GPU computes some misses (--moe-cache-stream), ', N layers
+    read their misses in place' where it computes them all from pinned RAM (LLAMA_MOE_CACHE_DIRECT=1)."""
+    n, direct = cache.get("streamed_layers") or 0, cache.get("direct_layers") or 0
+    return ((f", {n} layers stream {cache.get('stream_percent', 0)}% of their misses" if n else "")
+            + (f", {direct} layers read their misses in place" if direct else ""))
 
 
 def parse_buffers(log: str) -> dict[str, dict[str, float]]:

@@ -147,6 +147,21 @@ def test_cache_line_counts_the_layers_that_overlap() -> None:
     assert cache is not None and cache.overlapped_layers == 46 and cache.whole_layers == 2 and cache.streamed_layers == 0
 
 
+def test_cache_line_counts_the_layers_that_read_their_misses_in_place() -> None:
+    """With LLAMA_MOE_CACHE_DIRECT=1 (native patches 0033-0034) the log names the layers whose GPU computes their
+    misses too, read from pinned RAM; the parsed status keeps the count and the one-line summary names it."""
+    from dataclasses import asdict
+
+    from moeplug.serving import cache_summary, parse_cache_line
+
+    line = ("moe-cache: 48 layers x 21-128 slots (2286 in all, 2 whole layers), 5612.00 MiB uploaded to CUDA0 in 1.20 s, "
+            "policy dynamic (half-life 32 tokens, 8 uploads per batch), prompt batches in one pass on 46 layers")
+    assert parse_cache_line(line).direct_layers == 0
+    cache = parse_cache_line(line + ", 46 layers read their misses in place")
+    assert cache is not None and cache.direct_layers == 46 and cache.overlapped_layers == 0
+    assert cache_summary(asdict(cache)) == "48x21-128 on CUDA0, 46 layers read their misses in place"
+
+
 def test_human_output_says_how_to_query(home: dict[str, str]) -> None:
     r = moeplug(home, "install", "demo", "--ctx", "1024")
     try:
