@@ -184,18 +184,22 @@ uint32_t llama_moeplug_cache::n_extra_nodes() const {
 
 namespace {
 
-// flags every MUL_MAT_ID and ADD_ID between out and the pass's inputs: with ggml_set_skip_neg_ids a negative id
-// contributes an exact zero; with ggml_set_read_in_place the device reads the expert weights where they are
-void moe_flag_expert_ops(ggml_tensor * t, void (*flag)(ggml_tensor *), const std::unordered_set<const ggml_tensor *> & inputs,
+// flags every MUL_MAT_ID and ADD_ID between out and the pass's inputs with ggml_set_skip_neg_ids (a negative id
+// contributes an exact zero) and, where in_place, ggml_set_read_in_place (the device reads the expert weights where
+// they are)
+void moe_flag_expert_ops(ggml_tensor * t, bool in_place, const std::unordered_set<const ggml_tensor *> & inputs,
         std::unordered_set<const ggml_tensor *> & seen) {
     if (t == nullptr || inputs.count(t) || !seen.insert(t).second) {
         return;
     }
     if (t->op == GGML_OP_MUL_MAT_ID || t->op == GGML_OP_ADD_ID) {
-        flag(t);
+        ggml_set_skip_neg_ids(t);
+        if (in_place) {
+            ggml_set_read_in_place(t);
+        }
     }
     for (int i = 0; i < GGML_MAX_SRC; ++i) {
-        moe_flag_expert_ops(t->src[i], flag, inputs, seen);
+        moe_flag_expert_ops(t->src[i], in_place, inputs, seen);
     }
 }
 
@@ -340,12 +344,12 @@ ggml_tensor * llama_moeplug_cache::build_experts(
     ggml_tensor * ids_slot_s = has_scales ? remap(cache->map_slot_clamped, "ffn_moe_ids_slot_clamped") : nullptr;
 
     // one pass: the experts the ids name (a negative id contributes an exact zero) on weights ew; on `backend`
-    // where given
+    // where given, reading the weights in place where in_place
     auto pass = [&](ggml_tensor * x, ggml_tensor * ids, ggml_tensor * ids_s, const llm_moe_experts & ew, const char * name,
-            ggml_backend_t backend) {
+            ggml_backend_t backend, bool in_place = false) {
         ggml_tensor * e = g.build_moe_experts(x, ids, ids_s, ew, type_op, il);
         std::unordered_set<const ggml_tensor *> seen;
-        moe_flag_expert_ops(e, ggml_set_skip_neg_ids, { x, ids, ids_s }, seen);
+        moe_flag_expert_ops(e, in_place, { x, ids, ids_s }, seen);
         if (backend != nullptr) {
             seen.clear();
             moe_set_backend(g.sched, backend, e, { x, ids, ids_s }, seen);
@@ -376,28 +380,14 @@ ggml_tensor * llama_moeplug_cache::build_experts(
         sel_h = has_scales ? to_host(selected_experts, "ffn_moe_selected_host") : selected_experts;
     };
 
-    if (cache->direct && on_device && on_host_batch) {
-        // the resident experts on their slots and the misses on the device too, read from host memory where they
-        // are: the layer runs on the device alone
-        ggml_tensor * e_slot = pass(cur, ids_slot, ids_slot_s, ws, "ffn_moe_experts_slot", nullptr);
-        ggml_build_forward_expand(gf, e_slot);
-        ggml_tensor * e_src = pass(cur, ids_src, selected_experts, w, "ffn_moe_experts_direct", dev_backend);
-        std::unordered_set<const ggml_tensor *> seen;
-        moe_flag_expert_ops(e_src, ggml_set_read_in_place, { cur, ids_src, selected_experts }, seen);
-        ggml_build_forward_expand(gf, e_src);
-
-        // each (expert, token) is exactly zero in one of the two: the sum is the stock value
-        ggml_tensor * experts = ggml_add(ctx0, e_slot, e_src);
-        g.cb(experts, "ffn_moe_experts_merged", il);
-        ggml_backend_sched_set_tensor_backend(g.sched, experts, dev_backend);
-        return experts;
-    }
-
     if (!cache->stream) {
         ggml_tensor * e_src  = nullptr;
         ggml_tensor * e_slot = nullptr;
-        // only for a batch whose misses the scheduler leaves on the CPU (it sends larger ones to the device)
-        const bool overlap = cache->overlap && on_device && on_host_batch;
+        // only for a batch whose misses the scheduler leaves on the CPU (it sends larger ones to the device): with
+        // direct, the misses on the device too, read from host memory where they are, so the layer runs on the device
+        // alone; with overlap, the misses on the CPU beside the device's pass on the slots
+        const bool direct  = cache->direct && on_device && on_host_batch;
+        const bool overlap = !direct && cache->overlap && on_device && on_host_batch;
         if (overlap) {
             // the resident experts on their slots, queued on the device, then the others on the CPU beside them
             inputs_to_host();
@@ -408,7 +398,7 @@ ggml_tensor * llama_moeplug_cache::build_experts(
         } else {
             // the experts that are not resident, on the source weights (scale rows by the real ids), then the
             // resident ones on their slots
-            e_src = pass(cur, ids_src, selected_experts, w, "ffn_moe_experts_src", nullptr);
+            e_src = pass(cur, ids_src, selected_experts, w, "ffn_moe_experts_src", direct ? dev_backend : nullptr, direct);
             ggml_build_forward_expand(gf, e_src);
             e_slot = pass(cur, ids_slot, ids_slot_s, ws, "ffn_moe_experts_slot", nullptr);
             ggml_build_forward_expand(gf, e_slot);
@@ -417,7 +407,7 @@ ggml_tensor * llama_moeplug_cache::build_experts(
         // each (expert, token) is exactly zero in one of the two: the sum is the stock value
         ggml_tensor * experts = ggml_add(ctx0, e_slot, e_src);
         g.cb(experts, "ffn_moe_experts_merged", il);
-        if (overlap) {
+        if (overlap || direct) {
             ggml_backend_sched_set_tensor_backend(g.sched, experts, dev_backend);
         }
 
