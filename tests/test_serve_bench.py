@@ -430,6 +430,38 @@ def test_serve_bench_keeps_logs_with_the_timeline(patched_build, stock_build, be
     assert missing.returncode == 1 and "nope.log" in missing.stderr and "Traceback" not in missing.stderr
 
 
+def test_timeline_sets_prompt_batches_beside_the_request_before_them(patched_build, stock_build, bench_model: Path,
+                                                                     tmp_path: Path) -> None:
+    """At GGML_SCHED_TIMELINE=1 every graph is a report, and `timeline.py --prompts` finds each request's
+    prompt batch in a real server's log: after the warm-up's answer and the decoding requests, and after a
+    repeat's one-token request (--prefill-reps 2), with the host's time in the batch's splits inside the
+    prompt time llama-server printed for it."""
+    logs = tmp_path / "logs"
+    run_bench(patched_build, stock_build, bench_model, tmp_path, "--workloads", "random", "--rounds", "1",
+              "--prefill-reps", "2", "--env", "GGML_SCHED_TIMELINE=1", "--keep-logs", str(logs))
+    (mine,) = [p for p in logs.iterdir() if "-moeplug-" in p.name]
+    (theirs,) = [p for p in logs.iterdir() if "-stock-" in p.name]
+    sys.path.insert(0, str(SERVE_BENCH.parent))
+    import timeline
+
+    tasks, n_ubatch = timeline.parse_tasks(mine.read_text())
+    assert n_ubatch == 512 and all(t.prompt_ms is not None and t.generated is not None for t in tasks)
+    batches = timeline.prompt_batches(tasks, n_ubatch)
+    # the warm-up and the two prompts' decoding requests end in answers (-n 4); of the repeats, the first
+    # follows an answer, the second the first repeat's one token
+    random16 = [b for b in batches if b.tokens == 16]
+    assert sorted(b.after for b in random16) == ["answer", "answer", "answer", "one token"], random16
+    for b in batches:
+        assert len(b.graphs) == 1 and b.graphs[0].splits
+        assert 0 < b.host_ms <= b.prompt_ms + 0.1, (b.host_ms, b.prompt_ms)
+    r = subprocess.run([sys.executable, str(SERVE_BENCH.parent / "timeline.py"), "--prompts", str(mine), str(theirs)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "| 16 | answer | 3 |" in r.stdout and "| 16 | one token | 1 |" in r.stdout
+    assert "16-token prompt graphs, splits by how much more host time" in r.stdout
+    assert f"## {theirs.name}: prompt batches by the request before them\nno prompt batches" in r.stdout
+
+
 def test_fit_within_launches_stock_and_reads_what_it_holds(stock_build, bench_model: Path, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """fit_within launches the stock server as a round does (context probe, warm-up) and records what
