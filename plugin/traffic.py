@@ -37,8 +37,9 @@ MAX_PREFILL_WEIGHT = 1000.0  # the --prefill-weight range's top
 # at or below llama.cpp's physical batch a prompt is one batch whatever the plan: no length to plan for
 SHORT_PROMPT_TOKENS = 512
 
-_PROMPT_RE = re.compile(r"print_timing: id +(\d+) \| task (\d+) \| prompt eval time = *([\d.]+) ms / *(\d+) tokens")
-_EVAL_RE = re.compile(r"print_timing: id +(\d+) \| task (\d+) \| +eval time = *([\d.]+) ms / *(\d+) tokens")
+# a request's timings: slot id, task id, milliseconds, tokens (native/bench/timeline.py reads them too)
+PROMPT_TIMING_RE = re.compile(r"print_timing: id +(\d+) \| task (\d+) \| prompt eval time = *([\d.]+) ms / *(\d+) tokens")
+EVAL_TIMING_RE = re.compile(r"print_timing: id +(\d+) \| task (\d+) \| +eval time = *([\d.]+) ms / *(\d+) tokens")
 
 
 @dataclass(frozen=True)
@@ -59,11 +60,11 @@ def _finished(text: str) -> list[tuple[Request, int]]:
     offset = 0
     for line in text.splitlines(keepends=True):
         offset += len(line)
-        m = _PROMPT_RE.search(line)
+        m = PROMPT_TIMING_RE.search(line)
         if m:
             pending[(m[1], m[2])] = (int(m[4]), float(m[3]))
             continue
-        m = _EVAL_RE.search(line)
+        m = EVAL_TIMING_RE.search(line)
         if m and (m[1], m[2]) in pending and line.endswith("\n"):
             tokens, ms = pending.pop((m[1], m[2]))
             done.append((Request(tokens, int(m[4]), ms, float(m[3])), offset))

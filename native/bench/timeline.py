@@ -29,6 +29,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from moeplug.traffic import EVAL_TIMING_RE, PROMPT_TIMING_RE
+
 HEAD = re.compile(r"ggml_backend_sched_timeline_report: (\d+) graphs of (\d+) splits, host us per graph: "
                   r"([\d.]+) in splits \(inputs ([\d.]+), compute ([\d.]+)\); synchronize ([\d.]+) us per call "
                   r"\((\d+) calls\)")
@@ -126,8 +128,6 @@ def report(path: Path, shapes: dict[int, Shape], top: int) -> None:
 
 TASK = re.compile(r"\| task (\d+) \| processing task")
 NEW_PROMPT = re.compile(r"\| task (\d+) \| new prompt, .*task\.n_tokens = (\d+)")
-PROMPT_TIME = re.compile(r"\| task (\d+) \| prompt eval time = +([\d.]+) ms / +(\d+) tokens")
-EVAL_TIME = re.compile(r"\| task (\d+) \| +eval time = +([\d.]+) ms / +(\d+) tokens")
 UBATCH = re.compile(r"llama_context: n_ubatch += (\d+)")
 
 
@@ -169,12 +169,12 @@ def parse_tasks(text: str) -> tuple[list[Task], int]:
         elif m := NEW_PROMPT.search(line):
             if int(m[1]) in by_id:
                 by_id[int(m[1])].prompt_tokens = int(m[2])
-        elif m := PROMPT_TIME.search(line):
-            if int(m[1]) in by_id:
-                by_id[int(m[1])].prompt_ms = float(m[2])
-        elif m := EVAL_TIME.search(line):
-            if int(m[1]) in by_id:
-                by_id[int(m[1])].generated = int(m[3])
+        elif m := PROMPT_TIMING_RE.search(line):
+            if int(m[2]) in by_id:
+                by_id[int(m[2])].prompt_ms = float(m[3])
+        elif m := EVAL_TIMING_RE.search(line):
+            if int(m[2]) in by_id:
+                by_id[int(m[2])].generated = int(m[4])
         elif m := HEAD.search(line):
             graph = None
             if current is not None and int(m[1]) == 1:
