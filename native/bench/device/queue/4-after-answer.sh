@@ -8,14 +8,16 @@
 # (GGML_SCHED_TIMELINE=1): as is, and with CUDA graphs off on both sides (GGML_CUDA_DISABLE_GRAPHS=1); then
 # `timeline.py --prompts` on each run's logs: server prompt time against the host's time in splits, after an answer
 # against after a one-token request, and the splits that differ.
-# Carry as call 2. About 9 minutes.
+# TOKENS=44 bash ... runs the same for 44-token prompts, which take the GPU path (first requests 0.75x of stock on
+# random tokens, thirty-fifth session): call 5. Carry as call 2. About 9 minutes each.
 source native/bench/device/setup.sh || exit 1
 BIN=$(bin_dir) || exit 1; echo "BIN=$BIN"
+tokens=${TOKENS:-6}
 for run in graphs nographs; do
-    env=GGML_SCHED_TIMELINE=1; end=300
+    env=GGML_SCHED_TIMELINE=1; end=300; rm -rf /tmp/logs-$run
     [ $run = nographs ] && env=$env,GGML_CUDA_DISABLE_GRAPHS=1 && end=585
-    timeout $((end - SECONDS)) python3 native/bench/serve_bench.py --shape qwen3-30b-a3b --budgets 12 --workloads random --random-tokens 6 --random-prompts 6 --ctx 4096 -n 64 --rounds 1 --prefill-reps 3 --env $env --keep-logs /tmp/logs-$run --prebuilt-moeplug $BIN --prebuilt-stock $BIN --json $OUT/$run.json > $OUT/$run.md 2> $OUT/$run.err; echo "$run rc=$? $SECONDS s"; tail -2 $OUT/$run.err
+    timeout $((end - SECONDS)) python3 native/bench/serve_bench.py --shape qwen3-30b-a3b --budgets 12 --workloads random --random-tokens $tokens --random-prompts 6 --ctx 4096 -n 64 --rounds 1 --prefill-reps 3 --env $env --keep-logs /tmp/logs-$run --prebuilt-moeplug $BIN --prebuilt-stock $BIN --json $OUT/$run.json > $OUT/$run.md 2> $OUT/$run.err; echo "$run rc=$? $SECONDS s"; tail -2 $OUT/$run.err
     grep -E "^\| 12 GiB|more than 15 ms|first request alone" $OUT/$run.md
-    python3 native/bench/timeline.py --prompts /tmp/logs-$run/*.log > $OUT/$run-prompts.txt; grep -E "^\| 6 |^##|split" $OUT/$run-prompts.txt | head -24
+    python3 native/bench/timeline.py --prompts /tmp/logs-$run/*.log > $OUT/$run-prompts.txt; grep -E "^\| $tokens |^##|split" $OUT/$run-prompts.txt | head -24
 done
 echo "total $SECONDS s"
