@@ -1,0 +1,287 @@
+"""Golden plans: a fixed set of planning requests and the plans they give, committed as JSON.
+
+The planner's arithmetic is spread over many functions; a change that means to move code without
+changing behaviour must leave every plan here byte-identical (its JSON, its server arguments and
+its environment). A change that means to change plans rewrites the files on purpose:
+
+    .venv/bin/python tests/test_golden_plans.py --write
+
+and the diff of tests/golden/plans/ is the review of what it changed.
+
+The models are written header-only (sparse files: the planner and the profile's fingerprint read
+the GGUF header and tensor table, never the weights), so the full Qwen3-30B-A3B and gpt-oss-20b
+shapes cost nothing on disk. The routing is made by integer arithmetic, not a random generator,
+so it stays the same across numpy versions. No native build, no GPU: the machine's facts are
+fixed in each case.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from moeplug.fit_estimate import DeviceNeed
+from moeplug.model_inspect import inspect_model
+from moeplug.plan import Plan, make_plan
+from moeplug.profile.format import PHASE_DECODE, PHASE_PREFILL, Profile, ProfileSource, model_fingerprint, \
+    write_profile
+from moeplug.sizes import GIB, MIB
+from moeplug.speculation import Speculation
+from moeplug.synth import ModelSpec, shape_spec
+
+GOLDEN = Path(__file__).with_name("golden") / "plans"
+ROOT_MARK = "$ROOT"
+
+
+def write_header_only(spec: ModelSpec, out: Path) -> Path:
+    """The model's GGUF header and tensor table as make_model writes them, the data left a hole and
+    the tokenizer the built-in one unpadded (a padded 200k-token vocabulary takes the GGUF reader
+    seconds; the planner reads the vocabulary's size from the token embeddings' shape)."""
+    import gguf
+
+    from moeplug.synth.archs import plan_model
+    from moeplug.synth.vocab import add_vocab_to_writer, builtin_vocab
+
+    vocab = builtin_vocab()
+    plan = plan_model(spec, spec.vocab_size or len(vocab))
+
+    writer = gguf.GGUFWriter(out, spec.arch)
+    for key, value, vtype in plan.metadata:
+        writer.add_key_value(key, value, vtype)
+    add_vocab_to_writer(writer, vocab)
+    for t in plan.tensors:
+        np_dtype = np.float16 if t.qtype == gguf.GGMLQuantizationType.F16 else np.float32
+        writer.add_tensor_info(t.name, tuple(reversed(t.ne)), np.dtype(np_dtype), t.n_bytes, raw_dtype=t.qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    align = 32
+    size = out.stat().st_size
+    size += -size % align
+    size += sum(t.n_bytes + (-t.n_bytes % align) for t in plan.tensors)
+    with open(out, "r+b") as f:
+        f.truncate(size)
+    return out
+
+
+def mix32(values: list[np.ndarray | int]) -> np.ndarray:
+    """A 32-bit hash of small integers (multiply-xorshift rounds), elementwise: uniform enough to
+    stand for a draw, and the same on every machine."""
+    mask = np.uint64(0xFFFFFFFF)
+    x = np.full(np.shape(values[0]), 0x9E3779B9, dtype=np.uint64)
+    for v in values:
+        x = ((x ^ (np.asarray(v, dtype=np.uint64) & mask)) * np.uint64(0x85EBCA6B)) & mask
+        x ^= x >> np.uint64(13)
+        x = (x * np.uint64(0xC2B2AE35)) & mask
+        x ^= x >> np.uint64(16)
+    return x
+
+
+def routing(n_tokens: int, n_layer: int, n_expert: int, used: int, salt: int, draws: int = 64) -> np.ndarray:
+    """[n_tokens, n_layer, used] distinct expert ids per token, Zipf-skewed over a per-layer order,
+    from integer hashing alone (no random generator): each token takes its first `used` distinct
+    draws, and the lowest ids it lacks where the draws run out."""
+    weights = 1.0 / np.arange(1, n_expert + 1) ** 1.1
+    cdf = np.cumsum(weights) / weights.sum()
+    tokens = np.arange(n_tokens)
+    out = np.zeros((n_tokens, n_layer, used), dtype=np.int16)
+    for layer in range(n_layer):
+        step = next(s for s in range(2 * layer + 3, 10 * n_expert) if math.gcd(s, n_expert) == 1)
+        order = (step * np.arange(n_expert) + layer * 7 + salt) % n_expert
+        taken = np.zeros((n_tokens, n_expert), dtype=bool)
+        picks = np.full((n_tokens, used), -1, dtype=np.int64)
+        count = np.zeros(n_tokens, dtype=np.int64)
+        for i in range(draws):
+            u = mix32([tokens, layer, i, salt]).astype(np.float64) / float(1 << 32)
+            e = order[np.minimum(np.searchsorted(cdf, u, side="right"), n_expert - 1)]
+            new = ~taken[tokens, e] & (count < used)
+            picks[tokens[new], count[new]] = e[new]
+            taken[tokens[new], e[new]] = True
+            count += new
+        for t in np.flatnonzero(count < used):
+            free = np.flatnonzero(~taken[t])[:used - count[t]]
+            picks[t, count[t]:] = free
+        out[:, layer] = picks
+    return out
+
+
+def write_profile_for(model: Path, n_trunk: int, out: Path, prompts: int = 6, prompt_len: int = 24,
+                      decode_len: int = 16, salt: int = 1) -> Path:
+    """A profile of `model` with prompt and decode steps over its first n_trunk MoE layers."""
+    from moeplug.profile.from_trace import _down_tensors
+
+    fp = model_fingerprint(model)
+    tensors = _down_tensors(fp.expert_tensors)
+    per_prompt = prompt_len + decode_len
+    n = prompts * per_prompt
+    seq = np.full((n, len(tensors), fp.n_expert_used), -1, dtype=np.int16)
+    seq[:, :n_trunk] = routing(n, n_trunk, fp.n_expert, fp.n_expert_used, salt)
+    meta = np.array([[t // per_prompt, t % per_prompt, PHASE_PREFILL if t % per_prompt < prompt_len else PHASE_DECODE]
+                     for t in range(n)], dtype=np.int32)
+    counts = {phase: np.zeros((len(tensors), fp.n_expert), dtype=np.int64) for phase in (PHASE_PREFILL, PHASE_DECODE)}
+    for t in range(n):
+        for row in range(n_trunk):
+            for e in seq[t, row]:
+                counts[int(meta[t, 2])][row, e] += 1
+    source = ProfileSource(label="golden", prompt_labels=[f"prompt {p}" for p in range(prompts)], seq=seq, meta=meta,
+                           n_predict=decode_len)
+    profile = Profile(fingerprint=fp, tensors=tensors, counts_prefill=counts[PHASE_PREFILL],
+                      counts_decode=counts[PHASE_DECODE], sources=[source])
+    return write_profile(profile, out)
+
+
+MODELS: dict[str, tuple[ModelSpec, int]] = {  # name: (spec, MoE layers of the trunk)
+    "demo": (ModelSpec(arch="qwen3moe", layers=4, experts=32, used=4, embd=256, expert_ff=256, dtype="q8_0",
+                       seed=1234, name="moeplug-demo-qwen3moe"), 4),
+    "qwen3": (shape_spec("qwen3-30b-a3b"), 48),
+    "gptoss": (shape_spec("gpt-oss-20b"), 24),
+    "hyv3-mtp": (ModelSpec(arch="hy_v3", layers=6, experts=16, used=2, embd=256, expert_ff=256, heads=4, heads_kv=2,
+                           head_dim=64, dtype="q8_0", seed=7, mtp_layers=1), 6),
+    "draft": (ModelSpec(arch="qwen3moe", layers=2, experts=8, used=2, embd=256, expert_ff=256, heads=4, heads_kv=2,
+                        head_dim=64, dtype="q8_0", seed=11, name="golden-draft"), 2),
+}
+GPT_OSS_EXPERTS = 24 * 32 * 3 * 2880 * 2880 // 32 * 17  # the gpt-oss-20b shape's expert matrices (test_shapes)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One planning request: the model, its context and budget, and make_plan's other choices."""
+
+    name: str
+    model: str
+    budget: int | list[int] | None
+    ctx: int = 4096
+    profile: bool = True
+    options: dict[str, Any] = field(default_factory=dict)
+    spec: str | None = None  # "ngram", "mtp" or "draft" (the golden draft model)
+    need: tuple[int, int, int] | None = None  # llama.cpp's fit figure (model, context, compute), MiB
+
+
+CASES = [
+    Case("demo-no-gpu", "demo", None, options=dict(slots_in_ram=8)),
+    Case("demo-no-gpu-no-profile", "demo", None, profile=False),
+    Case("demo-1gib", "demo", 1 * GIB),
+    Case("qwen3-8gib", "qwen3", 8 * GIB),
+    Case("qwen3-12gib", "qwen3", 12 * GIB),
+    Case("qwen3-16gib", "qwen3", 16 * GIB),
+    Case("qwen3-12gib-no-profile", "qwen3", 12 * GIB, profile=False),
+    Case("qwen3-12gib-static", "qwen3", 12 * GIB, options=dict(policy="static")),
+    Case("qwen3-12gib-decode-only", "qwen3", 12 * GIB, options=dict(prefill_weight=0.0)),
+    Case("qwen3-12gib-no-copy-ahead", "qwen3", 12 * GIB, options=dict(copy_ahead=False)),
+    Case("qwen3-16gib-16-cores", "qwen3", 16 * GIB, options=dict(cpu_cores=16)),
+    Case("qwen3-12gib-threads-6", "qwen3", 12 * GIB, options=dict(cpu_cores=16, threads=6)),
+    Case("qwen3-12gib-little-ram", "qwen3", 12 * GIB, options=dict(ram_available=8 * GIB)),
+    Case("qwen3-12gib-long-prompts", "qwen3", 12 * GIB, options=dict(prompt_tokens=4096, prefill_weight=8.0)),
+    Case("qwen3-12gib-ubatch-1024", "qwen3", 12 * GIB, options=dict(ubatch=1024, prompt_tokens=2048)),
+    Case("qwen3-12gib-fit-figure", "qwen3", 12 * GIB, need=(1100, 400, 300)),
+    Case("qwen3-12gib-expert-room", "qwen3", 12 * GIB, options=dict(expert_room=10 * GIB)),
+    Case("qwen3-ctx-32k", "qwen3", 12 * GIB, ctx=32768),
+    Case("qwen3-full", "qwen3", 40 * GIB),
+    Case("qwen3-too-small", "qwen3", 2 * GIB),
+    Case("qwen3-two-gpus", "qwen3", [6 * GIB, 6 * GIB]),
+    Case("qwen3-two-gpus-uneven", "qwen3", [8 * GIB, 4 * GIB]),
+    Case("qwen3-two-gpus-no-profile", "qwen3", [6 * GIB, 6 * GIB], profile=False),
+    Case("qwen3-12gib-ngram", "qwen3", 12 * GIB, spec="ngram"),
+    Case("qwen3-12gib-draft", "qwen3", 12 * GIB, spec="draft"),
+    Case("gptoss-7gib", "gptoss", 7 * GIB),
+    Case("gptoss-10gib", "gptoss", 10 * GIB),
+    Case("gptoss-10gib-long-prompts", "gptoss", 10 * GIB, options=dict(prompt_tokens=3000, prefill_weight=4.0)),
+    Case("gptoss-6gib", "gptoss", 6 * GIB),
+    Case("gptoss-8gib-16-cores", "gptoss", 8 * GIB, options=dict(cpu_cores=16)),
+    Case("gptoss-two-gpus", "gptoss", [4 * GIB, 4 * GIB]),
+    Case("hyv3-mtp-spec", "hyv3-mtp", 1 * GIB, spec="mtp"),
+    Case("hyv3-mtp-no-spec", "hyv3-mtp", 1 * GIB),
+    Case("hyv3-mtp-partial", "hyv3-mtp", 1000 * MIB, spec="mtp"),
+]
+
+
+def build_inputs(root: Path) -> dict[str, tuple[Path, Path]]:
+    """Each model (header-only) and its profile, under root."""
+    out = {}
+    for name, (spec, n_trunk) in MODELS.items():
+        model = write_header_only(spec, root / f"{name}.gguf")
+        out[name] = (model, write_profile_for(model, n_trunk, root / f"{name}.moeprof", salt=len(name)))
+    return out
+
+
+def speculation(kind: str | None, inputs: dict[str, tuple[Path, Path]]) -> Speculation | None:
+    if kind is None:
+        return None
+    return Speculation(kind, draft=str(inputs["draft"][0])) if kind == "draft" else Speculation(kind)
+
+
+def plan_case(case: Case, inputs: dict[str, tuple[Path, Path]]) -> Plan | str:
+    """The plan a case asks for, or the one-line error the planner gives."""
+    from moeplug.errors import MoeplugError
+
+    model, profile = inputs[case.model]
+    need = DeviceNeed("CUDA0", *(v * MIB for v in case.need)) if case.need else None
+    options = dict(ram_available=64 * GIB) | case.options
+    try:
+        return make_plan(inspect_model(model), case.ctx, case.budget, profile if case.profile else None, need=need,
+                         spec=speculation(case.spec, inputs), **options)
+    except MoeplugError as exc:
+        return f"error: {exc}"
+
+
+def golden_text(case: Case, inputs: dict[str, tuple[Path, Path]], root: Path) -> str:
+    """What is committed for a case: the plan's JSON, its server arguments and environment, the
+    temporary folder's path written as $ROOT."""
+    plan = plan_case(case, inputs)
+    doc: dict[str, Any] = ({"error": plan} if isinstance(plan, str) else
+                           {"plan": plan.to_json(), "server_args": plan.server_args, "server_env": plan.server_env()})
+    return json.dumps(doc, indent=1, sort_keys=True).replace(str(root), ROOT_MARK) + "\n"
+
+
+@pytest.fixture(scope="module")
+def golden_inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, tuple[Path, Path]]]:
+    root = tmp_path_factory.mktemp("golden")
+    return root, build_inputs(root)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_plan_is_the_golden_one(case: Case, golden_inputs) -> None:
+    root, inputs = golden_inputs
+    expected = (GOLDEN / f"{case.name}.json").read_text()
+    assert golden_text(case, inputs, root) == expected, \
+        f"the plan for {case.name} changed: if on purpose, run 'python tests/test_golden_plans.py --write'"
+
+
+def test_every_golden_file_has_a_case() -> None:
+    assert sorted(p.stem for p in GOLDEN.glob("*.json")) == sorted(c.name for c in CASES)
+
+
+def test_header_only_models_read_as_the_full_shape(golden_inputs) -> None:
+    _, inputs = golden_inputs
+    info = inspect_model(inputs["gptoss"][0])
+    weights = sum(t.n_bytes for t in info.tensors if t.name.endswith("_exps.weight"))
+    assert weights == GPT_OSS_EXPERTS and len(info.layers) == 24
+    assert inputs["gptoss"][0].stat().st_blocks * 512 < 64 * MIB  # a hole, not 13 GiB of zeros
+
+
+def main(argv: list[str]) -> int:
+    import tempfile
+
+    if argv != ["--write"]:
+        print("usage: python tests/test_golden_plans.py --write", file=sys.stderr)
+        return 2
+    GOLDEN.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        inputs = build_inputs(root)
+        for case in CASES:
+            (GOLDEN / f"{case.name}.json").write_text(golden_text(case, inputs, root))
+    print(f"wrote {len(CASES)} golden plans to {GOLDEN}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
