@@ -141,7 +141,7 @@ def test_stock_fit_target_rises_by_what_it_held_over() -> None:
 
 
 @pytest.mark.parametrize("held_mib, fitts, raises", [
-    ([16538, 16334], [126771, 126771 + 154 + FIT_PAD_MIB], False),  # the H200's 16 GiB launches (twenty-fifth session)
+    ([16538, 16334], [126771, 126771 + 154 + FIT_PAD_MIB], False),  # the H200's 16 GiB launches (run `2026-12-03-stock-at-budget`)
     ([16384], [126771], False),                                     # exactly the budget: left as it is
     ([None], [126771], False),                                      # no NVML count: nothing to go by
     ([16538, 16400, 16390, 16385], [126771, 126941, 126973, 126995], True),  # never within: one line, after 4

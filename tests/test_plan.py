@@ -481,7 +481,7 @@ def test_short_prompts_go_to_the_gpu_where_the_cache_holds_slots_there(tmp_path:
 def test_a_plan_without_copies_ahead_prices_its_uploads_at_stocks_rate(tmp_path: Path) -> None:
     """Without the copies ahead a prompt batch copies each expert weight when its split starts, as
     stock's do, so the plan's uploads are priced at stock's rate (allocate.STOCK_UPLOAD_BYTES_PER_S),
-    the plan with them at the cache's (twenty-third session: at the cache's rate the Qwen3 shape's
+    the plan with them at the cache's (run `2026-12-03-prefill-16gib`: at the cache's rate the Qwen3 shape's
     16 GiB plan modelled 39 us per prompt token ahead of stock, runs measured -32 to +26)."""
     from moeplug.allocate import STOCK_UPLOAD_BYTES_PER_S, UPLOAD_BYTES_PER_S, modelled_prompt_seconds
     from moeplug.plan import _layer_costs
@@ -571,7 +571,7 @@ def test_the_gpu_computes_part_of_the_misses_where_that_is_modelled_to_pay(tmp_p
 
 
 def test_stream_share_follows_the_measured_gpt_oss_plans() -> None:
-    """The streaming model against what it was fitted to (BENCHMARKS.md, seventeenth session): the
+    """The streaming model against what it was fitted to (`native/bench/results/2026-12-02-stream-share/`): the
     gpt-oss-20b shape's plan at 25% of its experts streamed 0.75 of its misses fastest (0, 0.75, 1
     measured, 4-10 slots of 32), at 50% (8-20) streaming lost; with verification batches of 4 at 25%,
     0.75 beat 0.5 and 1, and streaming beat none."""

@@ -583,9 +583,9 @@ def test_serve_bench_ubatches_and_stock_args(patched_build, stock_build, bench_m
 
 def test_tables_from_runs_before_and_after_the_short_answers() -> None:
     """--tables-from on two H200 runs kept in the repository: one from before the short answers (two values
-    a sample: no short-answer line) and the thirty-fifth session's call d, whose lines it prints again."""
+    a sample: no short-answer line) and `native/bench/results/2026-12-04-chat-16gib/short-answers/`, whose lines it prints again."""
     results = SERVE_BENCH.parent / "results"
-    runs = [results / "2026-12-04-thirtyfourth" / "d" / "r44.json", results / "2026-12-04-thirtyfifth" / "d" / "short.json"]
+    runs = [results / "2026-12-04-chat-opening-turns" / "chat-policies" / "r44.json", results / "2026-12-04-chat-16gib" / "short-answers" / "short.json"]
     before, after = (subprocess.run([sys.executable, str(SERVE_BENCH), "--tables-from", str(r)], capture_output=True,
                                     text=True, timeout=60) for r in runs)
     assert before.returncode == 0 and after.returncode == 0, before.stderr + after.stderr
@@ -598,5 +598,5 @@ def test_tables_from_runs_before_and_after_the_short_answers() -> None:
         "86.0 / 70.4 t/s, 1.12x (lowest 0.97x), 95% interval 1.03x-1.29x",
         "83.6 / 83.6 t/s, 0.97x (lowest 0.89x), 95% interval 0.90x-1.18x"]
     # the tables as the run printed them
-    recorded = (results / "2026-12-04-thirtyfifth" / "d" / "short.md").read_text()
+    recorded = (results / "2026-12-04-chat-16gib" / "short-answers" / "short.md").read_text()
     assert all(line in recorded for line in after.stdout.splitlines() if line.startswith("| 12 GiB"))

@@ -8,7 +8,7 @@ On a GPU (MOEPLUG_GPU_BIN=<bin/ of a patched CUDA build>; skipped in CI) every l
 experts in RAM (`-ngl 99 --cpu-moe`). llama.cpp's promise for greedy decoding (speculation does not
 change the tokens) does not hold there for stock itself: a verification batch's CUDA kernels round
 otherwise than a single token's, and on these random-weight models a near tie flips (the H200 showed
-it, native/BENCHMARKS.md, fifteenth session). So the GPU test asserts what does hold: the cache with
+it, `native/bench/results/2026-12-02-server-rounds-vram/`). So the GPU test asserts what does hold: the cache with
 its slots in RAM computes the experts as stock's CPU does, so its tokens equal stock's with and
 without speculation; with the slots in VRAM it engages there and verifies drafts, and the test
 prints where its tokens and stock's part from their runs without speculation."""

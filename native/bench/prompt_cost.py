@@ -8,7 +8,7 @@ the rest in RAM (what stock --fit keeps at the budget: `--stock-whole N` whole l
 the planner's plan at each prefill weight: the layers that are not whole, the experts a 64-token
 prompt uploads, and the modelled time per prompt token and per generated token (plugin/allocate.py:
 the uploads at the rate fitted to the cache's path, or to stock's for the stock row; the decode
-model as calibrated). The eleventh session's diagnosis of the Qwen3-30B-A3B shape's prefill used it
+model as calibrated). Run `2026-12-01-record-cost-speculation`'s diagnosis of the Qwen3-30B-A3B shape's prefill used it
 (native/BENCHMARKS.md).
 """
 

@@ -14,7 +14,7 @@ each server configuration, one llama-server is launched per round through moeplu
 `/completion` (greedy, no prompt cache, `ignore_eos`), and it is stopped again. Before them, after
 the launch's context probe (one prompt batch, no decoding), `--warmup N` unmeasured requests (default
 1: 32 random tokens, 16 generated) take the first decoding steps on both sides alike: the first
-measured prompt used to pay them (in the sixteenth session it decoded about 20% slower than the
+measured prompt used to pay them (in run `2026-12-02-refit-planner-spec` it decoded about 20% slower than the
 rest on moeplug's side, 4-15% on stock's):
 
   moeplug   the plan's flags and environment on the patched build (a profile of the bundled text
@@ -422,7 +422,7 @@ def delayed_share(cfg: Config, workload: str) -> list[float] | None:
     SLOW_REQUEST_MS longer than the fastest request of the same prompt in this configuration (None
     without repeats). The H200 runs showed a second mode ~28 ms above the first on both sides, on
     7% of decoding requests and 13-14% of one-token repeats, far more often in some calls than
-    others (BENCHMARKS.md, twenty-third session): the median of a prompt's requests hides it unless
+    others (`native/bench/results/2026-12-03-prefill-16gib/`): the median of a prompt's requests hides it unless
     it hits most of them."""
     seen = [[0, 0], [0, 0]]
     for (w, i), rounds in cfg.prefill_reps.items():

@@ -25,7 +25,7 @@ order), for two rows at each budget, run side by side in interleaved rounds:
 Depth matters to the dynamic policy beyond the KV cache: llama-bench fills the context before each
 timed batch through the same cache, the first d tokens of the prompt the batch continues, so the
 slots have followed that prompt by then, as a server's have by the time it decodes. At depth 0 they
-see only the batches' own few tokens: on the H200 (fifteenth session, gpt-oss-20b shape, 25%)
+see only the batches' own few tokens: on the H200 (run `2026-12-02-server-rounds-vram`, gpt-oss-20b shape, 25%)
 moeplug's batches got faster through the run (k = 1 first, 32-40 ms; k = 4 later, 29-35 ms) while
 stock's held steady, and its T(1) of 34 ms was far from the 18.9 ms per token the server decoded
 at on the same plan. So the default depths are 256 and 4096.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run on the development machine before a session's first device call: fills the two git-ignored
+# Run on the development machine before a run's first device call: fills the two git-ignored
 # folders the calls carry (`run` with carry [".carry", ".whl"]), which a new checkout does not have.
 #   .whl    wheels (CPython 3.12, x86-64) of what moeplug and its tests need beyond the device image's
 #           PyTorch environment, which has numpy, requests, PyYAML, tqdm and huggingface_hub but

@@ -3,7 +3,7 @@
 # stock's own full offload's results; then the Qwen3 shape at 12 GiB, 44 random tokens, 64 generated, two rounds,
 # moeplug with and without the variable against stock --fit.
 # Question (issue 23, DESIGN.md "Misses read in place"): does reading a token's misses from pinned RAM on the GPU
-# beat computing them on the CPU? Estimated 135-185 t/s against moeplug's 114 and stock's 82 (thirty-fifth session).
+# beat computing them on the CPU? Estimated 135-185 t/s against moeplug's 114 and stock's 82 (run `2026-12-04-chat-16gib`).
 # Carry: .carry (sdist, trace) and .whl, from native/bench/device/prepare.sh. About 9 minutes.
 source native/bench/device/setup.sh || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

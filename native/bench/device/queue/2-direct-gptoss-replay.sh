@@ -1,7 +1,7 @@
 # Call 2: the same A/B on real routing: gpt-oss-20b shape at 25% of expert bytes, the trace cut prepare.sh writes
 # (profiled on its prompts 0-249, replaying 250-254), 96 tokens per prompt, two rounds.
 # Question (issues 19 and 23): on the routing the targets are set on, does LLAMA_MOE_CACHE_DIRECT=1 raise decode
-# over the plan as it is (1.37x-1.59x of stock in the thirty-fourth and seventeenth sessions)? gpt-oss experts are
+# over the plan as it is (1.37x-1.59x of stock in runs `2026-12-04-chat-opening-turns` and `2026-12-02-stream-share`)? gpt-oss experts are
 # MXFP4, 0.24 ms a miss on the bus against 0.36-0.43 ms streamed now (DESIGN.md).
 # Carry: .carry (build.txz.* from call 1, the trace; not the sdist: 64 MiB) and .whl. About 8 minutes.
 source native/bench/device/setup.sh || exit 1

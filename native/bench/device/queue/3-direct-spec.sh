@@ -1,6 +1,6 @@
 # Call 3: issue 23's target with the misses read in place: gpt-oss-20b shape at 25%, the small draft model, 3 draft
 # tokens at acceptance 0.7, against stock --fit with the same draft and without speculation (--spec-baseline).
-# Question: does moeplug + draft reach 2.0x of stock without speculation (1.26x in the thirty-fourth session, 1.50x
+# Question: does moeplug + draft reach 2.0x of stock without speculation (1.26x in run `2026-12-04-chat-opening-turns`, 1.50x
 # with streaming in the seventeenth)? A verification batch of 4 tokens reads each (token, expert) pair in place
 # (about 6.2 pairs a layer against 4.76 distinct experts): the run says whether that costs more than it saves.
 # Carry as call 2. About 9 minutes.

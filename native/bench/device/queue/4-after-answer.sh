@@ -1,7 +1,7 @@
 # Call 4 (issue 19): why does a new prompt right after a long answer prefill slower on moeplug (first requests
-# 0.75x-0.87x of stock, thirty-fifth session; 89% of its 6-token prefills after an answer 15 ms or more over the
+# 0.75x-0.87x of stock, run `2026-12-04-chat-16gib`; 89% of its 6-token prefills after an answer 15 ms or more over the
 # prompt's fastest, 6% after a one-token request; stock 17% and 11%)? The CPU build shows nothing of it (thirty-
-# seventh session: 0% and 0%), so the suspect is the GPU side: ggml-cuda keys a CUDA graph by its split's first node,
+# run `2026-11-30-planner-placement`: 0% and 0%), so the suspect is the GPU side: ggml-cuda keys a CUDA graph by its split's first node,
 # a 6-token prompt and a decoded token share the keys, and back-to-back prompts of one shape (the repeats) may
 # replay captured graphs while a prompt after decoded tokens launches every kernel of every split itself.
 # Two runs of the Qwen3 shape at 12 GiB, 6 random tokens, -n 64, three requests per prompt, every graph timed
@@ -9,7 +9,7 @@
 # `timeline.py --prompts` on each run's logs: server prompt time against the host's time in splits, after an answer
 # against after a one-token request, and the splits that differ.
 # TOKENS=44 bash ... runs the same for 44-token prompts, which take the GPU path (first requests 0.75x of stock on
-# random tokens, thirty-fifth session): call 5. Carry as call 2. About 9 minutes each.
+# random tokens, run `2026-12-04-chat-16gib`): call 5. Carry as call 2. About 9 minutes each.
 source native/bench/device/setup.sh || exit 1
 BIN=$(bin_dir) || exit 1; echo "BIN=$BIN"
 tokens=${TOKENS:-6}
