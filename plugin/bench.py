@@ -433,8 +433,9 @@ def compare(name: str, *, rounds: int = 3, n_predict: int = 64, prefill_reps: in
         if not any(a.split("=", 1)[0] in ("-fitt", "--fit-target", "--moe-cache-mib", "-ngl", "--n-gpu-layers",
                                           "-ncmoe", "--n-cpu-moe", "-ot", "--override-tensor", "--cpu-moe")
                    for a in other_args):
-            notes.append(f"{other_bin} ran with -c {plan.ctx} and no flag that places the weights: its own defaults "
-                         f"decide its VRAM, not the plan's budget (the VRAM each side held is counted the same way)")
+            notes.append(f"{other_bin} ran with -c {plan.ctx} and none of -fitt, -ngl, -ncmoe, -ot, --cpu-moe or "
+                         f"--moe-cache-mib: its own defaults decide the VRAM it takes, not the plan's budget (each "
+                         f"side's VRAM is counted the same way, per process)")
     else:
         other, other_label = "stock", "stock"
         stock_build = stock_build_for(mine_build, stock_binary or "stock", progress)

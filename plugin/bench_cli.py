@@ -131,13 +131,13 @@ def comparison_text(c: Any) -> str:
         if c.prefill_reps > 1 and w in ("text", "long", "short"):
             lines.append(f"each prompt's first request alone (the slots another prompt left): prefill "
                          f"{_ratio(d['first'])}")
-    lines.append("CPU threads: " + ", ".join(f"{side} {_threads(s['args'])}" for side, s in doc["sides"].items()))
-    lines.append("prompt batch: " + ", ".join(f"{side} {_flag(s['args'], '-ub', str(DEFAULT_UBATCH))}"
+    named = {side: versus if side == other else side for side in doc["sides"]}  # the user's server by its binary
+    lines.append("CPU threads: " + ", ".join(f"{named[side]} {_threads(s['args'])}" for side, s in doc["sides"].items()))
+    lines.append("prompt batch: " + ", ".join(f"{named[side]} {_flag(s['args'], '-ub', str(DEFAULT_UBATCH))}"
                                                for side, s in doc["sides"].items()))
     vram = {side: [v for v in s["vram_bytes"] if v is not None] for side, s in doc["sides"].items()}
     if all(vram.values()):
-        lines.append("VRAM held: " + ", ".join(f"{side if side != 'against' else versus} {human_bytes(max(v))}"
-                                               for side, v in vram.items()))
+        lines.append("VRAM held: " + ", ".join(f"{named[side]} {human_bytes(max(v))}" for side, v in vram.items()))
         over = (_stock_over(budget, max(vram["stock"]), max(vram["moeplug"]), c.stock_vram) if other == "stock" else
                 _other_over(budget, max(vram[other]), max(vram["moeplug"]), versus))
         if over:

@@ -440,7 +440,14 @@ def test_bench_against_a_llama_server_of_the_users(home: dict[str, str], stock_b
     assert f"demo: moeplug's plan (no budget (no GPU)) against {other}, the same prompts" in out.stdout
     assert "prefill t/s moeplug / llama-server" in out.stdout and "of llama-server (median over 1 prompts)" in out.stdout
     assert f"builds: moeplug {patched_build.build_id}; against {other} (yours) with -c 1024" in out.stdout
-    assert f"note: {other} ran with -c 1024 and no flag that places the weights" in out.stdout
+    assert f"note: {other} ran with -c 1024 and none of -fitt, -ngl, -ncmoe, -ot, --cpu-moe or --moe-cache-mib" in out.stdout
+    assert "CPU threads: moeplug llama.cpp's default, llama-server llama.cpp's default" in out.stdout
+    # flags the user's server refuses: one line naming its log
+    bad = moeplug(home, "bench", "demo", "--rounds", "1", "-n", "2", "--max-prompts", "1", "--against", str(other),
+                  "--against-args", "--no-such-flag 3")
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines()[-1].startswith("moeplug: error: llama-server exited with code 1 while loading")
+    assert "server-bench-demo-against.log" in bad.stderr
     status = moeplug(home, "status", "--json")
     assert status.returncode == 0 and json.loads(status.stdout)["servers"] == []
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
