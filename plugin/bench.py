@@ -13,12 +13,26 @@ request, then the prompts (moeplug.measure): per prompt the ratio of moeplug's t
 the median over rounds, then the median and the lowest over prompts. Beside a prompt's decode over
 its whole answer, where answers are longer than measure.SHORT_STEPS tokens, the decode of a short
 answer to it (`decode_short`): the first tokens after a new prompt, on slots that followed another.
+
+Stock means stock: by default stock's server is llama-server of an unpatched build of the same pin,
+with the backend, GPU architecture and CPU flags of the model's own build (built once where it is not
+there yet); `stock_binary="patched"` runs stock's flags on the model's patched build instead, and the
+output says so. Either way the comparison names the build each side ran.
+
+`--against BIN` puts any llama-server the user has (a newer upstream with its own expert cache, ik_llama.cpp,
+Ollama's bundled one) in stock's place: the same prompts, rounds and warm-up, the plan's context (-c)
+and the user's flags (`--against-args`), and the VRAM each process holds counted the same way (NVML).
+That side is named by its binary.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
+import shlex
+import shutil
 import statistics
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -30,6 +44,7 @@ from moeplug.install import installed_build, read_installed, up_to_date
 from moeplug.measure import (ERRORS, Timings, chat_turns, median_ratio_interval, opening_turn, round_medians,
                              short_steps, time_chat, time_prompts, time_together, together_groups)
 from moeplug.options import STOCK_VRAM
+from moeplug.paths import logs_dir
 from moeplug.profile.runner import HELDOUT_PROMPT_SET, read_prompts, resolve_prompt_set
 from moeplug.progress import Note, ProgressFn, silent
 from moeplug.server import complete
@@ -43,6 +58,9 @@ WARMUP_PREDICT = 16
 LONG_PROMPTS = 2  # prompts of the "long" workload (compare's prompt_tokens)
 AUTO_PARALLEL = 4  # llama-server's parallel slots where -np is not given (b11434: "auto", 4, one KV cache for all)
 FIT_PAD_MIB = 16  # stock held to the budget: MiB added to its -fitt beyond what it held over
+STOCK_BINARIES = ("stock", "patched")  # the stock side's build: unpatched of the same pin, or the model's own
+AGAINST = "against"  # the other side's key where it is a llama-server the user gave (--against)
+MOEPLUG_SETS = ("-m", "--model", "--host", "--port")  # the other server's flags that moeplug sets itself
 
 
 def fit_target(budget: int | list[int] | None, free: list[int]) -> str:
@@ -146,6 +164,88 @@ def short_prompts(url: str, texts: list[str], n_tokens: int) -> list[list[int]]:
     return ids
 
 
+def against_binary(text: str) -> Path:
+    """--against BIN: the llama-server program to run (a path, or a name on PATH), or one line saying
+    what is wrong with it."""
+    path = Path(text).expanduser()
+    if not path.exists() and os.sep not in text and shutil.which(text):
+        path = Path(shutil.which(text) or text)
+    if not path.exists():
+        raise MoeplugError(f"--against {text}: no such file")
+    if path.is_dir():
+        raise MoeplugError(f"--against {text}: a folder, not a llama-server program")
+    if not os.access(path, os.X_OK):
+        raise MoeplugError(f"--against {text}: not executable (chmod +x, or the llama-server next to it)")
+    return path.resolve()
+
+
+def against_arguments(text: str) -> list[str]:
+    """--against-args "...": the other server's flags, split as a shell splits them, or one line saying
+    why they do not parse; the model, host and port are moeplug's to set."""
+    try:
+        args = shlex.split(text)
+    except ValueError as exc:
+        raise MoeplugError(f"--against-args {text!r}: {exc} (quote them as a shell would)") from None
+    taken = [a for a in args if a.split("=", 1)[0] in MOEPLUG_SETS]
+    if taken:
+        raise MoeplugError(f"--against-args: {', '.join(taken)}: moeplug sets the model, host and port itself")
+    return args
+
+
+def stock_build_for(mine: Any, stock_binary: str, progress: ProgressFn = silent) -> Any:
+    """The build the stock side runs (a BuildResult): "patched", the model's own build `mine` (stock's
+    flags leave the patches unused); "stock", the unpatched build of this checkout's pin with `mine`'s
+    backend, GPU architecture and CPU flags, built now where it is not there yet."""
+    if stock_binary not in STOCK_BINARIES:
+        raise MoeplugError(f"--stock-binary {stock_binary!r}: one of {', '.join(STOCK_BINARIES)}")
+    if stock_binary == "patched":
+        return mine
+    from moeplug.native.build import BuildOptions, build, build_id, installed_builds
+    from moeplug.native.lock import load_spec
+
+    m = mine.manifest
+    opts = BuildOptions(backend=m["backend"], stock=True, cuda_arch=m.get("cuda_arch"),
+                        cpu_flags=tuple(m.get("cpu_flags", [])))
+    spec = load_spec()
+    found = {b.build_id: b for b in installed_builds()}.get(build_id(spec, opts))
+    if found is not None:
+        return found
+    progress(Note(f"no unpatched build of llama.cpp {spec.lock.tag} ({opts.backend}) for the stock side yet: building it "
+                  f"once ('--stock-binary patched' runs stock's flags on the patched build instead)"))
+    return build(opts, spec, progress)
+
+
+@dataclass
+class Launched:
+    """A running llama-server of either side: where it answers, its process, what its log said of the cache."""
+
+    url: str
+    pid: int
+    cache: dict[str, Any] | None = None
+
+
+def start_other(binary: Path, model: Path, args: list[str], log: Path, env: dict[str, str] | None = None,
+                timeout: float = 300) -> Any:
+    """A llama-server of the user's (--against), started with the model, a free port on 127.0.0.1 and
+    `args` alone (no flag of moeplug's, which another server may not know), healthy; a moeplug Server
+    (stop() ends it). One line naming its log where it exits or never answers."""
+    from moeplug.server import HOST, Server, free_port
+
+    port = free_port()
+    argv = [str(binary), "-m", str(model), "--host", HOST, "--port", str(port), *args]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **env} if env else None)
+    srv = Server(proc=proc, port=port, log_path=log, args=argv)
+    try:
+        srv.wait_healthy(timeout=timeout)
+    except BaseException:
+        srv.stop()
+        raise
+    return srv
+
+
 @dataclass
 class Side:
     """One side's launches: its server arguments and environment, and per workload and prompt each
@@ -154,6 +254,8 @@ class Side:
     args: list[str]
     env: dict[str, str]
     timed: dict[str, dict[int, list[Any]]] = field(default_factory=dict)
+    binary: str = ""  # the llama-server it ran
+    build_id: str | None = None  # moeplug's build id of that binary (None: a llama-server of the user's)
     vram_bytes: list[int | None] = field(default_factory=list)  # NVML, per launch
     cache: list[dict[str, Any] | None] = field(default_factory=list)  # per launch, what its log said of the cache
 
@@ -186,12 +288,19 @@ class Comparison:
     notes: list[str] = field(default_factory=list)
     stock_vram: str = "fit"  # STOCK_VRAM
     fit_tries: list[dict[str, Any]] = field(default_factory=list)  # stock held to the budget: each launch's -fitt, bytes
+    other: str = "stock"  # the second side's key: "stock", or AGAINST for a llama-server of the user's
+    other_label: str = "stock"  # how the output names it: "stock", or the path of the user's llama-server
+    stock_binary: str | None = "stock"  # STOCK_BINARIES: which build the stock side ran (None with --against)
+
+    @property
+    def names(self) -> tuple[str, str]:
+        return ("moeplug", self.other)
 
     def _summary(self, workload: str, what: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
         """The median and lowest of these rows' ratios, and the median's interval over the rounds."""
         r = [row[what]["ratio"] for row in rows if what in row and row[what]["ratio"] is not None]
         keep = {row["prompt"] for row in rows if what in row}
-        mine, theirs = (self.sides[side].samples(workload, what) for side in SIDES)
+        mine, theirs = (self.sides[side].samples(workload, what) for side in self.names)
         return {"ratio_median": statistics.median(r) if r else None, "ratio_lowest": min(r) if r else None,
                 "ratio_interval": median_ratio_interval([(mine[i], theirs[i]) for i in sorted(mine)
                                                          if i in theirs and i in keep])}
@@ -200,17 +309,18 @@ class Comparison:
         """Per prompt: tokens prefilled and both sides' t/s with the ratios."""
         mine = self.sides["moeplug"]
         out = []
-        per = {(side, what): self.sides[side].per_prompt(workload, what) for side in SIDES for what in MEASURES}
+        other = self.other
+        per = {(side, what): self.sides[side].per_prompt(workload, what) for side in self.names for what in MEASURES}
         for i in sorted(per[("moeplug", "prefill")]):
-            if i not in per[("stock", "prefill")]:
+            if i not in per[(other, "prefill")]:
                 continue
             first = mine.timed[workload][i][0]  # the tokens: the same every launch on moeplug's side
             row: dict[str, Any] = {"prompt": i, "prompt_tokens": first.prompt_tokens,
                                    **({"context_tokens": first.context_tokens} if first.context_tokens else {})}
             for what in MEASURES:
-                if i in per[("moeplug", what)] and i in per[("stock", what)]:
-                    m, s = per[("moeplug", what)][i], per[("stock", what)][i]
-                    row[what] = {"moeplug_tps": m, "stock_tps": s, "ratio": m / s if s > 0 else None}
+                if i in per[("moeplug", what)] and i in per[(other, what)]:
+                    m, s = per[("moeplug", what)][i], per[(other, what)][i]
+                    row[what] = {"moeplug_tps": m, f"{other}_tps": s, "ratio": m / s if s > 0 else None}
             out.append(row)
         return out
 
@@ -228,12 +338,19 @@ class Comparison:
                     summary[key] = {what: self._summary(w, what, turns) for what in ("prefill", "decode")}
             # round by round, each side's median over the prompts: a server process that ran slow in all of them
             summary["per_round"] = {side: {what: round_medians(list(self.sides[side].samples(w, what).values()))
-                                           for what in ("prefill", "decode")} for side in SIDES}
+                                           for what in ("prefill", "decode")} for side in self.names}
             workloads[w] = {"prompts": len(rows), "rows": rows, **summary}
         return {"name": self.name, "budget_bytes": self.budget_bytes, "rounds": self.rounds,
                 "n_predict": self.n_predict, "prefill_reps": self.prefill_reps, "notes": self.notes,
                 "stock_vram": self.stock_vram, "fit_tries": self.fit_tries,
-                "sides": {k: {"args": v.args, "env": v.env, "vram_bytes": v.vram_bytes, "cache": v.cache}
+                "other": self.other, "other_label": self.other_label,
+                # which build the stock side ran: an unpatched one of the pin, or the patched one with stock's flags
+                **({"stock_build": {"build_id": self.sides["stock"].build_id, "binary": self.sides["stock"].binary,
+                                    "patched": self.stock_binary == "patched"}} if self.other == "stock" else {}),
+                **({AGAINST: {"binary": self.sides[AGAINST].binary, "args": self.sides[AGAINST].args}}
+                   if self.other == AGAINST else {}),
+                "sides": {k: {"args": v.args, "env": v.env, "vram_bytes": v.vram_bytes, "cache": v.cache,
+                              "binary": v.binary, "build_id": v.build_id}
                           for k, v in self.sides.items()},
                 "workloads": workloads}
 
@@ -242,7 +359,8 @@ def compare(name: str, *, rounds: int = 3, n_predict: int = 64, prefill_reps: in
             prompt_files: list[Path] | None = None, max_prompts: int = 8, chat: bool = False,
             stock_vram: str = "fit", threads: int | None = None, stock_threads: int | None = None,
             stock_ubatch: int | None = None, prompt_tokens: int | None = None, concurrent: int = 0,
-            short: int = 0, progress: ProgressFn = silent) -> Comparison:
+            short: int = 0, stock_binary: str | None = None, against: str | None = None,
+            against_args: str | None = None, progress: ProgressFn = silent) -> Comparison:
     """Run an installed model's plan and stock --fit at the same budget in turns (see the module);
     raises where the model is being served (the GPU must be the two servers' alone) or a launch or
     prompt fails. stock_vram "budget": before the rounds, stock's -fitt is raised until its server
@@ -255,9 +373,28 @@ def compare(name: str, *, rounds: int = 3, n_predict: int = 64, prefill_reps: in
     a "concurrent" workload, the prompts in groups of that many sent at once (measure.time_together;
     0: none); beyond llama-server's AUTO_PARALLEL slots both sides get as many (-np, one KV cache). short:
     also a "short" workload, each prompt's first `short` tokens (short_prompts, made at the first launch;
-    0: none): llama.cpp computes a prompt below 32 tokens on the CPU, moeplug's plans from 8 on the GPU."""
+    0: none): llama.cpp computes a prompt below 32 tokens on the CPU, moeplug's plans from 8 on the GPU.
+    stock_binary: the build stock's side runs (stock_build_for; None: "stock", an unpatched build).
+    against: a llama-server of the user's in stock's place (a path or a name on PATH; against_binary),
+    with the plan's -c and against_args (a shell-quoted string; against_arguments); the stock_* options
+    are stock's and cannot go with it."""
     if stock_vram not in STOCK_VRAM:
         raise MoeplugError(f"stock VRAM {stock_vram!r}: one of {', '.join(STOCK_VRAM)}")
+    other_bin: Path | None = None
+    other_args: list[str] = []
+    if against is not None:
+        other_bin = against_binary(against)
+        other_args = against_arguments(against_args or "")
+        given = [flag for flag, v in (("--stock-binary", stock_binary), ("--stock-threads", stock_threads),
+                                      ("--stock-ubatch", stock_ubatch),
+                                      ("--stock-vram budget", stock_vram if stock_vram != "fit" else None)) if v]
+        if given:
+            raise MoeplugError(f"{', '.join(given)}: the stock side's, which --against replaces with your "
+                               f"llama-server (its flags go in --against-args)")
+    elif against_args is not None:
+        raise MoeplugError("--against-args: the flags of the llama-server --against names; give --against BIN too")
+    if stock_binary is not None and stock_binary not in STOCK_BINARIES:
+        raise MoeplugError(f"--stock-binary {stock_binary!r}: one of {', '.join(STOCK_BINARIES)}")
     read_installed(name)  # an unknown name fails first
     served = find_record(name)
     if served is not None and served.alive():
@@ -286,9 +423,27 @@ def compare(name: str, *, rounds: int = 3, n_predict: int = 64, prefill_reps: in
                                                                          [g.free_bytes for g in found]), *load,
                   *ubatch_args(stock_ubatch or DEFAULT_UBATCH)]
     slots = ["-np", str(concurrent), "-kvu"] if concurrent > AUTO_PARALLEL else []
-    sides = {"moeplug": Side(with_threads(plan.server_args, threads) + slots, m.server_env()),
-             "stock": Side(with_threads(stock_args, stock_threads) + slots, {})}
+    mine_build = installed_build(m)
+    sides = {"moeplug": Side(with_threads(plan.server_args, threads) + slots, m.server_env(),
+                             binary=str(mine_build.binary("llama-server")), build_id=mine_build.build_id)}
     notes = []
+    if other_bin is not None:
+        other, other_label = AGAINST, str(other_bin)
+        sides[AGAINST] = Side(["-c", str(plan.ctx), *other_args] + slots, {}, binary=str(other_bin))
+        if not any(a.split("=", 1)[0] in ("-fitt", "--fit-target", "--moe-cache-mib", "-ngl", "--n-gpu-layers",
+                                          "-ncmoe", "--n-cpu-moe", "-ot", "--override-tensor", "--cpu-moe")
+                   for a in other_args):
+            notes.append(f"{other_bin} ran with -c {plan.ctx} and none of -fitt, -ngl, -ncmoe, -ot, --cpu-moe or "
+                         f"--moe-cache-mib: its own defaults decide the VRAM it takes, not the plan's budget (each "
+                         f"side's VRAM is counted the same way, per process)")
+    else:
+        other, other_label = "stock", "stock"
+        stock_build = stock_build_for(mine_build, stock_binary or "stock", progress)
+        sides["stock"] = Side(with_threads(stock_args, stock_threads) + slots, {},
+                              binary=str(stock_build.binary("llama-server")), build_id=stock_build.build_id)
+        if stock_binary == "patched":
+            notes.append(f"stock's side ran the patched build {stock_build.build_id} with stock's flags "
+                         f"(--stock-binary patched): without the cache's flags the patches stay unused")
     if slots:
         notes.append(f"{concurrent} parallel slots on both sides (-np {concurrent} -kvu) for {concurrent} prompts at once, "
                      f"where llama-server has {AUTO_PARALLEL} by default")
@@ -301,20 +456,36 @@ def compare(name: str, *, rounds: int = 3, n_predict: int = 64, prefill_reps: in
                      f"smaller includes what the batch size gives")
     if plan.speculation:
         notes.append("the plan speculates and stock does not: the decode ratio includes what the drafts give")
-    binary = installed_build(m).binary("llama-server")
     warmup = texts[0]
     launch = f"bench-{name}"
+    running: list[Any] = []  # the user's llama-server while it runs (--against): stopped by halt()
 
-    def start(side: str, args: list[str], env: dict[str, str]) -> Any:
-        """side's llama-server, launched and past its warm-up request"""
-        with model_lock(name, progress):
-            srv = launch_verified(launch, Path(m.path), binary, m.build_id, args, plan.ctx, env=env)
-        try:
-            complete(srv.url, warmup, WARMUP_PREDICT, ignore_eos=True)
-        except ERRORS as exc:
+    def halt() -> None:
+        """Stop the side that runs: the user's server, or moeplug's launch record."""
+        if running:
+            running.pop().stop()
+        else:
             stop(launch)
-            raise MoeplugError(f"{side} llama-server, the warm-up request: {type(exc).__name__}: {exc}") from None
-        return srv
+
+    def start(side: str, args: list[str], env: dict[str, str]) -> Launched:
+        """side's llama-server, launched and past its warm-up request"""
+        s = sides[side]
+        with model_lock(name, progress):
+            if side == AGAINST:
+                srv = start_other(Path(s.binary), Path(m.path), args, logs_dir() / f"server-{launch}-against.log", env)
+                running.append(srv)
+                got = Launched(srv.url, srv.proc.pid)
+            else:
+                rec = launch_verified(launch, Path(m.path), Path(s.binary), s.build_id or m.build_id, args, plan.ctx,
+                                      env=env)
+                got = Launched(rec.url, rec.pid, rec.cache)
+        try:
+            complete(got.url, warmup, WARMUP_PREDICT, ignore_eos=True)
+        except ERRORS as exc:
+            halt()
+            name_of = other_label if side == AGAINST else f"{side} llama-server"
+            raise MoeplugError(f"{name_of}, the warm-up request: {type(exc).__name__}: {exc}") from None
+        return got
 
     def held_by(args: list[str]) -> int | None:
         progress(Note(f"stock llama-server -fitt {args[args.index('-fitt') + 1]}: the VRAM it holds"))
@@ -322,7 +493,7 @@ def compare(name: str, *, rounds: int = 3, n_predict: int = 64, prefill_reps: in
         try:
             return process_vram_bytes(srv.pid)
         finally:
-            stop(launch)
+            halt()
 
     fit_tries: list[dict[str, Any]] = []
     if stock_vram == "budget":
@@ -332,28 +503,30 @@ def compare(name: str, *, rounds: int = 3, n_predict: int = 64, prefill_reps: in
             notes.append("no NVIDIA GPU: stock is not held to the budget, there is no VRAM to hold it to")
         else:
             fit_tries = fit_within(sides["stock"].args, plan.vram_budget_bytes, held_by)
+    names = ("moeplug", other)
     for r in range(rounds):
-        for side in SIDES if r % 2 == 0 else SIDES[::-1]:
+        for side in names if r % 2 == 0 else names[::-1]:
             s = sides[side]
-            progress(Note(f"round {r + 1} of {rounds}: {side} llama-server"))
+            progress(Note(f"round {r + 1} of {rounds}: {other_label if side == AGAINST else side + ' llama-server'}"))
             srv = start(side, s.args, s.env)
             try:
                 if long_tokens and not workloads["long"]:
                     workloads["long"] = long_prompts(srv.url, texts, long_tokens)
                 if short and not workloads["short"]:
                     workloads["short"] = short_prompts(srv.url, texts, short)
-                if concurrent and r == 0 and side == SIDES[0]:
+                if concurrent and r == 0 and side == names[0]:
                     check_together_fits(srv.url, workloads["concurrent"], n_predict, plan.ctx)
                 for w, prompts in workloads.items():
                     got = time_chat(srv.url, prompts, n_predict) if w == "chat" else \
                         time_together(srv.url, prompts, n_predict) if w == "concurrent" else \
                         time_prompts(srv.url, prompts, n_predict, prefill_reps, short_steps(n_predict))
                     if got.errors:
-                        raise MoeplugError(f"{side} llama-server, {w}: {got.errors[0]}")
+                        who = other_label if side == AGAINST else f"{side} llama-server"
+                        raise MoeplugError(f"{who}, {w}: {got.errors[0]}")
                     s.add(w, got)
                 s.vram_bytes.append(process_vram_bytes(srv.pid))
                 s.cache.append(srv.cache)
             finally:
-                stop(launch)
+                halt()
     return Comparison(name, plan.vram_budget_bytes, rounds, n_predict, prefill_reps, workloads, sides, notes,
-                      stock_vram, fit_tries)
+                      stock_vram, fit_tries, other, other_label, None if other == AGAINST else stock_binary or "stock")

@@ -44,16 +44,16 @@ def _flag(args: list[str], flag: str, default: str) -> str:
 BELOW_PAR = 0.97  # a prompt this much slower than stock is named under its table
 
 
-def _below_par(rows: list[dict[str, Any]], noun: str) -> str | None:
-    """One line naming the rows whose prefill, decode or short answer's decode ran below BELOW_PAR of stock,
-    or None."""
+def _below_par(rows: list[dict[str, Any]], noun: str, versus: str = "stock") -> str | None:
+    """One line naming the rows whose prefill, decode or short answer's decode ran below BELOW_PAR of stock
+    (or of `versus`, the other side's name), or None."""
     said = []
     for what, label in (("prefill", "prefill"), ("decode", "decode"), ("decode_short", "short answers' decode")):
         slow = [(r["prompt"], r[what]["ratio"]) for r in rows if what in r and r[what]["ratio"] is not None
                 and r[what]["ratio"] < BELOW_PAR]
         if slow:
             said.append(f"{label} {', '.join(f'#{i} {x:.2f}x' for i, x in slow)}")
-    return f"below {BELOW_PAR:.2f}x of stock here, of the {len(rows)} {noun}: {'; '.join(said)}" if said else None
+    return f"below {BELOW_PAR:.2f}x of {versus} here, of the {len(rows)} {noun}: {'; '.join(said)}" if said else None
 
 
 def _stock_over(budget: int | list[int] | None, stock: int, mine: int, stock_vram: str) -> str | None:
@@ -65,21 +65,52 @@ def _stock_over(budget: int | list[int] | None, stock: int, mine: int, stock_vra
             f"than moeplug ('--stock-vram budget' holds stock to the budget, to compare at the same VRAM)")
 
 
+def _other_over(budget: int | list[int] | None, other: int, mine: int, label: str) -> str | None:
+    """A line where a llama-server of the user's (--against) held more than the plan's budget: the
+    ratios then compare unequal VRAM."""
+    if not isinstance(budget, int) or other <= budget:
+        return None
+    return (f"{label} held {human_bytes(other - budget)} more than the plan's budget and {human_bytes(other - mine)} "
+            f"more than moeplug (its flags in --against-args decide what it holds)")
+
+
+def _stock_side(doc: dict[str, Any]) -> str:
+    """One line: the build each side ran, and whether stock's was unpatched or the patched one with stock's
+    flags (--stock-binary patched); for --against, the user's binary and its flags."""
+    mine = doc["sides"]["moeplug"]["build_id"]
+    if doc.get("other") == "against":
+        theirs = doc["against"]
+        return (f"builds: moeplug {mine}; against {theirs['binary']} (yours) with "
+                f"{' '.join(theirs['args']) or 'no flags'}")
+    stock = doc["stock_build"]
+    if stock["patched"]:
+        return (f"builds: moeplug {mine}; stock ran the same patched build {stock['build_id']} with stock's flags "
+                f"(--stock-binary patched), not an unpatched llama.cpp")
+    return f"builds: moeplug {mine}; stock {stock['build_id']} (unpatched llama.cpp of the same pin)"
+
+
 def comparison_text(c: Any) -> str:
     doc = c.to_json()
     budget = c.budget_bytes
+    other = getattr(c, "other", "stock")
+    versus = "stock" if other == "stock" else Path(c.other_label).name  # the other side in the tables' cells
     said = ("no budget (no GPU)" if budget is None else
             ", ".join(human_bytes(b) for b in budget) if isinstance(budget, list) else human_bytes(budget))
     held = " (stock held to it)" if c.stock_vram == "budget" and c.fit_tries else ""
-    lines = [f"{c.name}: moeplug's plan against stock llama-server --fit at the same budget ({said}{held}); {c.rounds} "
-             f"round{'s' if c.rounds > 1 else ''}, {c.n_predict} tokens generated per prompt, prefill the median of "
-             f"{c.prefill_reps} request{'s' if c.prefill_reps > 1 else ''}"]
+    rounds = (f"{c.rounds} round{'s' if c.rounds > 1 else ''}, {c.n_predict} tokens generated per prompt, prefill the "
+              f"median of {c.prefill_reps} request{'s' if c.prefill_reps > 1 else ''}")
+    if other == "stock":
+        lines = [f"{c.name}: moeplug's plan against stock llama-server --fit at the same budget ({said}{held}); {rounds}"]
+    else:
+        lines = [f"{c.name}: moeplug's plan ({said}) against {c.other_label}, the same prompts; {rounds}"]
+    head = [h.replace("moeplug / stock", f"moeplug / {versus}") for h in HEAD]
     for w, d in doc["workloads"].items():
-        rows = [[r["prompt"], r["prompt_tokens"], f"{r['prefill']['moeplug_tps']:.1f} / {r['prefill']['stock_tps']:.1f}",
-                 f"{r['prefill']['ratio']:.2f}x", f"{r['decode']['moeplug_tps']:.1f} / {r['decode']['stock_tps']:.1f}",
+        rows = [[r["prompt"], r["prompt_tokens"],
+                 f"{r['prefill']['moeplug_tps']:.1f} / {r['prefill'][f'{other}_tps']:.1f}",
+                 f"{r['prefill']['ratio']:.2f}x", f"{r['decode']['moeplug_tps']:.1f} / {r['decode'][f'{other}_tps']:.1f}",
                  f"{r['decode']['ratio']:.2f}x"] for r in d["rows"]]
-        lines += ["", f"{WHAT[w]}:", table(HEAD, rows, "rrrrrr")]
-        lines.append(f"prefill {_ratio(d['prefill'])}, decode {_ratio(d['decode'])} of stock (median over "
+        lines += ["", f"{WHAT[w]}:", table(head, rows, "rrrrrr")]
+        lines.append(f"prefill {_ratio(d['prefill'])}, decode {_ratio(d['decode'])} of {versus} (median over "
                      f"{d['prompts']} {NOUN[w]})")
         rounds = d["per_round"]
         if c.rounds > 1 and all(rounds[side]["decode"] for side in rounds):
@@ -89,7 +120,7 @@ def comparison_text(c: Any) -> str:
         if "decode_short" in d:
             lines.append(f"short answers alone ({SHORT_STEPS} tokens, a new prompt on the slots another prompt left): "
                          f"decode {_ratio(d['decode_short'])}")
-        below = _below_par(d["rows"], NOUN[w])
+        below = _below_par(d["rows"], NOUN[w], versus)
         if below:
             lines.append(below)
         if w == "chat" and d["opening"]["prefill"]["ratio_median"] is not None:
@@ -100,19 +131,22 @@ def comparison_text(c: Any) -> str:
         if c.prefill_reps > 1 and w in ("text", "long", "short"):
             lines.append(f"each prompt's first request alone (the slots another prompt left): prefill "
                          f"{_ratio(d['first'])}")
-    lines.append("CPU threads: " + ", ".join(f"{side} {_threads(s['args'])}" for side, s in doc["sides"].items()))
-    lines.append("prompt batch: " + ", ".join(f"{side} {_flag(s['args'], '-ub', str(DEFAULT_UBATCH))}"
+    named = {side: versus if side == other else side for side in doc["sides"]}  # the user's server by its binary
+    lines.append("CPU threads: " + ", ".join(f"{named[side]} {_threads(s['args'])}" for side, s in doc["sides"].items()))
+    lines.append("prompt batch: " + ", ".join(f"{named[side]} {_flag(s['args'], '-ub', str(DEFAULT_UBATCH))}"
                                                for side, s in doc["sides"].items()))
     vram = {side: [v for v in s["vram_bytes"] if v is not None] for side, s in doc["sides"].items()}
     if all(vram.values()):
-        lines.append("VRAM held: " + ", ".join(f"{side} {human_bytes(max(v))}" for side, v in vram.items()))
-        over = _stock_over(budget, max(vram["stock"]), max(vram["moeplug"]), c.stock_vram)
+        lines.append("VRAM held: " + ", ".join(f"{named[side]} {human_bytes(max(v))}" for side, v in vram.items()))
+        over = (_stock_over(budget, max(vram["stock"]), max(vram["moeplug"]), c.stock_vram) if other == "stock" else
+                _other_over(budget, max(vram[other]), max(vram["moeplug"]), versus))
         if over:
             lines.append(over)
     if c.fit_tries:
         lines.append("stock held to the budget: " + ", then ".join(
             f"-fitt {t['fitt']} held {'?' if t['held_bytes'] is None else human_bytes(t['held_bytes'])}"
             for t in c.fit_tries))
+    lines.append(_stock_side(doc))
     lines += [f"note: {n}" for n in c.notes]
     return "\n".join(lines)
 
@@ -125,12 +159,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
                    prompt_files=[Path(p) for p in args.prompt_file], max_prompts=args.max_prompts, chat=args.chat,
                    stock_vram=args.stock_vram, threads=args.threads, stock_threads=args.stock_threads,
                    stock_ubatch=args.stock_ubatch, prompt_tokens=args.prompt_tokens,
-                   concurrent=args.concurrent or 0, short=args.short or 0, progress=out.progress)
+                   concurrent=args.concurrent or 0, short=args.short or 0, stock_binary=args.stock_binary,
+                   against=args.against, against_args=args.against_args, progress=out.progress)
     return out.result(done, comparison_text)
 
 
 def register(sub: Any) -> None:
-    from moeplug.bench import LONG_PROMPTS
+    from moeplug.bench import LONG_PROMPTS, STOCK_BINARIES
 
     p = sub.add_parser("bench", help="the installed plan against stock llama.cpp --fit at the same budget, here",
                        description="Serve an installed model with its plan and with stock llama-server --fit at the "
@@ -177,5 +212,16 @@ def register(sub: Any) -> None:
                    help="also send the prompts N at a time, 2-64, as users or agents sharing the server do, and compare "
                         "what both sides deliver to all of them together (beyond llama-server's 4 parallel slots, "
                         "both get N)")
+    p.add_argument("--stock-binary", choices=STOCK_BINARIES,
+                   help="the build stock's side runs: stock (the default), an unpatched llama.cpp of the same pin, "
+                        "built once where it is not there yet; patched, the model's own build with stock's flags "
+                        "(the patches unused without the cache's flags), said in the output")
+    p.add_argument("--against", metavar="BIN",
+                   help="run the plan against a llama-server of yours in stock's place (a newer llama.cpp with its "
+                        "own expert cache, ik_llama.cpp, Ollama's bundled one): the same prompts and rounds, the "
+                        "plan's context, your flags from --against-args; the VRAM each process holds counted alike")
+    p.add_argument("--against-args", metavar='"FLAGS"',
+                   help="the flags of --against's server, quoted as a shell quotes them, e.g. \"--fit on "
+                        "--moe-cache-mib 2048\" (default: none but the plan's -c)")
     add_json(p)
     p.set_defaults(func=cmd_bench)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import statistics
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,8 @@ pytestmark = pytest.mark.native
 
 
 @pytest.fixture
-def home(patched_build, tmp_path: Path) -> dict[str, str]:
+def home(patched_build, stock_build, tmp_path: Path) -> dict[str, str]:
+    """demo installed in fresh XDG homes; the stock build there too, which stock's side runs."""
     env = xdg_homes(tmp_path)
     r = moeplug(env, "install", "demo", "--no-serve", "--ctx", "1024")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -48,6 +50,7 @@ def test_bench_serves_the_plan_and_stock_in_turns(home: dict[str, str]) -> None:
     assert mine["args"] == plan["server_args"] and mine["env"] == {"LLAMA_MOE_CACHE_DEVICE": "CPU"}
     assert stock["args"][:6] == ["-c", "1024", "--fit", "on", "-fitt", "0"] and stock["env"] == {}
     assert not any(a.startswith("--moe-cache") for a in stock["args"])
+    assert doc["other"] == "stock" and set(doc["sides"]) == {"moeplug", "stock"}
     # two launches a side; the cache engaged on moeplug's (its log said so), not asked for on stock's
     assert [c["engaged"] for c in mine["cache"]] == [True, True] and stock["cache"] == [None, None]
     assert "round 1 of 2: moeplug llama-server" in r.stderr and "round 2 of 2: stock llama-server" in r.stderr
@@ -99,10 +102,13 @@ def test_bench_serves_the_plan_and_stock_in_turns(home: dict[str, str]) -> None:
     assert status.returncode == 0 and json.loads(status.stdout)["servers"] == []
 
 
-def test_bench_text_output(home: dict[str, str]) -> None:
+def test_bench_text_output(home: dict[str, str], stock_build, patched_build) -> None:
     r = moeplug(home, "bench", "demo", "--rounds", "1", "-n", "2", "--max-prompts", "1", "--prefill-reps", "1",
                 "--chat")
     assert r.returncode == 0, r.stderr[-3000:]
+    # the build each side ran: stock's an unpatched one of the pin
+    assert (f"builds: moeplug {patched_build.build_id}; stock {stock_build.build_id} (unpatched llama.cpp of the same "
+            f"pin)") in r.stdout
     assert "demo: moeplug's plan against stock llama-server --fit at the same budget" in r.stdout
     assert "prefill t/s moeplug / stock" in r.stdout and "of stock (median over 1 prompts)" in r.stdout
     assert "of stock (median over 3 chat turns)" in r.stdout
@@ -367,3 +373,111 @@ def test_stock_over_the_budget_is_said() -> None:
     assert _stock_over(budget, 16278 * MIB, 16340 * MIB, "fit") is None
     assert _stock_over(budget, 16518 * MIB, 16340 * MIB, "budget") is None
     assert _stock_over([budget, budget], 16518 * MIB, 16340 * MIB, "fit") is None
+
+
+def test_bench_stock_side_runs_the_unpatched_build_or_says_it_did_not(home: dict[str, str], stock_build,
+                                                                      patched_build) -> None:
+    """Stock means stock: by default stock's llama-server is the unpatched build of the same pin (its id in
+    the JSON, beside moeplug's); --stock-binary patched runs stock's flags on the patched build, and the
+    JSON, a note and the builds line say so."""
+    r = moeplug(home, "bench", "demo", "--rounds", "1", "-n", "2", "--max-prompts", "1", "--prefill-reps", "1",
+                "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    assert stock_build.manifest["stock"] and not patched_build.manifest["stock"]
+    # (the homes reach the builds through a link: the same program by another path)
+    binary = doc["stock_build"].pop("binary")
+    assert doc["stock_build"] == {"build_id": stock_build.build_id, "patched": False}
+    assert Path(binary).resolve() == stock_build.binary("llama-server").resolve()
+    assert doc["sides"]["stock"]["build_id"] == stock_build.build_id and doc["sides"]["stock"]["binary"] == binary
+    assert doc["sides"]["moeplug"]["build_id"] == patched_build.build_id
+    same = moeplug(home, "bench", "demo", "--rounds", "1", "-n", "2", "--max-prompts", "1", "--prefill-reps", "1",
+                   "--stock-binary", "patched", "--json")
+    assert same.returncode == 0, same.stderr[-3000:]
+    doc = json.loads(same.stdout)
+    binary = doc["stock_build"].pop("binary")
+    assert doc["stock_build"] == {"build_id": patched_build.build_id, "patched": True}
+    assert Path(binary).resolve() == patched_build.binary("llama-server").resolve()
+    assert any(n.startswith(f"stock's side ran the patched build {patched_build.build_id} with stock's flags")
+               for n in doc["notes"])
+    assert doc["sides"]["stock"]["args"][:6] == ["-c", "1024", "--fit", "on", "-fitt", "0"]
+    text = moeplug(home, "bench", "demo", "--rounds", "1", "-n", "2", "--max-prompts", "1", "--prefill-reps", "1",
+                   "--stock-binary", "patched")
+    assert text.returncode == 0, text.stderr[-3000:]
+    assert (f"stock ran the same patched build {patched_build.build_id} with stock's flags (--stock-binary patched), "
+            f"not an unpatched llama.cpp") in text.stdout
+
+
+def test_bench_against_a_llama_server_of_the_users(home: dict[str, str], stock_build, patched_build) -> None:
+    """--against BIN: a llama-server the user has (here the stock build's, given by path) in stock's place,
+    with the plan's -c and the user's flags: the same prompts, both sides timed, the other side named by
+    its binary in the JSON and the text, nothing left running."""
+    other = stock_build.binary("llama-server")
+    r = moeplug(home, "bench", "demo", "--rounds", "2", "-n", "4", "--max-prompts", "2", "--prefill-reps", "1",
+                "--against", str(other), "--against-args", "--fit on -t 2", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    assert doc["other"] == "against" and doc["other_label"] == str(other)
+    assert doc["against"] == {"binary": str(other), "args": ["-c", "1024", "--fit", "on", "-t", "2"]}
+    assert "stock_build" not in doc and set(doc["sides"]) == {"moeplug", "against"}
+    theirs = doc["sides"]["against"]
+    assert theirs["binary"] == str(other) and theirs["build_id"] is None and theirs["cache"] == [None, None]
+    assert len(theirs["vram_bytes"]) == 2  # counted per launch as moeplug's are (None without a GPU)
+    assert doc["sides"]["moeplug"]["build_id"] == patched_build.build_id
+    text = doc["workloads"]["text"]
+    assert text["prompts"] == 2
+    for row in text["rows"]:
+        for what in ("prefill", "decode"):
+            d = row[what]
+            assert d["moeplug_tps"] > 0 and d["against_tps"] > 0 and "stock_tps" not in d
+            assert d["ratio"] == pytest.approx(d["moeplug_tps"] / d["against_tps"])
+    assert set(text["per_round"]) == {"moeplug", "against"}
+    assert f"round 1 of 2: {other}" in r.stderr
+    # the user's server ran the flags given, and only those besides the model, host and port
+    log = (Path(home["XDG_STATE_HOME"]) / "moeplug" / "logs" / "server-bench-demo-against.log").read_text(errors="replace")
+    assert "n_threads = 2" in log
+    out = moeplug(home, "bench", "demo", "--rounds", "1", "-n", "2", "--max-prompts", "1", "--prefill-reps", "1",
+                  "--against", str(other))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"demo: moeplug's plan (no budget (no GPU)) against {other}, the same prompts" in out.stdout
+    assert "prefill t/s moeplug / llama-server" in out.stdout and "of llama-server (median over 1 prompts)" in out.stdout
+    assert f"builds: moeplug {patched_build.build_id}; against {other} (yours) with -c 1024" in out.stdout
+    assert f"note: {other} ran with -c 1024 and none of -fitt, -ngl, -ncmoe, -ot, --cpu-moe or --moe-cache-mib" in out.stdout
+    assert "CPU threads: moeplug llama.cpp's default, llama-server llama.cpp's default" in out.stdout
+    # flags the user's server refuses: one line naming its log
+    bad = moeplug(home, "bench", "demo", "--rounds", "1", "-n", "2", "--max-prompts", "1", "--against", str(other),
+                  "--against-args", "--no-such-flag 3")
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines()[-1].startswith("moeplug: error: llama-server exited with code 1 while loading")
+    assert "server-bench-demo-against.log" in bad.stderr
+    status = moeplug(home, "status", "--json")
+    assert status.returncode == 0 and json.loads(status.stdout)["servers"] == []
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert not [line for line in ps.splitlines() if line.startswith(str(other))]
+
+
+def test_bench_against_bad_input_is_one_line(tmp_path: Path) -> None:
+    """A BIN that is not there, a folder or not executable, flags a shell could not split, flags without
+    --against or stock's options beside it: one line, before anything is read or launched (no model
+    installed here)."""
+    env = xdg_homes(tmp_path / "homes")
+    plain = tmp_path / "llama-server.txt"
+    plain.write_text("not a program\n")
+    plain.chmod(0o644)
+    executable = tmp_path / "llama-server"
+    executable.write_text("#!/bin/sh\nexit 0\n")
+    executable.chmod(0o755)
+    for args, said in ((("--against", str(tmp_path / "none")), "no such file"),
+                       (("--against", str(tmp_path)), "a folder, not a llama-server program"),
+                       (("--against", str(plain)), "not executable"),
+                       (("--against", str(executable), "--against-args", "--fit 'on"), "No closing quotation"),
+                       (("--against", str(executable), "--against-args", "-m other.gguf -c 8"),
+                        "-m: moeplug sets the model, host and port itself"),
+                       (("--against-args", "--fit on"), "give --against BIN too"),
+                       (("--against", str(executable), "--stock-binary", "patched"), "--stock-binary: the stock side's"),
+                       (("--against", str(executable), "--stock-vram", "budget"), "--stock-vram budget: the stock side's")):
+        r = moeplug(env, "bench", "demo", *args)
+        assert r.returncode == 1 and said in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = moeplug(env, "bench", "demo", "--stock-binary", "other")
+    assert r.returncode == 2 and "--stock-binary" in r.stderr and "Traceback" not in r.stderr

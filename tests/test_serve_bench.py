@@ -153,6 +153,11 @@ def test_serve_bench_text_and_random(patched_build, stock_build, bench_model: Pa
     mine = next(c for c in doc["configs"] if c["side"] == "moeplug")
     assert stock["binary"] == str(stock_build.binary("llama-server"))
     assert stock["server_args"][:6] == ["-c", "1024", "--fit", "on", "-fitt", "0"]
+    # stock means stock: its rows ran the unpatched build, and each table says so
+    assert stock["stock_binary"] == "stock" and mine["stock_binary"] is None
+    for workload in ("text-profiled", "text-unseen", "random"):
+        assert doc["tables"][workload][0]["stock_build"] == {"build_id": stock["build_id"], "patched": False}
+    assert stdout.count(f"stock's side ran {stock['build_id']}: unpatched llama.cpp of the same pin") == 3
     assert mine["binary"] == str(patched_build.binary("llama-server")) and "-fit" in mine["server_args"]
     # same context, threads and slots on both sides
     for flag in ("-c", "-t", "-np"):
@@ -313,6 +318,12 @@ def test_serve_bench_replay(patched_build, stock_build, bench_model: Path, tmp_p
         # --row-env: the moeplug server's environment only, named in its row
         assert c["env"].get("GGML_SCHED_HOST_OVERLAP") == ("0" if c["side"] == "moeplug" else None)
     assert doc["tables"]["replay"][0]["moeplug"].endswith(", GGML_SCHED_HOST_OVERLAP=0")
+    # replay's flag is ours: stock's rows ran the patched build with stock's flags, and the table says so
+    stock = next(c for c in doc["configs"] if c["side"] == "stock")
+    assert stock["binary"] == str(patched_build.binary("llama-server")) and stock["stock_binary"] == "patched"
+    assert doc["tables"]["replay"][0]["stock_build"] == {"build_id": stock["build_id"], "patched": True}
+    assert (f"stock's side ran the patched build {stock['build_id']} with stock's flags (the replay flag is ours: no "
+            f"stock build has it), not an unpatched llama.cpp") in stdout
 
 
 def test_serve_bench_copy_ahead_rows(patched_build, stock_build, bench_model: Path, tmp_path: Path) -> None:
@@ -600,3 +611,42 @@ def test_tables_from_runs_before_and_after_the_short_answers() -> None:
     # the tables as the run printed them
     recorded = (results / "2026-12-04-chat-16gib" / "short-answers" / "short.md").read_text()
     assert all(line in recorded for line in after.stdout.splitlines() if line.startswith("| 12 GiB"))
+
+
+def test_serve_bench_stock_rows_on_the_patched_build(patched_build, stock_build, bench_model: Path,
+                                                      tmp_path: Path) -> None:
+    """--stock-binary patched: the stock rows run the patched build with stock's flags, and the JSON's rows,
+    the line under each table and the run's last line say so."""
+    stdout, doc = run_bench(patched_build, stock_build, bench_model, tmp_path, "--workloads", "random",
+                            "--rounds", "1", "--stock-binary", "patched")
+    stock = next(c for c in doc["configs"] if c["side"] == "stock")
+    assert stock["binary"] == str(patched_build.binary("llama-server")) and stock["stock_binary"] == "patched"
+    assert not any(a.startswith("--moe-cache") for a in stock["server_args"])
+    assert doc["tables"]["random"][0]["stock_build"] == {"build_id": stock["build_id"], "patched": True}
+    assert (f"stock's side ran the patched build {stock['build_id']} with stock's flags, not an unpatched "
+            f"llama.cpp") in stdout
+    assert f"stock rows on the patched build {stock['build_id']} with stock's flags" in stdout
+
+
+def test_tables_from_says_which_build_stock_ran() -> None:
+    """A run written before its rows said which build stock ran is read from the build's id: the committed
+    runs passed the patched build as --prebuilt-stock, and --tables-from now says so under every table; a
+    row that says, or an id that names neither kind, as it says."""
+    run = SERVE_BENCH.parent / "results" / "2026-12-04-thirtyfifth" / "d" / "short.json"
+    out = subprocess.run([sys.executable, str(SERVE_BENCH), "--tables-from", str(run)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    said = [line for line in out.stdout.splitlines() if line.startswith("stock's side ran")]
+    assert len(said) == out.stdout.count("\n### ") and all(
+        "b11434-cuda-moeplug-" in line and "with stock's flags, not an unpatched llama.cpp" in line for line in said)
+
+    def stock(build_id: str, kind: str | None) -> serve_bench.Config:
+        return serve_bench.Config("8 GiB", "stock", Path("/x/llama-server"), build_id, [], ["random"], stock_binary=kind)
+
+    assert serve_bench.stock_build(stock("b11434-cuda-stock-0123", None)) == {"build_id": "b11434-cuda-stock-0123",
+                                                                              "patched": False}
+    assert serve_bench.stock_build(stock("prebuilt /opt/bin", None))["patched"] is None
+    assert serve_bench.stock_build(stock("prebuilt /opt/bin", "patched"))["patched"] is True
+    rows = [{"stock_build": serve_bench.stock_build(stock("prebuilt /opt/bin", None))}]
+    assert serve_bench.stock_build_text("random", rows) == [
+        "stock's side ran prebuilt /opt/bin (this run's JSON does not say whether it was patched)"]

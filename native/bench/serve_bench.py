@@ -26,7 +26,9 @@ rest on moeplug's side, 4-15% on stock's):
             same context, load mode (-lm), threads and parallel slots. llama.cpp's estimate leaves out
             some of what its server holds (154-172 MiB over 8-16 GiB budgets on the H200):
             `--stock-vram budget` raises -fitt before the rounds, a launch at a time, until stock
-            holds no more than the budget too (`fit,budget`: both stock rows)
+            holds no more than the budget too (`fit,budget`: both stock rows). `--stock-binary patched`
+            runs stock's flags on the patched build instead; under each table a line names the build
+            stock's rows ran and whether it was unpatched (the JSON's rows: `stock_build`)
 
 Workloads: `text` (the bundled profiling prompts, profiles/codeish.txt and chatty.txt, and
 profiles/heldout.txt, which profiling never sees: code in other languages, prose, German, French, Chinese, repetitive text),
@@ -89,6 +91,7 @@ UNSEEN_PROMPTS = resolve_prompt_set(HELDOUT_PROMPT_SET)[1]  # the bundled set pr
 WARMUP_TOKENS, WARMUP_PREDICT = 32, 16  # a warm-up request's prompt and generated tokens
 DEFAULT_TRACE = HERE.parents[1] / ".." / "shared" / "data" / "traces" / "gpt-oss-20b" / "decode-routing-mmlu.npz"
 REPLAY_FLAG = "--moe-route-replay"
+CACHE_FLAG = "--moe-cache-slots"  # a llama-server that lists it is a patched build
 WORKLOADS = ("text", "chat", "concurrent", "replay", "random")
 TABLE_ORDER = ("text-profiled", "text-unseen", "chat", "concurrent", "replay", "random")  # a run's tables, in this order
 TABLES = {"text-profiled": "text: the bundled profiling prompts (profiles/*.txt)",
@@ -136,6 +139,9 @@ class Config:
     warmed: int = 0  # warm-up requests answered, over every round (not measured)
     vram_cap: int | None = None  # a stock row whose -fitt is raised until it holds no more (bytes; --stock-vram budget)
     fit_tries: list[dict[str, Any]] = field(default_factory=list)  # that calibration's launches: -fitt and NVML's bytes
+    # a stock row's build: "stock" (unpatched), "patched" (stock's flags on the patched build: --stock-binary
+    # patched, or the replay workload, whose flag is ours) or None (a moeplug row, or a run written before)
+    stock_binary: str | None = None
 
 
 def parse_budgets(text: str) -> list[tuple[str, float | list[float], bool]]:
@@ -513,6 +519,37 @@ def measured(mine: Config, stock: Config, workload: str, test: int) -> dict[str,
             "ratio_interval": ratio_interval(mine, stock, workload, test)}
 
 
+def stock_build(stock: Config) -> dict[str, Any]:
+    """The build a stock row ran: its id, and whether that was the patched build with stock's flags. A run
+    written before rows said so is read from the build's id (moeplug's ids name the kind: -moeplug- or
+    -stock-; None where it names neither)."""
+    if stock.stock_binary is not None:
+        patched = stock.stock_binary == "patched"
+    else:
+        patched = True if "-moeplug-" in stock.build_id else False if "-stock-" in stock.build_id else None
+    return {"build_id": stock.build_id, "patched": patched}
+
+
+def binary_kind(binary: Path) -> str:
+    """"patched" for a llama-server that lists the cache's flag (ours), else "stock"."""
+    return "patched" if lists_flag(binary, CACHE_FLAG) else "stock"
+
+
+def stock_build_text(workload: str, rows: list[dict[str, Any]]) -> list[str]:
+    """One line per build the table's stock rows ran: unpatched, or the patched build with stock's flags."""
+    out = []
+    for build in {r["stock_build"]["build_id"]: r["stock_build"] for r in rows if r.get("stock_build")}.values():
+        if build["patched"]:
+            why = " (the replay flag is ours: no stock build has it)" if workload == "replay" else ""
+            out.append(f"stock's side ran the patched build {build['build_id']} with stock's flags{why}, not an "
+                       f"unpatched llama.cpp (without the cache's flags its patches stay unused)")
+        elif build["patched"] is False:
+            out.append(f"stock's side ran {build['build_id']}: unpatched llama.cpp of the same pin")
+        else:
+            out.append(f"stock's side ran {build['build_id']} (this run's JSON does not say whether it was patched)")
+    return out
+
+
 def table_rows(pairs: list[tuple[Config, Config]], workload: str) -> list[dict[str, Any]]:
     rows = []
     for mine, stock in pairs:
@@ -543,6 +580,7 @@ def table_rows(pairs: list[tuple[Config, Config]], workload: str) -> list[dict[s
         row["hit_rate"] = hit_rate(mine, workload)
         row["drafts"] = {"moeplug": mine.drafts.get(workload), "stock": stock.drafts.get(workload)}
         row["errors"] = mine.errors + stock.errors
+        row["stock_build"] = stock_build(stock)
         row["model"] = model_check(mine, row)  # None with speculation, the only rows against another stock
         rows.append(row)
     return rows
@@ -567,6 +605,8 @@ def print_table(workload: str, rows: list[dict[str, Any]]) -> None:
               f"| {r['vram_mib']['moeplug']} / {r['vram_mib']['stock']} | {hit} |")
         for e in r["errors"]:
             print(f"\n(failed: {e})")
+    for line in stock_build_text(workload, rows):
+        print(f"\n{line}")
     for r in rows:
         sp = r["spread"]
         if sp["stock"]["prefill"] is not None and sp["moeplug"]["prefill"] is not None:
@@ -927,6 +967,10 @@ def main(argv: list[str] | None = None) -> int:
                     "(the same with -fitt raised before the rounds, a launch at a time, until the server holds no more "
                     "than the budget: the VRAM moeplug's plan may hold), or fit,budget (both, each moeplug row against "
                     "each)")
+    ap.add_argument("--stock-binary", choices=("stock", "patched"), default="stock",
+                    help="the build the stock rows run: stock, an unpatched build of the same pin (the default; the "
+                         "replay workload excepted, whose flag is ours), or patched, the patched build with stock's "
+                         "flags (the patches unused without the cache's flags); the tables say which")
     ap.add_argument("--prebuilt-moeplug", type=Path, help="bin/ folder of a patched build (skip building)")
     ap.add_argument("--prebuilt-stock", type=Path, help="bin/ folder of a stock build (skip building)")
     ap.add_argument("--backend", choices=("cpu", "cuda"), help="builds to make (default: CUDA where there is a GPU)")
@@ -1014,7 +1058,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.time()
     patched = build_of(a.prebuilt_moeplug, False, a.backend, a.jobs)
-    stock = build_of(a.prebuilt_stock, True, a.backend, a.jobs)
+    stock = build_of(a.prebuilt_stock, True, a.backend, a.jobs) if a.stock_binary == "stock" else patched
     print(f"# builds ready in {time.time() - t0:.0f} s: {patched.build_id}, {stock.build_id}", file=sys.stderr)
     model = prepare_model(a)
     info = inspect_model(model)
@@ -1067,6 +1111,7 @@ def main(argv: list[str] | None = None) -> int:
         for group, profile, extra, mine_bin, stock_bin, stock_id in groups:
             if not group:
                 continue
+            stock_kind = binary_kind(stock_bin)  # what the binary is, whatever the folder it came from was called
             variants = [(p, w, s, e, c, x, u, n) for p in policies for w in weights for s in shares for e in envs
                         for c in aheads for x in extras for u in ubatches for n in lengths]
             plans = [plan_for(info, a.ctx, budget, profile, slots_on_cpu=False, fit_tool=fit_tool,
@@ -1084,13 +1129,14 @@ def main(argv: list[str] | None = None) -> int:
                                      + ("" if threads is None else f", -t {threads}" if threads else ", default -t")
                                      + (f", {spec.kind}" if spec else "") + (f", {' '.join(more)}" if more else ""),
                                 env=dict(every_env),
-                                vram_cap=budget if vram == "budget" and free is not None else None)
+                                vram_cap=budget if vram == "budget" and free is not None else None,
+                                stock_binary=stock_kind)
                 configs.append(theirs)
                 stocks.append(theirs)
             baseline = None
             if spec and a.spec_baseline:
                 baseline = Config(label, "stock", stock_bin, stock_id, stock_args, group, env=dict(every_env),
-                                  desc="--fit, no speculation")
+                                  desc="--fit, no speculation", stock_binary=stock_kind)
                 configs.append(baseline)
             for plan, (policy, weight, share, env, _, more, ubatch, length) in zip(plans, variants):
                 record = ["--moe-cache-record"] if policy.endswith("+record") else []
@@ -1132,10 +1178,12 @@ def main(argv: list[str] | None = None) -> int:
     tables = print_tables(pairs, plain + (["replay"] if replay else []))
     for w, why in skipped.items():
         print(f"\n### {w}: skipped: {why}")
+    stock_said = (f"stock build {stock.build_id}" if binary_kind(stock.binary("llama-server")) == "stock" else
+                  f"stock rows on the patched build {stock.build_id} with stock's flags")
     print(f"\n{info.arch}, {len(info.layers)} MoE layers x {info.n_expert} experts ({info.n_expert_used} used), "
           f"{info.total_bytes / GIB:.2f} GiB; ctx {a.ctx}, -np {a.parallel}, {a.n_predict} tokens per prompt; "
           f"{f'prefill the median of {a.prefill_reps} requests; ' if a.prefill_reps > 1 else ''}"
-          f"free VRAM {'none (CPU)' if free is None else f'{free / GIB:.1f} GiB'}; stock build {stock.build_id}, "
+          f"free VRAM {'none (CPU)' if free is None else f'{free / GIB:.1f} GiB'}; {stock_said}, "
           f"patched {patched.build_id}; {time.time() - t0:.0f} s")
     if a.json:
         doc = {"tables": tables, "skipped": skipped, "configs": [
