@@ -1,3 +1,3 @@
-from moeplug.cli import main
+from moeplug.commands.main import main
 
 raise SystemExit(main())

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import fixture_spec
 
-from moeplug.synth import ARCHS, make_model
+from moeplug.model.synth import ARCHS, make_model
 
 
 @pytest.fixture(scope="session")

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from moeplug.paths import builds_dir
-from moeplug.synth import ModelSpec
+from moeplug.core.paths import builds_dir
+from moeplug.model.synth import ModelSpec
 
 # Small but real: 256-wide rows so every dtype, Q4_K included, applies to the expert tensors.
 FIXTURE_SHAPE = dict(layers=3, experts=8, used=2, embd=256, expert_ff=256, heads=4, heads_kv=2, head_dim=64)
@@ -32,9 +32,9 @@ class CliResult:
 
 
 def run_cli(*args: str) -> CliResult:
-    """`moeplug ARGS` in this process, through moeplug.cli.main: the same parser, commands and error
+    """`moeplug ARGS` in this process, through moeplug.commands.main.main: the same parser, commands and error
     handling as the installed command, without a child process (what it prints is captured)."""
-    from moeplug.cli import main
+    from moeplug.commands.main import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -50,7 +50,7 @@ def xdg_homes(root: Path, share_builds: bool = True) -> dict[str, str]:
     native builds (slow to make) shared through a link to the real builds folder."""
     import os
 
-    from moeplug.paths import builds_dir
+    from moeplug.core.paths import builds_dir
 
     builds = builds_dir()  # the real one, before the homes move
     env = dict(os.environ)

@@ -16,10 +16,10 @@ import pytest
 import requests
 
 from helpers import fixture_spec, make_profile
-from moeplug.metrics import parse_cache_counters
-from moeplug.server import start_server
-from moeplug.serving import parse_cache_line
-from moeplug.synth import make_model
+from moeplug.serving.metrics import parse_cache_counters
+from moeplug.serving.server import start_server
+from moeplug.serving.launch import parse_cache_line
+from moeplug.model.synth import make_model
 
 pytestmark = pytest.mark.native
 

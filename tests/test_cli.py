@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from helpers import run_cli
 
-from moeplug.actions import plan_model
-from moeplug.cli import default_subcommands
-from moeplug.progress import Note
+from moeplug.operations.actions import plan_model
+from moeplug.commands.main import default_subcommands
+from moeplug.core.progress import Note
 
 
 @pytest.fixture
@@ -53,7 +53,7 @@ def test_profile_usage_errors_are_one_line(tmp_path: Path) -> None:
 
 
 def test_library_progress_goes_to_the_callback(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from moeplug.demo import ensure_demo_model
+    from moeplug.model.demo import ensure_demo_model
 
     events: list[object] = []
     path = ensure_demo_model(progress=events.append)
@@ -65,7 +65,7 @@ def test_library_progress_goes_to_the_callback(home: Path, capsys: pytest.Captur
 
 
 def test_stop_reports_and_returns_what_it_did(home: Path) -> None:
-    from moeplug.actions import stop
+    from moeplug.operations.actions import stop
 
     events: list[object] = []
     result = stop("nothing", progress=events.append)

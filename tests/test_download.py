@@ -1,4 +1,4 @@
-"""Downloads from the Hugging Face Hub (moeplug.download) through huggingface_hub over real HTTP,
+"""Downloads from the Hugging Face Hub (moeplug.model.download) through huggingface_hub over real HTTP,
 from a stand-in Hub on 127.0.0.1 (tests/fake_hub.py): `moeplug install user/repo:QUANT` fetches the
 file the reference names into the shared cache, checks it against the SHA-256 the Hub lists, and
 finds it there offline afterwards; a split model comes whole, and a dropped connection resumes."""
@@ -15,7 +15,7 @@ import pytest
 from fake_hub import COMMIT, FakeHub, Repo
 from helpers import fixture_spec, run_cli_process, xdg_homes
 
-from moeplug.synth import make_model
+from moeplug.model.synth import make_model
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,7 @@ def test_a_split_model_comes_whole_and_a_cut_download_resumes(tmp_path: Path) ->
     files = {f"Q4_K_M/{p.name}": p.read_bytes() for p in shards}
     files["Big-Q8_0.gguf"] = b"GGUF"
     cut = f"Q4_K_M/{shards[1].name}"
-    code = ("import json; from moeplug.refs import parse_ref; from moeplug.download import fetch_hf; "
+    code = ("import json; from moeplug.model.refs import parse_ref; from moeplug.model.download import fetch_hf; "
             "r = fetch_hf(parse_ref('org/Big-GGUF:Q4_K_M')); print(json.dumps([str(p) for p in r.files]))")
     with FakeHub() as hub:
         hub.repos["org/Big-GGUF"] = Repo(files)

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import requests
 
-from moeplug.metrics import CacheCounters, parse_cache_counters
+from moeplug.serving.metrics import CacheCounters, parse_cache_counters
 from moeplug.profile import write_profile
 from moeplug.profile.format import model_fingerprint, read_profile
 from moeplug.profile.from_trace import profile_from_trace
-from moeplug.server import start_server
-from moeplug.synth import ModelSpec, make_model
-from moeplug.trace import Trace, write_replay
+from moeplug.serving.server import start_server
+from moeplug.model.synth import ModelSpec, make_model
+from moeplug.profile.trace import Trace, write_replay
 
 pytestmark = pytest.mark.native
 

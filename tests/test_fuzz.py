@@ -32,8 +32,8 @@ import requests
 
 from gguf_mutate import mutants, truncations
 from helpers import make_profile, program_env, run_cli, sanitizer_reports
-from moeplug.server import free_port, server_argv
-from moeplug.synth import ModelSpec, make_model
+from moeplug.serving.server import free_port, server_argv
+from moeplug.model.synth import ModelSpec, make_model
 
 CASES = int(os.environ.get("MOEPLUG_FUZZ_CASES", "2000"))
 NATIVE_CASES = int(os.environ.get("MOEPLUG_FUZZ_NATIVE_CASES", "150"))

@@ -27,14 +27,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from moeplug.fit_estimate import DeviceNeed
-from moeplug.model_inspect import inspect_model
-from moeplug.plan import Plan, make_plan
+from moeplug.planner.fit_estimate import DeviceNeed
+from moeplug.model.inspect import inspect_model
+from moeplug.planner.plan import Plan, make_plan
 from moeplug.profile.format import PHASE_DECODE, PHASE_PREFILL, Profile, ProfileSource, model_fingerprint, \
     write_profile
-from moeplug.sizes import GIB, MIB
-from moeplug.speculation import Speculation
-from moeplug.synth import ModelSpec, shape_spec
+from moeplug.core.sizes import GIB, MIB
+from moeplug.planner.speculation import Speculation
+from moeplug.model.synth import ModelSpec, shape_spec
 
 GOLDEN = Path(__file__).with_name("golden") / "plans"
 ROOT_MARK = "$ROOT"
@@ -46,8 +46,8 @@ def write_header_only(spec: ModelSpec, out: Path) -> Path:
     seconds; the planner reads the vocabulary's size from the token embeddings' shape)."""
     import gguf
 
-    from moeplug.synth.archs import plan_model
-    from moeplug.synth.vocab import add_vocab_to_writer, builtin_vocab
+    from moeplug.model.synth.archs import plan_model
+    from moeplug.model.synth.vocab import add_vocab_to_writer, builtin_vocab
 
     vocab = builtin_vocab()
     plan = plan_model(spec, spec.vocab_size or len(vocab))
@@ -220,7 +220,7 @@ def speculation(kind: str | None, inputs: dict[str, tuple[Path, Path]]) -> Specu
 
 def plan_case(case: Case, inputs: dict[str, tuple[Path, Path]]) -> Plan | str:
     """The plan a case asks for, or the one-line error the planner gives."""
-    from moeplug.errors import MoeplugError
+    from moeplug.core.errors import MoeplugError
 
     model, profile = inputs[case.model]
     need = DeviceNeed("CUDA0", *(v * MIB for v in case.need)) if case.need else None

@@ -28,7 +28,7 @@ import yaml
 from helpers import use_xdg_homes
 
 from moeplug.hooks.command import flag_pairs
-from moeplug.server import free_port
+from moeplug.serving.server import free_port
 
 pytestmark = pytest.mark.native
 
@@ -41,10 +41,11 @@ def store(patched_build, tmp_path_factory: pytest.TempPathFactory):
     """XDG homes holding two installed models, demo and other, both with slots in RAM; other's plan
     without the copies ahead (as the planner makes it where few layers are partly resident on a GPU),
     so its environment carries GGML_SCHED_EXPERT_COPY_AHEAD=0 beside the slots' LLAMA_MOE_CACHE_DEVICE."""
-    from moeplug.fsutil import write_text_atomic
-    from moeplug.install import InstalledModel, ensure_profile, installed_dir, plan_for
-    from moeplug.model_inspect import inspect_model
-    from moeplug.synth import ModelSpec, make_model
+    from moeplug.core.fsutil import write_text_atomic
+    from moeplug.serving.installed import InstalledModel, installed_dir
+    from moeplug.operations.install import ensure_profile, plan_for
+    from moeplug.model.inspect import inspect_model
+    from moeplug.model.synth import ModelSpec, make_model
 
     root = tmp_path_factory.mktemp("hooks")
     with pytest.MonkeyPatch.context() as mp:
@@ -87,7 +88,7 @@ def one_line_error(r: subprocess.CompletedProcess[str], code: int, *words: str) 
 
 
 def installed() -> dict[str, object]:
-    from moeplug.install import list_installed
+    from moeplug.serving.installed import list_installed
 
     return {m.name: m for m in list_installed()}
 
@@ -175,7 +176,7 @@ USER_PRESET = (
 
 def test_preset_update_keeps_the_users_sections_and_comments_byte_for_byte(home: dict[str, str],
                                                                           tmp_path: Path) -> None:
-    from moeplug.install import replan
+    from moeplug.operations.install import replan
 
     preset = tmp_path / "router.ini"
     preset.write_bytes(USER_PRESET.encode())
@@ -295,7 +296,7 @@ def test_an_interrupted_llama_swap_write_leaves_no_yaml(home: dict[str, str], tm
         import os, signal
         from pathlib import Path
         from moeplug.hooks.maintain import add_hook
-        from moeplug.install import list_installed
+        from moeplug.serving.installed import list_installed
         os.replace = lambda *a: os.kill(os.getpid(), signal.SIGKILL)  # the crash, at the worst moment
         add_hook("llama-swap", Path({str(folder)!r}), list_installed())
     """)
@@ -329,8 +330,8 @@ def test_watcher_regenerates_after_a_profile_is_replaced_and_not_for_other_files
                                                                                  tmp_path: Path) -> None:
     from moeplug.hooks.maintain import add_hook
     from moeplug.hooks.store import read_hooks
-    from moeplug.hooks.watch import watch_store
-    from moeplug.install import installed_dir
+    from moeplug.operations.watch import watch_store
+    from moeplug.serving.installed import installed_dir
     from moeplug.profile import merge_profiles, read_profile, write_profile
 
     preset = tmp_path / "router.ini"
@@ -367,7 +368,7 @@ def test_watcher_regenerates_after_a_profile_is_replaced_and_not_for_other_files
 
 
 def _sha(path: Path) -> str:
-    from moeplug.fsutil import sha256_file
+    from moeplug.core.fsutil import sha256_file
 
     return sha256_file(path)
 
@@ -389,9 +390,9 @@ def test_profiling_an_installed_model_again_rewrites_its_hooks(home: dict[str, s
 
 
 def test_hook_watch_service_regenerates_and_stops_on_ctrl_c(home: dict[str, str], tmp_path: Path) -> None:
-    from moeplug.fsutil import write_text_atomic
+    from moeplug.core.fsutil import write_text_atomic
     from moeplug.hooks.store import read_hooks
-    from moeplug.install import installed_dir
+    from moeplug.serving.installed import installed_dir
 
     preset = tmp_path / "router.ini"
     assert moeplug(home, "hook", "llama-server", "--preset", str(preset)).returncode == 0

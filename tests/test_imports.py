@@ -1,5 +1,9 @@
-"""The plugin's imports run one way, cli -> install -> plan -> allocate -> profile/native/model_inspect
--> small helpers, with no cycles; and library modules never print (progress goes to a callback).
+"""The plugin's imports run one way, from the command line down to the small parts, with no
+cycles; and library modules never print (progress goes to a callback).
+
+The package is a house of rooms (its subpackages); ROOMS below lists them from the bottom up, and a
+module's rank is its room's. A module may import its own room and the rooms below it. The list is
+the whole rule: a new module needs no entry, a new room does.
 
 Read from the source with ast, lazy imports inside functions included.
 """
@@ -12,34 +16,33 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"moeplug": ROOT / "plugin", "moeplug.tui": ROOT / "tui"}
 
-# A module may import modules of its own rank or below. Listed by name or by prefix (a package).
-RANKS: list[tuple[int, tuple[str, ...]]] = [
-    (6, ("moeplug.__main__", "moeplug.cli", "moeplug.install_cli", "moeplug.profile.cli", "moeplug.native.cli",
-         "moeplug.tui", "moeplug.trace_cli", "moeplug.hooks.cli", "moeplug.reprofile_cli", "moeplug.schedule_cli",
-         "moeplug.bench_cli")),
-    (5, ("moeplug.actions", "moeplug.monitor", "moeplug.hooks.watch", "moeplug.reprofile", "moeplug.bench")),
-    (4, ("moeplug.install",)),
-    (3, ("moeplug.plan", "moeplug.hooks")),
-    (2, ("moeplug.allocate", "moeplug.estimates", "moeplug.server_flags", "moeplug.multi_gpu",
-         "moeplug.speculation")),
-    (1, ("moeplug.profile", "moeplug.native", "moeplug.model_inspect", "moeplug.synth", "moeplug.refs",
-         "moeplug.demo", "moeplug.download", "moeplug.serving", "moeplug.server", "moeplug.metrics", "moeplug.trace",
-         "moeplug.schedule", "moeplug.measure")),
-    (0, ("moeplug", "moeplug.errors", "moeplug.paths", "moeplug.fsutil", "moeplug.output", "moeplug.progress",
-         "moeplug.runlog", "moeplug.sizes", "moeplug.gpu", "moeplug.probes", "moeplug.archs", "moeplug.options",
-         "moeplug.fit_estimate", "moeplug.split", "moeplug.traffic")),
+# the rooms, bottom up; rooms of one rank do not import each other
+ROOMS: list[tuple[str, ...]] = [
+    ("core",),
+    ("machine",),
+    ("model", "native"),
+    ("profile",),
+    ("planner",),
+    ("serving",),
+    ("hooks",),
+    ("operations",),
+    ("commands",),
+    ("tui", "__main__"),  # `moeplug tui` is found by name (commands.main.COMMAND_MODULES), not imported
 ]
-CLI_RANK = RANKS[0][0]
+CLI_RANK = len(ROOMS) - 2  # the commands and everything above them may print
+TOP_LEVEL = {"moeplug"}  # the package's own __init__: its version, nothing else
+
+
+def room_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "moeplug" else None
 
 
 def rank(module: str) -> int | None:
-    best: tuple[int, int] | None = None  # (length of the matching name, rank): the longest match wins
-    for r, names in RANKS:
-        for name in names:
-            if module == name or (module.startswith(name + ".") and name != "moeplug"):
-                if best is None or len(name) > best[0]:
-                    best = (len(name), r)
-    return best[1] if best else None
+    if module in TOP_LEVEL:
+        return 0
+    room = room_of(module)
+    return next((r for r, rooms in enumerate(ROOMS) if room in rooms), None)
 
 
 def modules() -> dict[str, Path]:
@@ -72,7 +75,22 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def test_every_module_has_a_rank() -> None:
-    assert [m for m in modules() if rank(m) is None] == [], "add new modules to RANKS in tests/test_imports.py"
+    assert [m for m in modules() if rank(m) is None] == [], "a module outside every room: add its room to ROOMS"
+
+
+def test_the_house_has_few_rooms() -> None:
+    """At the top of the package: its rooms and the entry point, nothing loose."""
+    top = sorted(p.stem if p.is_file() else p.name for p in (ROOT / "plugin").iterdir()
+                 if p.name != "__pycache__" and (p.suffix == ".py" or (p / "__init__.py").exists()))
+    rooms = sorted(r for rooms in ROOMS for r in rooms if r != "tui")
+    assert top == sorted(["__init__", *rooms])
+    assert len(rooms) <= 12
+
+
+def test_rooms_of_one_rank_do_not_import_each_other() -> None:
+    crossing = [f"{m} -> {d}" for m, deps in import_graph().items() for d in sorted(deps)
+                if rank(m) == rank(d) and room_of(m) != room_of(d) and m not in TOP_LEVEL and d not in TOP_LEVEL]
+    assert crossing == []
 
 
 def test_imports_run_one_way() -> None:
@@ -105,7 +123,7 @@ def test_library_modules_do_not_print() -> None:
     """Below the CLI, output goes through results and progress callbacks, never to the terminal."""
     printing = []
     for name, path in modules().items():
-        if (rank(name) or 0) >= CLI_RANK or name == "moeplug.output":
+        if (rank(name) or 0) >= CLI_RANK or name == "moeplug.core.output":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             called = node.func if isinstance(node, ast.Call) else None
@@ -119,6 +137,6 @@ def test_library_modules_do_not_print() -> None:
 def test_the_walker_sees_lazy_imports() -> None:
     """Imports inside functions count (the ones a cycle would hide in)."""
     graph = import_graph()
-    assert "moeplug.actions" in graph["moeplug.profile.cli"]  # imported inside cmd_run()
-    assert "moeplug.serving" in graph["moeplug.actions"]  # imported inside serve()
-    assert rank("moeplug.install_cli") == CLI_RANK and rank("moeplug.profile.format") == 1 and rank("moeplug") == 0
+    assert "moeplug.operations.actions" in graph["moeplug.commands.profile"]  # imported inside cmd_run()
+    assert "moeplug.serving.launch" in graph["moeplug.operations.actions"]  # imported inside serve()
+    assert rank("moeplug.commands.install") == CLI_RANK and rank("moeplug.profile.format") < rank("moeplug.planner.plan") and rank("moeplug") == 0

@@ -13,9 +13,9 @@ import pytest
 from gguf import GGML_QUANT_SIZES
 
 from helpers import fixture_spec, run_cli
-from moeplug.errors import GGUFError, MoeplugError, NotApplicableError
-from moeplug.model_inspect import inspect_model
-from moeplug.synth import ARCHS, DTYPES, make_model, plan_for
+from moeplug.core.errors import GGUFError, MoeplugError, NotApplicableError
+from moeplug.model.inspect import inspect_model
+from moeplug.model.synth import ARCHS, DTYPES, make_model, plan_for
 
 EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.(weight|bias|scale)$")
 
@@ -207,7 +207,7 @@ def test_cli_make_model_and_usage_errors(tmp_path: Path) -> None:
 
 def test_benchmark_shape_plan() -> None:
     """The GPU benchmark model's plan: Qwen3-30B-A3B shape, ~16 GiB, 2,654,208 B per expert."""
-    from moeplug.synth import benchmark_spec
+    from moeplug.model.synth import benchmark_spec
 
     plan, vocab = plan_for(benchmark_spec())
     assert len(vocab) == 151936

@@ -14,8 +14,8 @@ import pytest
 import requests
 from helpers import CliResult, run_cli_process, xdg_homes
 
-from moeplug.download import check_disk
-from moeplug.errors import MoeplugError
+from moeplug.model.download import check_disk
+from moeplug.core.errors import MoeplugError
 
 pytestmark = pytest.mark.native
 
@@ -89,10 +89,10 @@ def test_status_shows_vram_against_the_budget() -> None:
     much it is over; "-" where no NVIDIA GPU lists the process."""
     from dataclasses import replace
 
-    from moeplug.install_cli import status_text
-    from moeplug.monitor import ServerSnapshot, Snapshot
-    from moeplug.serving import ServerRecord
-    from moeplug.sizes import MIB
+    from moeplug.commands.install import status_text
+    from moeplug.serving.monitor import ServerSnapshot, Snapshot
+    from moeplug.serving.launch import ServerRecord
+    from moeplug.core.sizes import MIB
 
     record = ServerRecord(name="m", model="/nowhere/m.gguf", pid=1, port=8080, log="/tmp/l", args=["llama-server"],
                           started=0.0, build_id="b")
@@ -112,9 +112,9 @@ def test_status_and_serve_say_where_the_gpu_computes_misses() -> None:
     share; without it, none does."""
     from dataclasses import asdict, replace
 
-    from moeplug.install_cli import served_text, status_text
-    from moeplug.monitor import ServerSnapshot, Snapshot
-    from moeplug.serving import ServerRecord, parse_cache_line
+    from moeplug.commands.install import served_text, status_text
+    from moeplug.serving.monitor import ServerSnapshot, Snapshot
+    from moeplug.serving.launch import ServerRecord, parse_cache_line
 
     line = ("moe-cache: 24 layers x 4-10 slots (188 in all, 0 whole layers), 2313.11 MiB uploaded to CUDA0 in 0.91 s, "
             "policy dynamic (half-life 32 tokens, 8 uploads per batch), prompt batches in one pass on 24 layers, "
@@ -138,7 +138,7 @@ def test_status_and_serve_say_where_the_gpu_computes_misses() -> None:
 def test_cache_line_counts_the_layers_that_overlap() -> None:
     """The log names the layers whose CPU computes their misses while the GPU computes their slots
     (native patch 0029); the parsed status keeps the count, 0 where the line has none."""
-    from moeplug.serving import parse_cache_line
+    from moeplug.serving.launch import parse_cache_line
 
     line = ("moe-cache: 48 layers x 21-128 slots (2286 in all, 2 whole layers), 5612.00 MiB uploaded to CUDA0 in 1.20 s, "
             "policy dynamic (half-life 32 tokens, 8 uploads per batch), prompt batches in one pass on 46 layers")
@@ -152,7 +152,7 @@ def test_cache_line_counts_the_layers_that_read_their_misses_in_place() -> None:
     misses too, read from pinned RAM; the parsed status keeps the count and the one-line summary names it."""
     from dataclasses import asdict
 
-    from moeplug.serving import cache_summary, parse_cache_line
+    from moeplug.serving.launch import cache_summary, parse_cache_line
 
     line = ("moe-cache: 48 layers x 21-128 slots (2286 in all, 2 whole layers), 5612.00 MiB uploaded to CUDA0 in 1.20 s, "
             "policy dynamic (half-life 32 tokens, 8 uploads per batch), prompt batches in one pass on 46 layers")

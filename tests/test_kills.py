@@ -44,12 +44,12 @@ def home(patched_build, tmp_path_factory: pytest.TempPathFactory) -> XdgHome:
 CHECK_STATE = r"""
 import json, sys
 from pathlib import Path
-from moeplug.install import list_installed, installed_dir
-from moeplug.serving import read_records, servers_dir
+from moeplug.serving.installed import list_installed, installed_dir
+from moeplug.serving.launch import read_records, servers_dir
 from moeplug.hooks.store import read_hooks, store_path
 from moeplug.profile.format import read_profile
-from moeplug.model_inspect import inspect_model
-from moeplug.paths import data_dir
+from moeplug.model.inspect import inspect_model
+from moeplug.core.paths import data_dir
 # every record parses completely (the readers skip damaged ones: count the files too)
 assert len(list_installed()) == len(list(installed_dir().glob("*.json"))) == 1
 records = read_records()

@@ -38,9 +38,9 @@ import pytest
 import requests
 
 from helpers import Prebuilt, fixture_spec, make_profile
-from moeplug.server import Server, start_server
-from moeplug.serving import parse_cache_line
-from moeplug.synth import make_model
+from moeplug.serving.server import Server, start_server
+from moeplug.serving.launch import parse_cache_line
+from moeplug.model.synth import make_model
 
 pytestmark = pytest.mark.native
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from helpers import FIXTURE_SHAPE, fixture_spec, make_profile
-from moeplug.metrics import CacheCounters, parse_cache_counters
-from moeplug.server import start_server
-from moeplug.serving import parse_cache_line
-from moeplug.synth import make_model
+from moeplug.serving.metrics import CacheCounters, parse_cache_counters
+from moeplug.serving.server import start_server
+from moeplug.serving.launch import parse_cache_line
+from moeplug.model.synth import make_model
 
 pytestmark = pytest.mark.native
 
@@ -231,8 +231,8 @@ def test_server_with_a_plans_placement(patched_build, cache_models, profiles, sl
     """The planner's flags for one whole layer, one partly resident and one in RAM: llama.cpp's
     loader puts exactly the last two layers' experts in RAM, the cache engages on the partly
     resident one alone, and the tokens are stock's."""
-    from moeplug.model_inspect import inspect_model
-    from moeplug.server_flags import placement_args
+    from moeplug.model.inspect import inspect_model
+    from moeplug.planner.server_flags import placement_args
     from moeplug.profile.format import read_profile
 
     model, profile = cache_models["qwen3moe"], profiles["qwen3moe"]
@@ -315,7 +315,7 @@ def test_no_gpu_layer_means_no_cache(patched_build, cache_models, profiles, tmp_
 
 def metrics_of(build, model: Path, profile: Path, slots: int, tmp_path: Path, name: str,
                prompt: str = "def fibonacci(n):", extra: tuple[str, ...] = ()) -> tuple[CacheCounters, dict]:
-    """The moe_cache counters of llama-server's /metrics after one completion (moeplug.metrics),
+    """The moe_cache counters of llama-server's /metrics after one completion (moeplug.serving.metrics),
     and the completion."""
     import requests
 

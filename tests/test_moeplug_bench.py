@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from helpers import CliResult, run_cli_process, xdg_homes
 
-from moeplug.bench import FIT_PAD_MIB, fit_within, raised_fit_target, with_threads
-from moeplug.errors import MoeplugError
-from moeplug.sizes import MIB
-from moeplug.traffic import parse_requests
+from moeplug.operations.bench import FIT_PAD_MIB, fit_within, raised_fit_target, with_threads
+from moeplug.core.errors import MoeplugError
+from moeplug.core.sizes import MIB
+from moeplug.serving.traffic import parse_requests
 
 pytestmark = pytest.mark.native
 
@@ -345,7 +345,7 @@ def test_bench_bad_input_is_one_line(home: dict[str, str], tmp_path: Path) -> No
 def test_the_prompts_below_stock_are_named() -> None:
     """Under each table, one line names the prompts whose prefill, decode or short answers' decode ran below
     0.97x of stock."""
-    from moeplug.bench_cli import _below_par
+    from moeplug.commands.bench import _below_par
 
     def row(i: int, prefill: float, decode: float | None) -> dict:
         return {"prompt": i, "prefill": {"ratio": prefill}, "decode": {"ratio": decode}}
@@ -364,7 +364,7 @@ def test_stock_over_the_budget_is_said() -> None:
     """Where stock, given the budget as users run it, held more than the budget (NVML), a line says by how
     much, beside moeplug, and how to compare at the same VRAM; not where it held no more, nor when stock
     was already held to the budget, nor for a budget per GPU."""
-    from moeplug.bench_cli import _stock_over
+    from moeplug.commands.bench import _stock_over
 
     budget = 16384 * MIB
     said = _stock_over(budget, 16518 * MIB, 16340 * MIB, "fit")

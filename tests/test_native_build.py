@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from helpers import run_cli
-from moeplug.errors import BuildError
+from moeplug.core.errors import BuildError
 from moeplug.native.build import build, build_id
 from moeplug.native.lock import NativeSpec, load_spec
 from moeplug.native.source import prepare_tree, sdist_path
-from moeplug.server import start_server
+from moeplug.serving.server import start_server
 
 pytestmark = pytest.mark.native
 

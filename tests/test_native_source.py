@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from helpers import run_cli
-from moeplug.errors import BuildError
+from moeplug.core.errors import BuildError
 from moeplug.native import resolve_options
 from moeplug.native.build import cmake_args, tree_id
 from moeplug.native.lock import load_spec

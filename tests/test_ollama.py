@@ -23,7 +23,7 @@ import pytest
 import requests
 from helpers import use_xdg_homes
 
-from moeplug.server import complete, free_port
+from moeplug.serving.server import complete, free_port
 
 pytestmark = pytest.mark.native
 
@@ -71,7 +71,7 @@ def add_to_store(models: Path, name: str, blob_src: Path) -> Path:
 @pytest.fixture(scope="module")
 def ollama(stock_build, patched_build, tmp_path_factory: pytest.TempPathFactory):
     """XDG homes, a fake Ollama install with the stock llama-server, two models in its store."""
-    from moeplug.synth import ModelSpec, make_model
+    from moeplug.model.synth import ModelSpec, make_model
 
     root = tmp_path_factory.mktemp("ollama")
     with pytest.MonkeyPatch.context() as mp:
@@ -202,7 +202,7 @@ def test_hook_swaps_in_every_model_finds_its_profile_and_remove_restores(ollama,
 
 def test_an_ollama_update_shows_in_hook_list_and_the_watcher_swaps_again(ollama, stock_build) -> None:
     from moeplug.hooks import ollama as hook
-    from moeplug.hooks.watch import watch_store
+    from moeplug.operations.watch import watch_store
 
     lib = ollama["lib"]
     units = Path(os.environ["MOEPLUG_SYSTEMD_DIR"])
@@ -276,7 +276,7 @@ def test_refusals_change_nothing(ollama, tmp_path: Path) -> None:
 
 def test_profile_dir_no_match_two_matches_corrupt_slots_auto(ollama, patched_build, tmp_path: Path) -> None:
     """--moe-cache-profile DIR straight on the patched llama-server: one line each, the model serves."""
-    from moeplug.install import ensure_profile
+    from moeplug.operations.install import ensure_profile
 
     binary = patched_build.binary("llama-server")
     alpha = ollama["blobs"]["alpha"]

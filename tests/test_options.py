@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from helpers import fixture_spec, run_cli
 
-from moeplug.cli import build_parser, default_subcommands
-from moeplug.options import NUMERIC_TYPES
-from moeplug.synth import make_model
+from moeplug.commands.main import build_parser, default_subcommands
+from moeplug.commands.options import NUMERIC_TYPES
+from moeplug.model.synth import make_model
 
 BAD_VALUES = ("0", "-1", "100000000000000000000", "banana")
 
@@ -54,7 +54,7 @@ def test_the_walk_sees_every_command() -> None:
 
 
 def test_no_numeric_option_goes_unchecked() -> None:
-    """A plain int or float type takes -1 and 10**20: every number goes through moeplug.options."""
+    """A plain int or float type takes -1 and 10**20: every number goes through moeplug.commands.options."""
     raw = [f"{' '.join(path)} {a.option_strings[0]}" for path, _, a in value_options() if a.type in (int, float)]
     assert raw == []
 

@@ -14,20 +14,20 @@ import numpy as np
 import pytest
 
 from helpers import make_profile, run_cli, run_cli_process, xdg_homes
-from moeplug.allocate import (LayerCost, _curve, _layer_counts, allocate, hit_curves, modelled_seconds, prefill_uploads,
+from moeplug.planner.allocate import (LayerCost, _curve, _layer_counts, allocate, hit_curves, modelled_seconds, prefill_uploads,
                               stream_share,
                               uniform_hits)
-from moeplug.errors import MoeplugError
-from moeplug.model_inspect import inspect_model
-from moeplug.estimates import (CUDA_POOL_HEADROOM, SAFETY_MARGIN, cache_compute_extra, compute_buffer_bytes, ubatch_growth_bytes,
+from moeplug.core.errors import MoeplugError
+from moeplug.model.inspect import inspect_model
+from moeplug.planner.estimates import (CUDA_POOL_HEADROOM, SAFETY_MARGIN, cache_compute_extra, compute_buffer_bytes, ubatch_growth_bytes,
                                expert_copy_ahead_bytes, kv_cache_bytes, logits_bytes, stock_ncmoe,
                                vocab_size)
-from moeplug.plan import Plan, _layer_costs, make_plan
-from moeplug.server_flags import experts_in_ram_args, placement_args
-from moeplug.sizes import GIB, parse_size
+from moeplug.planner.plan import Plan, _layer_costs, make_plan
+from moeplug.planner.server_flags import experts_in_ram_args, placement_args
+from moeplug.core.sizes import GIB, parse_size
 from moeplug.profile.format import Profile, ProfileSource, read_profile
-from moeplug.serving import parse_buffers
-from moeplug.server import start_server
+from moeplug.serving.launch import parse_buffers
+from moeplug.serving.server import start_server
 
 MIB = 1 << 20
 PROMPTS = Path(__file__).parents[1] / "profiles" / "codeish.txt"
@@ -106,7 +106,7 @@ def big_expert_model(tmp_path: Path, arch: str = "gpt-oss") -> tuple[Path, Profi
     """Two MoE layers of 16 experts of 6 MiB (the fixtures' are 0.2 MiB: a CPU round trip outweighs
     any slot there) and a profile of a skewed router, four experts taking nearly all selections: a
     budget of 1.5 layers' experts is best spent on slots in both layers."""
-    from moeplug.synth import ModelSpec, make_model
+    from moeplug.model.synth import ModelSpec, make_model
 
     path = make_model(ModelSpec(arch=arch, layers=2, experts=16, used=2, embd=512, expert_ff=2048, dtype="f16",
                                 seed=5), tmp_path / f"{arch}-big-experts.gguf")[0]
@@ -120,9 +120,9 @@ def test_a_larger_ubatch_is_planned_with_its_compute_buffer(tmp_path: Path) -> N
     """ubatch: the server's physical batch. Its compute buffer (a ubatch of logits, llama.cpp's estimate
     asked at the same -ub where there is one) comes off the slots' room; the server gets -b and -ub,
     the cache's max batch follows it, the plan keeps it, and an older record reads as llama.cpp's 512."""
-    from moeplug.errors import MoeplugError
-    from moeplug.fit_estimate import CACHE_COMPUTE_EXTRA, CUDA_CONTEXT_RESERVE, DeviceNeed
-    from moeplug.plan import Plan
+    from moeplug.core.errors import MoeplugError
+    from moeplug.planner.fit_estimate import CACHE_COMPUTE_EXTRA, CUDA_CONTEXT_RESERVE, DeviceNeed
+    from moeplug.planner.plan import Plan
 
     model, profile = big_expert_model(tmp_path)
     info = inspect_model(model)
@@ -154,7 +154,7 @@ def test_a_larger_ubatch_is_planned_with_its_compute_buffer(tmp_path: Path) -> N
     with pytest.raises(MoeplugError, match="--ubatch 16: at least 32"):
         make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile, ubatch=16)
     # a draft model's context takes the server's batch sizes too: not planned for above 512
-    from moeplug.speculation import Speculation
+    from moeplug.planner.speculation import Speculation
     with pytest.raises(MoeplugError, match="--ubatch 1024 with --spec mtp: not planned yet"):
         make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile, ubatch=1024, spec=Speculation("mtp"))
     assert make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile, ubatch=1024,
@@ -164,7 +164,7 @@ def test_a_larger_ubatch_is_planned_with_its_compute_buffer(tmp_path: Path) -> N
 def test_long_prompt_uploads_counts_each_batch_of_a_long_prompt() -> None:
     """A prompt of several batches uploads the experts without a slot once per batch: a batch of b
     tokens picks an expert of per-token probability p with chance 1 - (1 - p)^b."""
-    from moeplug.allocate import long_prompt_uploads
+    from moeplug.planner.allocate import long_prompt_uploads
 
     hits = uniform_hits(8)  # 2 of 8 used: every expert p = 0.25
     per_token, batches = long_prompt_uploads(hits, 2, 1024, 512)
@@ -185,9 +185,9 @@ def test_ubatch_auto_weighs_larger_prompt_batches_for_long_prompts(tmp_path: Pat
     slots its larger activations leave plus its prompt batches, a larger one only 5% faster than the
     smaller. What was weighed is in the notes; the asked ubatch and the prompt length stay with the
     plan, and an older record's ubatch other than 512 reads as asked."""
-    from moeplug.fit_estimate import CACHE_COMPUTE_EXTRA, CUDA_CONTEXT_RESERVE, DeviceNeed
-    from moeplug.plan import UBATCH_AUTO, ubatch_candidates
-    from moeplug.speculation import Speculation
+    from moeplug.planner.fit_estimate import CACHE_COMPUTE_EXTRA, CUDA_CONTEXT_RESERVE, DeviceNeed
+    from moeplug.planner.plan import UBATCH_AUTO, ubatch_candidates
+    from moeplug.planner.speculation import Speculation
 
     model, profile = big_expert_model(tmp_path)
     info = inspect_model(model)
@@ -251,8 +251,8 @@ def test_the_server_runs_on_half_the_cores_where_few_layers_are_partly_resident(
     share larger), fewer cores, no CPU pass (every expert in VRAM), no cache (no profile: stock's
     placement) or no GPU leave llama.cpp's default. Asked for, the user's count goes everywhere, 0
     meaning llama.cpp's default; both are kept in the plan's JSON."""
-    from moeplug.plan import SERVER_THREADS_FEW_PARTIAL
-    from moeplug.synth import ModelSpec, make_model
+    from moeplug.planner.plan import SERVER_THREADS_FEW_PARTIAL
+    from moeplug.model.synth import ModelSpec, make_model
 
     model = make_model(ModelSpec(arch="qwen3moe", layers=8, experts=16, used=2, embd=512, expert_ff=2048, dtype="f16",
                                  seed=5), tmp_path / "eight-layers.gguf")[0]
@@ -296,7 +296,7 @@ def test_physical_cores_counts_hyperthread_siblings_once() -> None:
     default thread count counts them), at least one and no more than the CPUs."""
     import os
 
-    from moeplug.probes import physical_cores
+    from moeplug.machine.probes import physical_cores
 
     cores = physical_cores()
     assert cores is not None and 1 <= cores <= len(os.sched_getaffinity(0))
@@ -309,7 +309,7 @@ def test_physical_cores_counts_hyperthread_siblings_once() -> None:
 def test_a_cpu_quota_caps_the_cores(tmp_path: Path, files: dict[str, str], cores: int | None) -> None:
     """A container's CPU quota (cgroup v2 cpu.max, v1 cfs quota/period) counts as that many cores,
     rounded up; none, or unlimited, leaves the physical cores."""
-    from moeplug.probes import cpu_quota_cores
+    from moeplug.machine.probes import cpu_quota_cores
 
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -346,7 +346,7 @@ def test_the_copy_ahead_is_counted_where_experts_stay_in_ram(fixture_models, tmp
     # llama.cpp's own estimate (fit_estimate.gpu_need) is of stock's path, sized for a ubatch of logits:
     # the copies come on top of it as far as they outgrow those logits, never less than what the
     # benchmark shapes measured above it (their logits outweigh their copies; the fixture's do not)
-    from moeplug.fit_estimate import CACHE_COMPUTE_EXTRA, CUDA_CONTEXT_RESERVE, DeviceNeed
+    from moeplug.planner.fit_estimate import CACHE_COMPUTE_EXTRA, CUDA_CONTEXT_RESERVE, DeviceNeed
     need = DeviceNeed("CUDA0", model=64 * MIB, context=8 * MIB, compute=32 * MIB)
     with_need = make_plan(info, 2048, need.total + CUDA_CONTEXT_RESERVE + 3 * info.expert_bytes // 4,
                           tmp_path / "p.gguf", profile=profile, need=need)
@@ -376,8 +376,8 @@ def test_a_plan_without_copies_ahead_gives_their_bytes_to_slots(tmp_path: Path) 
     counts no second copy (own estimate) or llama.cpp's estimate less the logits the server never holds
     while it copies, plus one weight copy (llama.cpp's estimate); the bytes hold slots, and the server's
     environment turns the copies ahead off."""
-    from moeplug.estimates import cache_compute_single_copy
-    from moeplug.fit_estimate import CACHE_COMPUTE_EXTRA, CUDA_CONTEXT_RESERVE, DeviceNeed
+    from moeplug.planner.estimates import cache_compute_single_copy
+    from moeplug.planner.fit_estimate import CACHE_COMPUTE_EXTRA, CUDA_CONTEXT_RESERVE, DeviceNeed
 
     model, profile = big_expert_model(tmp_path)
     info = inspect_model(model)
@@ -403,7 +403,7 @@ def test_a_plan_without_copies_ahead_gives_their_bytes_to_slots(tmp_path: Path) 
                                                    32 * MIB + single]
     assert with_need[1].slots_total >= with_need[0].slots_total
     # Plan JSON keeps the choice; an older record without it reads as the copies ahead on
-    from moeplug.plan import Plan
+    from moeplug.planner.plan import Plan
     assert Plan.from_json(off.to_json()).copy_ahead is False
     assert Plan.from_json({k: v for k, v in off.to_json().items() if k != "copy_ahead"}).copy_ahead is True
 
@@ -412,9 +412,9 @@ def test_the_planner_drops_the_copies_ahead_where_few_layers_are_partly_resident
     """With most layers whole and one partly resident (at most a quarter of them, plan.COPY_AHEAD_FEW_PARTIAL)
     the planner plans prompt batches without the copies ahead and gives their bytes to slots; with
     most layers partly resident it keeps them. The installed record's server environment follows."""
-    from moeplug.install import InstalledModel
-    from moeplug.plan import COPY_AHEAD_FEW_PARTIAL
-    from moeplug.synth import ModelSpec, make_model
+    from moeplug.serving.installed import InstalledModel
+    from moeplug.planner.plan import COPY_AHEAD_FEW_PARTIAL
+    from moeplug.model.synth import ModelSpec, make_model
 
     path = make_model(ModelSpec(arch="qwen3moe", layers=8, experts=16, used=2, embd=512, expert_ff=2048, dtype="f16",
                                 seed=5), tmp_path / "eight-layers.gguf")[0]
@@ -431,7 +431,7 @@ def test_the_planner_drops_the_copies_ahead_where_few_layers_are_partly_resident
     assert not auto.copy_ahead and auto.slots_total > forced.slots_total
     assert auto.compute_bytes == forced.compute_bytes - expert_copy_ahead_bytes(info)
     assert any("prompt batches copy their expert weights one at a time" in n for n in auto.notes)
-    from moeplug.install_cli import plan_text
+    from moeplug.commands.install import plan_text
     assert "server environment: GGML_SCHED_EXPERT_COPY_AHEAD=0\n" in plan_text(auto) + "\n"
     assert "copied one at a time" in plan_text(auto) and "copied ahead" in plan_text(forced)
     assert "server environment" not in plan_text(forced)
@@ -451,8 +451,8 @@ def test_short_prompts_go_to_the_gpu_where_the_cache_holds_slots_there(tmp_path:
     plan without the cache (every expert in VRAM, no profile: stock's placement), without a GPU or on two
     leaves llama.cpp's threshold alone; a record of the planner's revision 2, which set the variable
     instead, is made again (install.up_to_date)."""
-    from moeplug.plan import PLANNER_REVISION, SHORT_PROMPT_OFFLOAD, Plan, outdated
-    from moeplug.server_flags import OFFLOAD_MIN_BATCH_FLAG
+    from moeplug.planner.plan import PLANNER_REVISION, SHORT_PROMPT_OFFLOAD, Plan, outdated
+    from moeplug.planner.server_flags import OFFLOAD_MIN_BATCH_FLAG
 
     model, profile = big_expert_model(tmp_path)
     info = inspect_model(model)
@@ -483,9 +483,9 @@ def test_a_plan_without_copies_ahead_prices_its_uploads_at_stocks_rate(tmp_path:
     stock's do, so the plan's uploads are priced at stock's rate (allocate.STOCK_UPLOAD_BYTES_PER_S),
     the plan with them at the cache's (run `2026-12-03-prefill-16gib`: at the cache's rate the Qwen3 shape's
     16 GiB plan modelled 39 us per prompt token ahead of stock, runs measured -32 to +26)."""
-    from moeplug.allocate import STOCK_UPLOAD_BYTES_PER_S, UPLOAD_BYTES_PER_S, modelled_prompt_seconds
-    from moeplug.plan import _layer_costs
-    from moeplug.synth import ModelSpec, make_model
+    from moeplug.planner.allocate import STOCK_UPLOAD_BYTES_PER_S, UPLOAD_BYTES_PER_S, modelled_prompt_seconds
+    from moeplug.planner.plan import _layer_costs
+    from moeplug.model.synth import ModelSpec, make_model
 
     path = make_model(ModelSpec(arch="qwen3moe", layers=8, experts=16, used=2, embd=512, expert_ff=2048, dtype="f16",
                                 seed=5), tmp_path / "eight-layers.gguf")[0]
@@ -523,7 +523,7 @@ def test_a_plan_without_copies_ahead_prices_its_uploads_at_stocks_rate(tmp_path:
 def flat_wide_model(tmp_path: Path) -> tuple[Path, Profile]:
     """Two MoE layers of 16 experts of 6 MiB, 8 picked per token, and a flat router: a partly resident
     layer misses several large experts per token, as gpt-oss-20b's do at a quarter of its experts."""
-    from moeplug.synth import ModelSpec, make_model
+    from moeplug.model.synth import ModelSpec, make_model
 
     path = make_model(ModelSpec(arch="gpt-oss", layers=2, experts=16, used=8, embd=512, expert_ff=2048, dtype="f16",
                                 seed=5), tmp_path / "gpt-oss-flat-wide.gguf")[0]
@@ -538,9 +538,9 @@ def test_the_gpu_computes_part_of_the_misses_where_that_is_modelled_to_pay(tmp_p
     token has the GPU compute the hottest share of them beside the CPU (--moe-cache-stream, the share
     allocate.stream_share picks), and counts the biases that pass reads in VRAM; with few misses (a
     skewed router's slots), with mmap, or without a partly resident layer, no stream."""
-    from moeplug.estimates import expert_side_bytes
-    from moeplug.install_cli import plan_text
-    from moeplug.sizes import GIB
+    from moeplug.planner.estimates import expert_side_bytes
+    from moeplug.commands.install import plan_text
+    from moeplug.core.sizes import GIB
 
     model, profile = flat_wide_model(tmp_path)
     info = inspect_model(model)
@@ -575,7 +575,7 @@ def test_stream_share_follows_the_measured_gpt_oss_plans() -> None:
     gpt-oss-20b shape's plan at 25% of its experts streamed 0.75 of its misses fastest (0, 0.75, 1
     measured, 4-10 slots of 32), at 50% (8-20) streaming lost; with verification batches of 4 at 25%,
     0.75 beat 0.5 and 1, and streaming beat none."""
-    from moeplug.allocate import stream_saving
+    from moeplug.planner.allocate import stream_saving
 
     ranks = np.arange(33)
     curve = (1 - 0.92 ** ranks) / (1 - 0.92 ** 32)  # 52% of selections on 8 slots, 79% on 16: as those plans
@@ -735,7 +735,7 @@ def test_prompt_batches_stay_at_stock_s_cost() -> None:
     Where the slots hold them, the slots spread with room for 20 layers and prompt batches are
     faster than stock's. And where stock's placement is modelled no slower (a flat router, small
     experts), it is the plan."""
-    from moeplug.allocate import allocate_against_stock, modelled_prompt_seconds
+    from moeplug.planner.allocate import allocate_against_stock, modelled_prompt_seconds
 
     zipf = 1 / np.arange(1, 129) ** 1.1
     hits = np.concatenate([[0.0], np.cumsum(zipf / zipf.sum())])
@@ -818,7 +818,7 @@ def test_hit_curves_split_by_prompt() -> None:
 
 
 def test_warnings_at_20_and_15_percent(tmp_path: Path) -> None:
-    from moeplug.synth import ModelSpec, make_model
+    from moeplug.model.synth import ModelSpec, make_model
 
     path = make_model(ModelSpec(arch="qwen3moe", layers=2, experts=20, used=2, embd=64, expert_ff=64,
                                    dtype="f16", seed=3), tmp_path / "m20.gguf")[0]
@@ -993,7 +993,7 @@ def test_the_ubatch_asked_for_reaches_the_server_and_stays_with_the_plan(patched
     """install --ubatch N stores N with the plan and the server runs prompt batches of N (its log says
     so); plan previews another without storing it; serve --ubatch re-plans and keeps the new one, and a
     prompt longer than the ubatch is answered; out of range is one line."""
-    from moeplug.server import complete
+    from moeplug.serving.server import complete
 
     env = xdg_homes(tmp_path / "home")
     done = served_once(env, "install", str(fixture_models["qwen3moe"]), "--ctx", "512", "--profile-tokens", "8",
@@ -1039,11 +1039,11 @@ def test_cli_plan_bad_budget(fixture_models) -> None:
 
 @pytest.mark.native
 def test_llama_fit_estimate_is_what_the_server_allocates(patched_build, fixture_models, tmp_path: Path) -> None:
-    """The whole budget rests on llama.cpp's own estimate (llama-fit-params --fit-print, moeplug.fit_estimate):
+    """The whole budget rests on llama.cpp's own estimate (llama-fit-params --fit-print, moeplug.planner.fit_estimate):
     on this CPU build its Host line (weights, context, compute, whole MiB) is what llama-server then
     allocates, to the MiB; without a GPU gpu_need is None and the planner keeps its own estimate; with
     one, the experts get the budget less the estimate and the CUDA context reserve."""
-    from moeplug.fit_estimate import CUDA_CONTEXT_RESERVE, DeviceNeed, gpu_need, parse_fit_print
+    from moeplug.planner.fit_estimate import CUDA_CONTEXT_RESERVE, DeviceNeed, gpu_need, parse_fit_print
 
     model, ctx = fixture_models["qwen3moe"], 1024
     tool = patched_build.binary("llama-fit-params")
@@ -1076,7 +1076,7 @@ def test_serve_plans_again_a_model_an_older_planner_planned(patched_build, fixtu
     context and choices, kept, and said in one line; a current plan is served as stored. A hook's
     configuration (a proxy starts the servers) is written from the plan made again too. Where the
     profile it was planned from is gone, the old plan is served rather than one without the cache."""
-    from moeplug.plan import PLANNER_REVISION
+    from moeplug.planner.plan import PLANNER_REVISION
 
     env = xdg_homes(tmp_path / "home")
     r = run_cli_process("install", str(fixture_models["qwen3moe"]), "--ctx", "512", "--no-serve", "--profile-tokens", "8",

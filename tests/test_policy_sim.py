@@ -101,7 +101,7 @@ def test_the_designs_table_prices_uploads_at_each_bus(tmp_path: Path, capsys: py
     """On a skewed random trace (4 layers, 2 of 16 used), the table at 12.5/25/50%: the designs that upload
     every miss upload what they miss, their time per token grows as the bus slows, the static slots' does
     not (no uploads), and every time is the cost model's of the counts printed beside it."""
-    from moeplug.allocate import CPU_EXPERT_BYTES_PER_S, ROUND_TRIP_S
+    from moeplug.planner.allocate import CPU_EXPERT_BYTES_PER_S, ROUND_TRIP_S
 
     path = tmp_path / "trace.npz"
     n = len(write_npz(path, prompts=40, layers=4, experts=16, used=2)["experts"])

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from helpers import run_cli
-from moeplug.model_inspect import inspect_model
+from moeplug.model.inspect import inspect_model
 from moeplug.profile import model_fingerprint, read_profile
 
 pytestmark = pytest.mark.native

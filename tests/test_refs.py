@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from helpers import fixture_spec
-from moeplug.errors import MoeplugError
-from moeplug.model_inspect import inspect_model
-from moeplug.refs import load_recipes, parse_ref, resolve_ref
-from moeplug.synth import make_model
+from moeplug.core.errors import MoeplugError
+from moeplug.model.inspect import inspect_model
+from moeplug.model.refs import load_recipes, parse_ref, resolve_ref
+from moeplug.model.synth import make_model
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -132,7 +132,7 @@ def test_hf_cache_ambiguous_quant(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 
 def test_hf_cache_location_follows_llama_cpp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from moeplug.refs import hf_cache_dir
+    from moeplug.model.refs import hf_cache_dir
 
     for var in ("LLAMA_CACHE", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
         monkeypatch.delenv(var, raising=False)

@@ -33,7 +33,7 @@ XDG = ("XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CONFIG_HOME")
 
 @pytest.fixture(scope="module")
 def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from moeplug.synth import make_model
+    from moeplug.model.synth import make_model
 
     return make_model(fixture_spec("qwen3moe"), tmp_path_factory.mktemp("rp") / "m.gguf")[0]
 
@@ -60,7 +60,7 @@ def profile_of(model: Path, favourite: int, steps: int, label: str, decode_share
 
 
 def test_merge_decayed_ages_the_stored_counts_by_the_new_tokens(small_model: Path, tmp_path: Path) -> None:
-    from moeplug.allocate import hit_curves
+    from moeplug.planner.allocate import hit_curves
     from moeplug.profile import read_profile, write_profile
     from moeplug.profile.format import merge_decayed
 
@@ -90,7 +90,7 @@ def test_live_counts_without_sequences_count_in_the_curves(small_model: Path) ->
     profile, its counts move the planner's curves (half to each fold)."""
     from dataclasses import replace
 
-    from moeplug.allocate import hit_curves
+    from moeplug.planner.allocate import hit_curves
     from moeplug.profile.format import merge_decayed
 
     old = profile_of(small_model, 0, 400, "codeish")
@@ -113,7 +113,7 @@ WRITER = textwrap.dedent("""
     from pathlib import Path
     sys.path.insert(0, sys.argv[3])
     from test_reprofile import profile_of
-    from moeplug.reprofile import store_profile
+    from moeplug.operations.reprofile import store_profile
     store_profile(profile_of(Path(sys.argv[1]), 4, int(sys.argv[2]), "big"), Path(sys.argv[4]))
 """)
 
@@ -128,7 +128,7 @@ def tmp_size(path: Path) -> int:
 
 def test_sigkill_while_writing_leaves_the_old_or_the_new_profile(small_model: Path, tmp_path: Path) -> None:
     from moeplug.profile import read_profile, write_profile
-    from moeplug.reprofile import previous_path
+    from moeplug.operations.reprofile import previous_path
 
     dest = tmp_path / "profiles" / "model.gguf"
     dest.parent.mkdir()
@@ -401,7 +401,7 @@ def test_live_counts_from_a_recording_server(home: dict[str, str], patched_build
             requests.post(f"{first['url']}/completion", json={"prompt": prompt, "n_predict": 32, "temperature": 0,
                                                                "cache_prompt": False}, timeout=120).raise_for_status()
         page = requests.get(f"{first['url']}/metrics", timeout=5).text
-        from moeplug.monitor import parse_server_metrics
+        from moeplug.serving.monitor import parse_server_metrics
 
         metrics = parse_server_metrics(page)
         live = requests.get(f"{first['url']}/moe-cache/profile", timeout=30)
@@ -437,7 +437,7 @@ def test_live_counts_from_a_recording_server(home: dict[str, str], patched_build
 
 
 def test_token_weighted_median_and_tolerance() -> None:
-    from moeplug.traffic import MIN_REQUESTS, Request, Traffic, learned_workload, weighted_median
+    from moeplug.serving.traffic import MIN_REQUESTS, Request, Traffic, learned_workload, weighted_median
 
     # half of all prompt tokens come in prompts of 4000 or more, though most requests are short
     assert weighted_median([4000, 4000, 100, 100, 100, 100, 100]) == 4000

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from helpers import make_profile
-from moeplug.metrics import parse_cache_counters
+from moeplug.serving.metrics import parse_cache_counters
 from moeplug.profile.format import read_profile
-from moeplug.server import start_server
-from moeplug.synth import ModelSpec, make_model
-from moeplug.trace import Trace, write_replay
+from moeplug.serving.server import start_server
+from moeplug.model.synth import ModelSpec, make_model
+from moeplug.profile.trace import Trace, write_replay
 
 pytestmark = pytest.mark.native
 

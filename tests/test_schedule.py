@@ -124,7 +124,7 @@ def test_crontab_line_installs_once_runs_the_reprofile_and_comes_out(env: dict[s
 
 
 def test_without_systemd_the_line_is_printed_not_installed(env: dict[str, str]) -> None:
-    from moeplug.schedule import systemd_user_available
+    from moeplug.operations.schedule import systemd_user_available
 
     if systemd_user_available():
         pytest.skip("a systemd user manager answers here: install writes the timer")

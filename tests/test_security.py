@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 import moeplug
-from moeplug import serving
-from moeplug.server import HOST, start_server
+from moeplug.serving import launch as serving
+from moeplug.serving.server import HOST, start_server
 
 REPO = Path(__file__).resolve().parent.parent
 CODE_DIRS = ("plugin", "tui", "native/bench")
@@ -89,7 +89,7 @@ def test_the_check_sees_shell_calls_and_not_comments() -> None:
 def test_no_shell_strings_in_the_code() -> None:
     files = code_files()
     names = {str(p.relative_to(REPO)) for p in files}
-    assert {"plugin/server.py", "plugin/serving.py", "plugin/native/build.py", "native/bench/bench.py"} <= names
+    assert {"plugin/serving/server.py", "plugin/serving/launch.py", "plugin/native/build.py", "native/bench/bench.py"} <= names
     assert Path(moeplug.__file__).resolve().parent == REPO / "plugin"  # the package under test is this checkout's
     found = [u for p in files for u in shell_uses(p.read_text(), str(p.relative_to(REPO)))]
     assert found == []
@@ -179,9 +179,9 @@ def test_explicit_host_is_used_with_a_warning(tmp_path: Path, patched_build) -> 
 
 def test_downloads_are_hash_checked(tmp_path: Path) -> None:
     """A downloaded file whose SHA-256 is not the Hub's is deleted, blob and link, and named."""
-    from moeplug.download import check_hash
-    from moeplug.errors import MoeplugError
-    from moeplug.fsutil import sha256_file
+    from moeplug.model.download import check_hash
+    from moeplug.core.errors import MoeplugError
+    from moeplug.core.fsutil import sha256_file
 
     blob = tmp_path / "blobs" / "abc"
     blob.parent.mkdir()

@@ -17,7 +17,7 @@ import pytest
 
 from helpers import write_npz
 from moeplug.profile.runner import read_prompts
-from moeplug.synth import ModelSpec, make_model
+from moeplug.model.synth import ModelSpec, make_model
 
 pytestmark = pytest.mark.native
 

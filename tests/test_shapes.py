@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from helpers import run_cli
-from moeplug.cli import build_parser
-from moeplug.model_inspect import inspect_model
-from moeplug.synth import ModelSpec, make_model, plan_for, shape_spec
+from moeplug.commands.main import build_parser
+from moeplug.model.inspect import inspect_model
+from moeplug.model.synth import ModelSpec, make_model, plan_for, shape_spec
 
 
 def test_gpt_oss_20b_shape_plan() -> None:
@@ -68,7 +68,7 @@ def test_mxfp4_blocks_dequantize_to_the_planned_scale(tmp_path: Path) -> None:
 def test_mxfp4_gpt_oss_serves_on_the_cpu_build(patched_build, tmp_path: Path) -> None:
     """A tiny-width gpt-oss model of the real layout, experts in MXFP4: the patched llama-server
     loads it and completes."""
-    from moeplug.server import start_server
+    from moeplug.serving.server import start_server
 
     model = make_model(ModelSpec(**TINY_MXFP4), tmp_path / "mx.gguf")[0]
     log = tmp_path / "server.log"

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from helpers import Prebuilt, fixture_spec, make_profile
-from moeplug.server import complete, start_server
-from moeplug.serving import parse_cache_line
-from moeplug.synth import make_model
+from moeplug.serving.server import complete, start_server
+from moeplug.serving.launch import parse_cache_line
+from moeplug.model.synth import make_model
 
 pytestmark = pytest.mark.native
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import write_npz
-from moeplug.synth import ModelSpec, make_model
+from moeplug.model.synth import ModelSpec, make_model
 
 BENCH = Path(__file__).resolve().parents[1] / "native" / "bench"
 sys.path.insert(0, str(BENCH))

@@ -13,14 +13,14 @@ import pytest
 import requests
 from helpers import run_cli, run_cli_process, xdg_homes
 
-from moeplug.allocate import CPU_EXPERT_BYTES_PER_S, ROUND_TRIP_S, SLOT_PASS_S, LayerCost, _curve, allocate
-from moeplug.estimates import CUDA_POOL_HEADROOM, SAFETY_MARGIN, compute_buffer_bytes, kv_cache_bytes
-from moeplug.model_inspect import inspect_model
-from moeplug.plan import make_plan
-from moeplug.server import start_server
-from moeplug.serving import parse_buffers
-from moeplug.speculation import DEFAULT_DRAFT_MAX, Speculation, draft_compute_bytes, nextn_weight_bytes, spec_need
-from moeplug.synth import ModelSpec, make_model
+from moeplug.planner.allocate import CPU_EXPERT_BYTES_PER_S, ROUND_TRIP_S, SLOT_PASS_S, LayerCost, _curve, allocate
+from moeplug.planner.estimates import CUDA_POOL_HEADROOM, SAFETY_MARGIN, compute_buffer_bytes, kv_cache_bytes
+from moeplug.model.inspect import inspect_model
+from moeplug.planner.plan import make_plan
+from moeplug.serving.server import start_server
+from moeplug.serving.launch import parse_buffers
+from moeplug.planner.speculation import DEFAULT_DRAFT_MAX, Speculation, draft_compute_bytes, nextn_weight_bytes, spec_need
+from moeplug.model.synth import ModelSpec, make_model
 
 MIB = 1 << 20
 
@@ -271,9 +271,9 @@ def test_llama_cpp_s_estimate_of_the_draft_replaces_moeplug_s(fixture_models, dr
     """Where llama-fit-params measured the draft alone (a GPU), its weights and context are what the
     plan takes off the budget; of its compute figure, not the ubatch of logits over the vocabulary
     that the CUDA server does not hold, and what the draft context measured beyond it instead."""
-    from moeplug.estimates import logits_bytes
-    from moeplug.fit_estimate import DeviceNeed
-    from moeplug.speculation import DRAFT_CONTEXT_EXTRA
+    from moeplug.planner.estimates import logits_bytes
+    from moeplug.planner.fit_estimate import DeviceNeed
+    from moeplug.planner.speculation import DRAFT_CONTEXT_EXTRA
 
     info, ctx = inspect_model(fixture_models["qwen3moe"]), 2048
     spec = Speculation("draft", str(draft))
@@ -293,7 +293,7 @@ def test_the_plan_says_what_acceptance_pays_for_a_verification_batch(patched_bui
     k = draft + 1 tokens against one token's, and the acceptance at which a step yields that many
     tokens: more drafted tokens cost more per batch and need at least as much acceptance."""
     from helpers import make_profile
-    from moeplug.plan import tokens_per_step
+    from moeplug.planner.plan import tokens_per_step
 
     assert tokens_per_step(0.0, 3) == 1.0 and tokens_per_step(1.0, 3) == 4.0
     assert tokens_per_step(0.5, 2) == pytest.approx(1.75)

@@ -16,8 +16,8 @@ import pytest
 
 from helpers import run_cli, write_npz
 from moeplug.profile.format import model_fingerprint, read_profile
-from moeplug.synth import ModelSpec, make_model
-from moeplug.trace import load_trace, read_replay
+from moeplug.model.synth import ModelSpec, make_model
+from moeplug.profile.trace import load_trace, read_replay
 
 LAYERS, EXPERTS, USED = 24, 32, 4  # gpt-oss-20b's routing layout
 REAL_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "gpt-oss-20b" / "decode-routing-mmlu.npz"
@@ -269,8 +269,8 @@ def test_from_trace_profile_engages_the_cache(patched_build, trace_model: Path, 
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """llama-server takes a --from-trace profile as the model's own: the cache engages with the
     trace's hottest experts."""
-    from moeplug.server import start_server
-    from moeplug.serving import parse_cache_line
+    from moeplug.serving.server import start_server
+    from moeplug.serving.launch import parse_cache_line
 
     write_npz(tmp_path / "t.npz")
     profile = tmp_path / "p.gguf"

@@ -1,4 +1,4 @@
-"""moeplug.traffic on a real llama-server log: the H200 server of `native/bench/results/2026-12-04-long-prompt-plans/call4-reprofile/`,
+"""moeplug.serving.traffic on a real llama-server log: the H200 server of `native/bench/results/2026-12-04-long-prompt-plans/call4-reprofile/`,
 after `moeplug reprofile` restarted it (the launch's 8184-token context probe, then eight requests of
 4000 prompt tokens generating 64 each). Read whole, from past the probe, and as a log growing under a
 reader, cut anywhere; a relaunch empties the log and the reader starts again."""
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from moeplug.traffic import LogTraffic, parse_requests, probe_end, read_traffic
+from moeplug.serving.traffic import LogTraffic, parse_requests, probe_end, read_traffic
 
 LOG = (Path(__file__).resolve().parent.parent / "native" / "bench" / "results" / "2026-12-04-long-prompt-plans"
        / "call4-reprofile" / "server-gpt-oss-shape.log")

@@ -1,4 +1,4 @@
-"""Two GPUs: llama.cpp's layer split reproduced (moeplug.split), the per-GPU plan (moeplug.multi_gpu)
+"""Two GPUs: llama.cpp's layer split reproduced (moeplug.planner.split), the per-GPU plan (moeplug.planner.multi_gpu)
 within each budget, and --vram-budget's list form.
 
 The split arithmetic is checked against hand-worked cases of llama.cpp's own formula
@@ -20,17 +20,17 @@ from pathlib import Path
 import pytest
 
 from helpers import fixture_spec, make_profile, run_cli
-from moeplug.errors import MoeplugError
-from moeplug.estimates import (CUDA_POOL_HEADROOM, SAFETY_MARGIN, compute_buffer_bytes, expert_copy_ahead_bytes,
+from moeplug.core.errors import MoeplugError
+from moeplug.planner.estimates import (CUDA_POOL_HEADROOM, SAFETY_MARGIN, compute_buffer_bytes, expert_copy_ahead_bytes,
                                 kv_cache_bytes, nextn_layers)
-from moeplug.gpu import GpuInfo, one_budget_note, vram_budgets
-from moeplug.model_inspect import inspect_model
-from moeplug.allocate import allocate
-from moeplug.plan import Plan, _layer_costs, make_plan
+from moeplug.machine.gpu import GpuInfo, one_budget_note, vram_budgets
+from moeplug.model.inspect import inspect_model
+from moeplug.planner.allocate import allocate
+from moeplug.planner.plan import Plan, _layer_costs, make_plan
 from moeplug.profile.format import read_profile
-from moeplug.speculation import Speculation, draft_compute_bytes
-from moeplug.split import layer_devices, split_for
-from moeplug.synth import make_model
+from moeplug.planner.speculation import Speculation, draft_compute_bytes
+from moeplug.planner.split import layer_devices, split_for
+from moeplug.model.synth import make_model
 
 MIB = 1 << 20
 
@@ -384,7 +384,7 @@ def test_planned_split_is_the_one_llama_cpp_loads(patched_build, rpc_devices, ei
     weights, context, compute in whole MiB) is the KV cache the plan counts per GPU, and at most
     the weights and compute buffer it counts (it counts the token embeddings, which stay in RAM,
     on the output layer's GPU, and a compute buffer on the high side)."""
-    from moeplug.fit_estimate import parse_fit_print
+    from moeplug.planner.fit_estimate import parse_fit_print
 
     info = inspect_model(eight_blocks)
     splits = set()
@@ -416,8 +416,8 @@ def test_draft_follows_the_planned_split_on_two_rpc_devices(patched_build, rpc_d
     land where the plan put its share (the target's --tensor-split over the draft's own layers), and
     the draft's KV cache on each device, a draft model's or the MTP head's, is what the plan counts
     there (its weights and compute buffer at most that)."""
-    from moeplug.server import start_server
-    from moeplug.serving import parse_buffers
+    from moeplug.serving.server import start_server
+    from moeplug.serving.launch import parse_buffers
 
     model = eight_blocks if kind == "draft" else fixture_models["hy_v3-mtp"]
     info = inspect_model(model)

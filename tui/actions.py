@@ -1,10 +1,10 @@
 """The dashboard's actions: each one the library call its CLI command makes.
 
-start  = `moeplug serve NAME --metrics`   (moeplug.actions.serve)
-stop   = `moeplug stop NAME`              (moeplug.actions.stop)
-plan   = `moeplug plan NAME --vram-budget B` for the installed model (moeplug.install.plan_installed)
+start  = `moeplug serve NAME --metrics`   (moeplug.operations.actions.serve)
+stop   = `moeplug stop NAME`              (moeplug.operations.actions.stop)
+plan   = `moeplug plan NAME --vram-budget B` for the installed model (moeplug.operations.install.plan_installed)
 replan = `moeplug stop NAME && moeplug serve NAME --vram-budget B --metrics`
-reprofile = the profile step of `moeplug install`, made again (moeplug.install.remake_profile)
+reprofile = the profile step of `moeplug install`, made again (moeplug.operations.install.remake_profile)
 
 Every function here blocks (processes, HTTP, files): the screens call them from worker threads.
 """
@@ -18,25 +18,26 @@ from typing import Any
 
 
 def start(name: str) -> Any:
-    from moeplug.actions import serve
+    from moeplug.operations.actions import serve
 
     return serve(name, metrics=True).server  # the dashboard shows measured hit rates
 
 
 def stop(name: str) -> bool:
-    from moeplug.actions import stop as stop_model
+    from moeplug.operations.actions import stop as stop_model
 
     return name in stop_model(name).stopped
 
 
 def plan(name: str, vram_budget: int | None) -> dict[str, Any]:
-    from moeplug.install import plan_installed, read_installed
+    from moeplug.serving.installed import read_installed
+    from moeplug.operations.install import plan_installed
 
     return plan_installed(read_installed(name), vram_budget=vram_budget).to_json()
 
 
 def replan(name: str, vram_budget: int | None) -> Any:
-    from moeplug.actions import serve
+    from moeplug.operations.actions import serve
 
     stop(name)
     return serve(name, vram_budget=vram_budget, metrics=True).server
@@ -44,8 +45,8 @@ def replan(name: str, vram_budget: int | None) -> Any:
 
 def reprofile(name: str, progress: Callable[[int, int], None]) -> Path:
     """progress(prompts done, prompts in all), from the profiler's steps."""
-    from moeplug.install import remake_profile
-    from moeplug.progress import Step
+    from moeplug.operations.install import remake_profile
+    from moeplug.core.progress import Step
 
     def on_event(event: object) -> None:
         if isinstance(event, Step):

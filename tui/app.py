@@ -7,7 +7,7 @@ from functools import partial
 
 from textual.app import App
 
-from moeplug.monitor import Snapshot, snapshot
+from moeplug.serving.monitor import Snapshot, snapshot
 from moeplug.tui.screens.main import MainScreen
 
 
@@ -25,7 +25,7 @@ class DashboardApp(App[None]):
 
 
 def make_app(interval: float = 2.0, snapshots: Sequence[Snapshot] | None = None) -> DashboardApp:
-    """The dashboard on live snapshots (moeplug.monitor), or on recorded ones: each refresh takes
+    """The dashboard on live snapshots (moeplug.serving.monitor), or on recorded ones: each refresh takes
     the next, then the last again (screenshots and layout tests; interval 0: no timer)."""
     if snapshots is None:
         return DashboardApp(partial(snapshot, with_profiles=True), interval)

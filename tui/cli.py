@@ -1,4 +1,4 @@
-"""`moeplug tui [--interval S]`: registered by moeplug.cli; Textual is imported only when it runs."""
+"""`moeplug tui [--interval S]`: registered by moeplug.commands.main; Textual is imported only when it runs."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import argparse
 import sys
 from typing import Any
 
-from moeplug.errors import EXIT_OK, MoeplugError
-from moeplug.options import SECONDS
+from moeplug.core.errors import EXIT_OK, MoeplugError
+from moeplug.commands.options import SECONDS
 
 
 def cmd_tui(args: argparse.Namespace) -> int:
@@ -27,4 +27,4 @@ def add_tui_command(sub: Any) -> None:
     p.set_defaults(func=cmd_tui)
 
 
-register = add_tui_command  # moeplug.cli.COMMAND_MODULES
+register = add_tui_command  # moeplug.commands.main.COMMAND_MODULES

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moeplug.output import human_bytes
+from moeplug.core.output import human_bytes
 
 STRIP = " ▁▂▃▄▅▆▇█"
 

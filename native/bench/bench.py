@@ -199,7 +199,7 @@ def cache_desc(plan, info) -> str:
 def cache_args(plan, info, profile, profile_path: Path) -> list[str]:
     """What moeplug runs for the plan: whole layers offloaded as stock does, the rest's experts in
     RAM, slots for the partly resident layers."""
-    from moeplug.plan import placement_args
+    from moeplug.planner.plan import placement_args
 
     return ["-ngl", "99", *placement_args(info, plan.slots_per_layer, profile, profile_path)]
 
@@ -270,7 +270,7 @@ def patched_build(prebuilt: Path | None, jobs: int):
 
 def free_vram_or_say(what: str) -> int | None:
     """Free VRAM in bytes; None, with a line on stderr, where there is no NVIDIA GPU."""
-    from moeplug.gpu import free_vram_bytes
+    from moeplug.machine.gpu import free_vram_bytes
 
     free = free_vram_bytes()
     if free is None:
@@ -279,10 +279,10 @@ def free_vram_or_say(what: str) -> int | None:
 
 
 def main() -> int:
-    from moeplug.model_inspect import inspect_model
-    from moeplug.plan import make_plan
+    from moeplug.model.inspect import inspect_model
+    from moeplug.planner.plan import make_plan
     from moeplug.profile.format import read_profile
-    from moeplug.synth import benchmark_spec, make_model
+    from moeplug.model.synth import benchmark_spec, make_model
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budgets", default="8,12,16", help="emulated card sizes in GiB")

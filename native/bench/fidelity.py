@@ -23,7 +23,7 @@ from bench import patched_build
 
 
 def main() -> int:
-    from moeplug.synth import ModelSpec, make_model
+    from moeplug.model.synth import ModelSpec, make_model
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=50)

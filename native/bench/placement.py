@@ -1,5 +1,5 @@
 """Where the layers whose experts stay in RAM sit, and what prefill pays for it: the experiment
-behind the planner's rule (whole layers first, partly resident ones after them; plugin/allocate.py).
+behind the planner's rule (whole layers first, partly resident ones after them; plugin/planner/allocate.py).
 
 Run on a machine with an NVIDIA GPU, after bench.py has built and written its model and profile
 (`bench.py --build-only`, or any earlier run):
@@ -59,7 +59,7 @@ def placement_rows(margin_mib: int, n_layer: int, profile: Path) -> list[Row]:
 
 
 def main() -> int:
-    from moeplug.model_inspect import inspect_model
+    from moeplug.model.inspect import inspect_model
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)

@@ -29,7 +29,7 @@ our pin as its design is published (uses decayed with a half-life of 128 tokens 
 eviction, 8 frequency classes each an LRU list, every miss uploaded; --cpu-share F adds it computing F
 of the misses on the CPU once full), both serving decoded tokens only and starting empty. Beside each
 hit share: the uploads and the experts computed on the CPU per decoded token, and the host time per
-decoded token the planner's cost model (plugin/allocate.py) gives them at 6, 25 and 55 GB/s of bus.
+decoded token the planner's cost model (plugin/planner/allocate.py) gives them at 6, 25 and 55 GB/s of bus.
 
     python native/bench/policy_sim.py --slots 8 --requests 24
     python native/bench/policy_sim.py --requests 40 --cpu-share 0.5
@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moeplug.allocate import CPU_EXPERT_BYTES_PER_S, ROUND_TRIP_S, SLOT_PASS_S
+from moeplug.planner.allocate import CPU_EXPERT_BYTES_PER_S, ROUND_TRIP_S, SLOT_PASS_S
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "traces" / "gpt-oss-20b" / \
     "decode-routing-mmlu.npz"
@@ -183,7 +183,7 @@ class Served:
     slot_passes: float = 0.0  # layers with a pass over their slots apart from the rest (moeplug's two passes)
 
     def seconds(self, expert_bytes: float, bus_bytes_per_s: float) -> float:
-        """Host-side time per decoded token in the planner's cost model (plugin/allocate.py): uploads at
+        """Host-side time per decoded token in the planner's cost model (plugin/planner/allocate.py): uploads at
         the bus's rate, CPU experts at CPU_EXPERT_BYTES_PER_S, a round trip per waiting layer and a slot
         pass per partly resident one, one after another (the GPU's own time, alike for every policy,
         left out)."""
@@ -277,11 +277,11 @@ def design_rows(prof: np.ndarray, reqs, n_expert_used: int, half_life: float, cp
 
 
 def gpt_oss_expert_bytes() -> int:
-    """Bytes of one routed expert of the gpt-oss-20b shape the trace is from (moeplug.synth): its three
+    """Bytes of one routed expert of the gpt-oss-20b shape the trace is from (moeplug.model.synth): its three
     matrices in the shape's expert type."""
     import gguf
 
-    from moeplug.synth import shape_spec
+    from moeplug.model.synth import shape_spec
 
     spec = shape_spec("gpt-oss-20b")
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[spec.n_expert_dtype.upper()]]

@@ -6,7 +6,7 @@ Prints, per MoE layer, the distinct experts one prompt batch picks (the profile'
 per prompt, in batches of llama-server's ubatch), then for a placement of whole layers first and
 the rest in RAM (what stock --fit keeps at the budget: `--stock-whole N` whole layers) and for
 the planner's plan at each prefill weight: the layers that are not whole, the experts a 64-token
-prompt uploads, and the modelled time per prompt token and per generated token (plugin/allocate.py:
+prompt uploads, and the modelled time per prompt token and per generated token (plugin/planner/allocate.py:
 the uploads at the rate fitted to the cache's path, or to stock's for the stock row; the decode
 model as calibrated). Run `2026-12-01-record-cost-speculation`'s diagnosis of the Qwen3-30B-A3B shape's prefill used it
 (native/BENCHMARKS.md).
@@ -22,11 +22,11 @@ import numpy as np
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moeplug.errors import MoeplugError
-    from moeplug.model_inspect import inspect_model
-    from moeplug.plan import _layer_costs, make_plan
+    from moeplug.core.errors import MoeplugError
+    from moeplug.model.inspect import inspect_model
+    from moeplug.planner.plan import _layer_costs, make_plan
     from moeplug.profile.format import read_profile
-    from moeplug.sizes import parse_size
+    from moeplug.core.sizes import parse_size
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model", type=Path)

@@ -9,7 +9,7 @@ For each budget (GiB; `N%`: the planner's other VRAM plus N% of the model's expe
 on each of two GPUs, moeplug splitting the layers as it plans them, stock --fit given a -fitt per
 GPU) and
 each server configuration, one llama-server is launched per round through moeplug's own library
-(`moeplug.install.plan_for` -> `Plan.server_args` -> `moeplug.serving.launch_verified`, exactly what
+(`moeplug.operations.install.plan_for` -> `Plan.server_args` -> `moeplug.serving.launch.launch_verified`, exactly what
 `moeplug serve` runs, with --metrics), the workload's prompts are sent one by one to
 `/completion` (greedy, no prompt cache, `ignore_eos`), and it is stopped again. Before them, after
 the launch's context probe (one prompt batch, no decoding), `--warmup N` unmeasured requests (default
@@ -82,7 +82,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import GIB, MIB, Prebuilt, free_vram_or_say, interleaved_rounds, median  # noqa: E402
-from moeplug.measure import (CHAT_TURNS, SHORT_STEPS, chat_turns, median_ratio_interval, opening_turn,  # noqa: E402
+from moeplug.serving.measure import (CHAT_TURNS, SHORT_STEPS, chat_turns, median_ratio_interval, opening_turn,  # noqa: E402
                              round_medians, short_steps, time_chat, time_prompts, time_together, together_groups)
 from moeplug.profile.runner import HELDOUT_PROMPT_SET, resolve_prompt_set  # noqa: E402
 
@@ -164,10 +164,10 @@ def parse_budgets(text: str) -> list[tuple[str, float | list[float], bool]]:
 
 
 def fit_targets(budget: int | list[int], free: int | None) -> str:
-    """stock's -fitt for a budget (moeplug.bench.fit_target: per GPU for a list; 0 without a GPU, free
+    """stock's -fitt for a budget (moeplug.operations.bench.fit_target: per GPU for a list; 0 without a GPU, free
     None, the CPU smoke test)."""
-    from moeplug.bench import fit_target
-    from moeplug.gpu import gpus
+    from moeplug.operations.bench import fit_target
+    from moeplug.machine.gpu import gpus
 
     if free is None:
         return fit_target(budget, [])
@@ -180,7 +180,7 @@ def budget_bytes(info, ctx: int, value: float | list[float], fraction: bool, nee
     on the GPU anyway (weights, KV cache, buffers and margin: llama.cpp's own estimate where
     llama-fit-params saw a GPU, need, else moeplug's; and a speculative draft's weights, KV cache
     and buffers)."""
-    from moeplug.plan import make_plan
+    from moeplug.planner.plan import make_plan
 
     if isinstance(value, list):
         return [int(v * GIB) for v in value]
@@ -207,7 +207,7 @@ def vocab_size(model: Path) -> int:
     """Tokens of the model's vocabulary (the random workload draws from all of them)."""
     import gguf
 
-    from moeplug.model_inspect import shard_paths
+    from moeplug.model.inspect import shard_paths
 
     field = gguf.GGUFReader(shard_paths(model)[0]).get_field("tokenizer.ggml.tokens")
     return len(field.data) if field is not None else 32000
@@ -235,13 +235,13 @@ def run_config(cfg: Config, model: Path, ctx: int, prompts: dict[str, list], n_p
                warmup: list[list[int]] | None = None, prefill_reps: int = 1, keep_logs: Path | None = None) -> None:
     """One round of one configuration: launch, the warm-up requests (not measured), every prompt of
     its workloads, VRAM, stop. prefill_reps: a text or random prompt's prefill is the median of the
-    decoding request's and prefill_reps - 1 requests of one token (moeplug.measure; a replayed request
+    decoding request's and prefill_reps - 1 requests of one token (moeplug.serving.measure; a replayed request
     takes the replay file's next prompt, so replay prompts are sent once, as chat turns are).
     keep_logs: copy the server's log there once it stopped (kept_log_path names it)."""
-    from moeplug.errors import MoeplugError
-    from moeplug.gpu import process_vram_bytes
-    from moeplug.metrics import fetch_cache_counters
-    from moeplug.serving import launch_verified, stop
+    from moeplug.core.errors import MoeplugError
+    from moeplug.machine.gpu import process_vram_bytes
+    from moeplug.serving.metrics import fetch_cache_counters
+    from moeplug.serving.launch import launch_verified, stop
 
     name = f"serve-bench-{os.getpid()}"
     started = time.time()
@@ -300,8 +300,8 @@ def warm_up(url: str, warmup: list[list[int]] | None, errors: list[str]) -> int:
     """The unmeasured warm-up requests; how many were answered (what failed goes to errors)."""
     import requests
 
-    from moeplug.errors import MoeplugError
-    from moeplug.server import complete
+    from moeplug.core.errors import MoeplugError
+    from moeplug.serving.server import complete
 
     answered = 0
     for i, prompt in enumerate(warmup or []):
@@ -315,13 +315,13 @@ def warm_up(url: str, warmup: list[list[int]] | None, errors: list[str]) -> int:
 
 def fit_within(cfg: Config, model: Path, ctx: int, warmup: list[list[int]] | None) -> None:
     """--stock-vram budget: cfg's -fitt raised until its server holds no more than cfg.vram_cap
-    (moeplug.bench.fit_within), each launch as a round's (the context probe, the warm-up), in
+    (moeplug.operations.bench.fit_within), each launch as a round's (the context probe, the warm-up), in
     cfg.fit_tries; still over the cap, an error of the row. Without NVML's count (no GPU) one launch,
     nothing changed."""
-    from moeplug.bench import fit_within as raise_until_within
-    from moeplug.errors import MoeplugError
-    from moeplug.gpu import process_vram_bytes
-    from moeplug.serving import launch_verified, stop
+    from moeplug.operations.bench import fit_within as raise_until_within
+    from moeplug.core.errors import MoeplugError
+    from moeplug.machine.gpu import process_vram_bytes
+    from moeplug.serving.launch import launch_verified, stop
 
     assert cfg.vram_cap is not None
     name = f"serve-bench-fit-{os.getpid()}"
@@ -346,7 +346,7 @@ def fit_within(cfg: Config, model: Path, ctx: int, warmup: list[list[int]] | Non
 
 
 def record(cfg: Config, w: str, got: Any, sent: list[str]) -> None:
-    """One launch's timings of workload w (moeplug.measure.Timings) into cfg."""
+    """One launch's timings of workload w (moeplug.serving.measure.Timings) into cfg."""
     sent += [f"{w}/{x}" for x in got.sent]
     cfg.errors += [f"{w} {e}" for e in got.errors]
     for e in got.errors:
@@ -447,7 +447,7 @@ def delayed_share(cfg: Config, workload: str) -> list[float] | None:
 
 
 def ratio_interval(mine: Config, stock: Config, workload: str, test: int) -> list[float] | None:
-    """The median per-prompt ratio's 95% interval over the run's rounds (moeplug.measure.median_ratio_interval:
+    """The median per-prompt ratio's 95% interval over the run's rounds (moeplug.serving.measure.median_ratio_interval:
     each prompt's rounds drawn again on each side; seeded, so a JSON's tables print the same again)."""
     a, b = timed(mine, workload, test), timed(stock, workload, test)
     return median_ratio_interval([(a[i], b[i]) for i in sorted(a) if i in b])
@@ -687,8 +687,8 @@ def speculation(a: argparse.Namespace, model: Path):
     """(moeplug's Speculation for --spec, or None; the synthetic-acceptance flags both sides add).
     draft:shape writes a draft of the model's shape cut to 2 blocks (same vocabulary) beside it,
     draft:small one of 1 block with as many experts as it uses."""
-    from moeplug.speculation import parse_spec
-    from moeplug.synth import make_model, shape_spec
+    from moeplug.planner.speculation import parse_spec
+    from moeplug.model.synth import make_model, shape_spec
 
     if a.spec is None:
         return None, []
@@ -713,7 +713,7 @@ def speculation(a: argparse.Namespace, model: Path):
 
 
 def prepare_model(a: argparse.Namespace) -> Path:
-    from moeplug.synth import make_model, shape_spec
+    from moeplug.model.synth import make_model, shape_spec
 
     model = a.model or Path(f"/tmp/moeplug-bench/{a.shape}-shape.gguf")
     if not model.exists():
@@ -736,10 +736,10 @@ def text_profile(model: Path, patched, a: argparse.Namespace) -> Path:
 
 def replay_inputs(model: Path, a: argparse.Namespace) -> tuple[Path, Path, int] | str:
     """(trace profile, replay file of the held-out prompts, their number), or why there is no replay."""
-    from moeplug.errors import MoeplugError
+    from moeplug.core.errors import MoeplugError
     from moeplug.profile.format import write_profile
     from moeplug.profile.from_trace import profile_from_trace
-    from moeplug.trace import load_trace, write_replay
+    from moeplug.profile.trace import load_trace, write_replay
 
     if not a.trace.exists():
         return f"no trace at {a.trace} (--trace)"
@@ -888,10 +888,11 @@ def print_tables(pairs: list[tuple[Config, Config]], workloads: list[str]) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moeplug.fit_estimate import gpu_need
-    from moeplug.install import SLOTS_ON_CPU_ENV, draft_need_for, plan_for
-    from moeplug.model_inspect import inspect_model
-    from moeplug.plan import describe_slots
+    from moeplug.planner.fit_estimate import gpu_need
+    from moeplug.serving.installed import SLOTS_ON_CPU_ENV
+    from moeplug.operations.install import draft_need_for, plan_for
+    from moeplug.model.inspect import inspect_model
+    from moeplug.planner.plan import describe_slots
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=("qwen3-30b-a3b", "gpt-oss-20b"), help="synthetic model shape written when --model is missing "
@@ -1015,9 +1016,9 @@ def main(argv: list[str] | None = None) -> int:
     extras = row_args(ap, a.row_args)
     stock_threads = stock_thread_counts(ap, a.stock_threads)
     stock_extras = row_args(ap, a.stock_args, "--stock-args")
-    from moeplug.estimates import DEFAULT_UBATCH, MIN_UBATCH
+    from moeplug.planner.estimates import DEFAULT_UBATCH, MIN_UBATCH
 
-    from moeplug.plan import UBATCH_AUTO
+    from moeplug.planner.plan import UBATCH_AUTO
 
     numbers = [u for u in a.ubatches.split(",") if u.strip() != "auto"]
     ubatches = [int(u) if u is not None else DEFAULT_UBATCH for u in
@@ -1031,8 +1032,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.spec is not None and a.spec != "ngram" and max(ubatches) > DEFAULT_UBATCH:
         ap.error(f"--ubatches above {DEFAULT_UBATCH} with --spec {a.spec}: not planned yet (moeplug plan --ubatch)")
     every_env = server_env(ap, a.env)
-    from moeplug.options import STOCK_VRAM
-    from moeplug.server_flags import with_threads
+    from moeplug.commands.options import STOCK_VRAM
+    from moeplug.planner.server_flags import with_threads
 
     stock_vram = [v.strip() for v in a.stock_vram.split(",") if v.strip()]
     if not stock_vram or any(v not in STOCK_VRAM for v in stock_vram) or len(set(stock_vram)) < len(stock_vram):
@@ -1048,8 +1049,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.spec_draft_max is not None and a.spec_draft_max < 1:
         ap.error("--spec-draft-max: at least 1")
     if a.spec is not None and a.spec not in ("draft:shape", "draft:small"):
-        from moeplug.errors import MoeplugError
-        from moeplug.speculation import parse_spec
+        from moeplug.core.errors import MoeplugError
+        from moeplug.planner.speculation import parse_spec
 
         try:
             parse_spec(a.spec, a.spec_draft_max)

@@ -17,7 +17,7 @@ order), for two rows at each budget, run side by side in interleaved rounds:
 
   stock     llama-bench `-fitt (free VRAM - budget)` (stock's flags on the patched build: the
             replay flag is ours, the patches are opt-in)
-  moeplug   the planner's placement for the budget (`moeplug.install.plan_for`, the profile of the
+  moeplug   the planner's placement for the budget (`moeplug.operations.install.plan_for`, the profile of the
             trace's training prompts) with the plan's slot policy (`--policy` to force one); with
             the dynamic policy the slots follow the replayed prompts from test to test, as in a
             server
@@ -187,10 +187,11 @@ def speedup_table(pairs: list[tuple[Row, Row]], depths: list[int], draft_s: floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moeplug.fit_estimate import gpu_need
-    from moeplug.install import SLOTS_ON_CPU_ENV, plan_for
-    from moeplug.model_inspect import inspect_model
-    from moeplug.plan import describe_slots, placement_args
+    from moeplug.planner.fit_estimate import gpu_need
+    from moeplug.serving.installed import SLOTS_ON_CPU_ENV
+    from moeplug.operations.install import plan_for
+    from moeplug.model.inspect import inspect_model
+    from moeplug.planner.plan import describe_slots, placement_args
     from moeplug.profile.format import read_profile
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

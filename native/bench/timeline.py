@@ -29,7 +29,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from moeplug.traffic import EVAL_TIMING_RE, PROMPT_TIMING_RE
+from moeplug.serving.traffic import EVAL_TIMING_RE, PROMPT_TIMING_RE
 
 HEAD = re.compile(r"ggml_backend_sched_timeline_report: (\d+) graphs of (\d+) splits, host us per graph: "
                   r"([\d.]+) in splits \(inputs ([\d.]+), compute ([\d.]+)\); synchronize ([\d.]+) us per call "

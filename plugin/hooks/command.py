@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from moeplug.errors import MoeplugError
+from moeplug.core.errors import MoeplugError
 
 
 class Installed(Protocol):
-    """The parts of moeplug.install.InstalledModel a hook reads."""
+    """The parts of moeplug.serving.installed.InstalledModel a hook reads."""
 
     name: str
     ref: str
@@ -35,7 +35,7 @@ class ModelCommand:
     profile_sha256: str | None  # the profile file's digest now (a replaced profile shows in the fragment)
 
     def argv(self, port: int | str) -> list[str]:
-        from moeplug.serving import served_argv
+        from moeplug.serving.launch import served_argv
 
         return served_argv(self.binary, self.model, port, list(self.server_args))
 
@@ -58,7 +58,7 @@ def model_commands(models: list[Installed]) -> list[ModelCommand]:
 
 
 def _digest(path: str | None) -> str | None:
-    from moeplug.fsutil import sha256_file
+    from moeplug.core.fsutil import sha256_file
 
     try:
         return sha256_file(Path(path)) if path else None

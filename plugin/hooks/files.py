@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from moeplug.errors import MoeplugError
-from moeplug.fsutil import atomic_path
+from moeplug.core.errors import MoeplugError
+from moeplug.core.fsutil import atomic_path
 
 BACKUP_SUFFIX = ".moeplug-backup"
 

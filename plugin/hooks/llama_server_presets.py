@@ -14,7 +14,7 @@ import re
 import shlex
 from pathlib import Path
 
-from moeplug.errors import MoeplugError
+from moeplug.core.errors import MoeplugError
 from moeplug.hooks.command import ModelCommand, flag_pairs
 from moeplug.hooks.files import read_text_exact, replace_keeping
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import yaml
 
-from moeplug.errors import MoeplugError
-from moeplug.fsutil import atomic_path
+from moeplug.core.errors import MoeplugError
+from moeplug.core.fsutil import atomic_path
 from moeplug.hooks.command import ModelCommand, flag_pairs
 from moeplug.hooks.files import read_text_exact, replace_keeping
 

@@ -12,13 +12,13 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from moeplug.errors import MoeplugError
+from moeplug.core.errors import MoeplugError
 from moeplug.hooks import llama_server_presets as presets
 from moeplug.hooks import llama_swap, ollama
 from moeplug.hooks.command import Installed, ModelCommand, model_commands
 from moeplug.hooks.files import read_text_exact, replace_keeping
 from moeplug.hooks.store import HookRecord, drop_hook, find_hook, hooks_lock, put_hook, read_hooks
-from moeplug.progress import Note, ProgressFn, silent
+from moeplug.core.progress import Note, ProgressFn, silent
 
 
 def hook_file(target: str, path: Path) -> Path:

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from moeplug.fsutil import write_text_atomic
-from moeplug.paths import state_dir
+from moeplug.core.fsutil import write_text_atomic
+from moeplug.core.paths import state_dir
 
 TARGETS = ("llama-server", "llama-swap", "llama-swap-file", "ollama")
 

@@ -22,15 +22,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moeplug.errors import BuildError, MoeplugError
-from moeplug.fsutil import atomic_dir, write_text_atomic
+from moeplug.core.errors import BuildError, MoeplugError
+from moeplug.core.fsutil import atomic_dir, write_text_atomic
 from moeplug.native.cpu_probe import native_cpu_flags
 from moeplug.native.features import detect_features
 from moeplug.native.lock import NativeSpec, load_spec
 from moeplug.native.source import prepare_tree, source_origin
-from moeplug.paths import builds_dir, cache_dir, logs_dir
-from moeplug.progress import Note, ProgressFn, Step, silent
-from moeplug.runlog import run_logged
+from moeplug.core.paths import builds_dir, cache_dir, logs_dir
+from moeplug.core.progress import Note, ProgressFn, Step, silent
+from moeplug.core.runlog import run_logged
 
 # The programs moeplug runs. The patched build adds our router profiler and our native tests;
 # the stock build adds llama-eval-callback, the independent route the profiler's recorded ids
@@ -138,7 +138,7 @@ def tree_id(spec: NativeSpec, stock: bool, origin: str | None = None) -> str:
 
 def detect_gpu_arch() -> str | None:
     """The first NVIDIA GPU's compute capability as a CMake architecture ("90"), or None."""
-    from moeplug.gpu import gpu_arch
+    from moeplug.machine.gpu import gpu_arch
 
     return gpu_arch()
 

@@ -15,10 +15,10 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from moeplug.errors import MoeplugError
+from moeplug.core.errors import MoeplugError
 from moeplug.native.lock import NativeSpec, load_spec, native_dir
 from moeplug.native.source import apply_overlay, extract_sdist, fetch_sdist
-from moeplug.paths import logs_dir
+from moeplug.core.paths import logs_dir
 
 BASE_TAG = "moeplug-base"
 OVERLAY_TAG = "moeplug-overlay"

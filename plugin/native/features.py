@@ -10,7 +10,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from moeplug.errors import MoeplugError
+from moeplug.core.errors import MoeplugError
 
 # feature name -> the flag that shows it
 FEATURE_FLAGS: dict[str, str] = {

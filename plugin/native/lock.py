@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from moeplug.errors import MoeplugError
-from moeplug.paths import bundled_dir
+from moeplug.core.errors import MoeplugError
+from moeplug.core.paths import bundled_dir
 
 
 def native_dir() -> Path:

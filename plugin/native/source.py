@@ -17,11 +17,11 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from moeplug.errors import BuildError
-from moeplug.fsutil import atomic_dir, sha256_file
+from moeplug.core.errors import BuildError
+from moeplug.core.fsutil import atomic_dir, sha256_file
 from moeplug.native.lock import Lock, NativeSpec
-from moeplug.paths import cache_dir
-from moeplug.runlog import run_logged
+from moeplug.core.paths import cache_dir
+from moeplug.core.runlog import run_logged
 
 LOCAL_SOURCE_ENV = "MOEPLUG_LLAMA_SRC"
 

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from moeplug.errors import MoeplugError, about_file
-from moeplug.fsutil import atomic_gguf
+from moeplug.core.errors import MoeplugError, about_file
+from moeplug.core.fsutil import atomic_gguf
 
 PROFILE_VERSION = 1
 EXPERT_TENSOR_RE = re.compile(r"^blk\.\d+\..*_(?:exps|chexps)\.")
@@ -77,7 +77,7 @@ def fnv1a64_hex(data: bytes) -> str:
 
 def model_fingerprint(model_path: str | Path) -> ModelFingerprint:
     """The fingerprint llama-moe-profile writes, computed from the model's GGUF header(s)."""
-    from moeplug.model_inspect import open_gguf, scalar_or_max, shard_paths
+    from moeplug.model.inspect import open_gguf, scalar_or_max, shard_paths
 
     shards = shard_paths(Path(model_path))
     first = open_gguf(shards[0], "model")
@@ -169,7 +169,7 @@ def _field(reader: Any, key: str, required: bool = True) -> Any:
 
 def read_profile(path: str | Path) -> Profile:
     """Read and check a profile file; every problem is one ProfileError naming it."""
-    from moeplug.model_inspect import open_gguf
+    from moeplug.model.inspect import open_gguf
 
     path = Path(path)
     reader = open_gguf(path, "profile file", ProfileError)

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from moeplug.profile.format import PHASE_DECODE, Profile, ProfileError, ProfileSource, model_fingerprint
-from moeplug.trace import Trace, load_trace
+from moeplug.profile.trace import Trace, load_trace
 
 _DOWN_RE = re.compile(r"^blk\.(\d+)\.ffn_down_(?:ch)?exps\.weight$")
 
@@ -37,7 +37,7 @@ def _down_tensors(expert_tensors: tuple[str, ...]) -> list[str]:
 def _nextn_blocks(model: Path) -> int:
     import gguf
 
-    from moeplug.model_inspect import scalar_or_max, shard_paths
+    from moeplug.model.inspect import scalar_or_max, shard_paths
 
     reader = gguf.GGUFReader(shard_paths(model)[0])
     arch = str(reader.get_field("general.architecture").contents())

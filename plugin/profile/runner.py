@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from moeplug.errors import MoeplugError
-from moeplug.paths import bundled_dir, data_dir, logs_dir
+from moeplug.core.errors import MoeplugError
+from moeplug.core.paths import bundled_dir, data_dir, logs_dir
 from moeplug.profile.format import (
     ModelFingerprint,
     Profile,
@@ -23,11 +23,11 @@ from moeplug.profile.format import (
     read_profile,
     write_profile,
 )
-from moeplug.progress import Note, ProgressFn, Step, silent
-from moeplug.runlog import run_logged
+from moeplug.core.progress import Note, ProgressFn, Step, silent
+from moeplug.core.runlog import run_logged
 
 DEFAULT_PROMPT_SETS = ("codeish", "chatty")
-# a bundled set no default profile is made from: what benchmarks time a plan on (moeplug.bench)
+# a bundled set no default profile is made from: what benchmarks time a plan on (moeplug.operations.bench)
 HELDOUT_PROMPT_SET = "heldout"
 _PROGRESS_RE = re.compile(r"prompt (\d+)/(\d+)")
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from moeplug.gpu import GpuInfo
-from moeplug.install import InstalledModel
-from moeplug.metrics import CacheCounters
-from moeplug.monitor import LayerSlots, ProfileSummary, ServerMetrics, ServerSnapshot, Snapshot
-from moeplug.serving import ServerRecord
+from moeplug.machine.gpu import GpuInfo
+from moeplug.serving.installed import InstalledModel
+from moeplug.serving.metrics import CacheCounters
+from moeplug.serving.monitor import LayerSlots, ProfileSummary, ServerMetrics, ServerSnapshot, Snapshot
+from moeplug.serving.launch import ServerRecord
 
 GIB = 1 << 30
 TAKEN_AT = 1_780_000_000.0  # a fixed clock: ages and uptimes render the same on every run

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from textual.widgets import DataTable, Static
 
-from moeplug.monitor import Snapshot
+from moeplug.serving.monitor import Snapshot
 from moeplug.tui.app import make_app
 from moeplug.tui.screens.help import HelpScreen
 from moeplug.tui.screens.main import MainScreen

@@ -21,9 +21,9 @@ import requests
 from textual.pilot import Pilot
 from textual.widgets import DataTable, Label, Log, ProgressBar, Static
 
-from moeplug.gpu import gpus
-from moeplug.monitor import parse_server_metrics
-from moeplug.paths import builds_dir
+from moeplug.machine.gpu import gpus
+from moeplug.serving.monitor import parse_server_metrics
+from moeplug.core.paths import builds_dir
 from moeplug.tui.app import make_app
 from moeplug.tui.widgets.activity import ActivityBar
 from moeplug.tui.format import percent

@@ -1,6 +1,6 @@
 """The dashboard: served models on top, the selected model's slots, GPUs and plan below.
 
-A timer starts a poll in a worker thread (moeplug.monitor, through the app's source); the
+A timer starts a poll in a worker thread (moeplug.serving.monitor, through the app's source); the
 result comes back to the UI thread with call_from_thread. Actions run in worker threads too;
 the activity line and its progress bar say what runs, and how it ended.
 """
@@ -18,7 +18,7 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header
 from textual.worker import Worker, WorkerState, get_current_worker
 
-from moeplug.monitor import ServerMetrics, Snapshot
+from moeplug.serving.monitor import ServerMetrics, Snapshot
 from moeplug.tui import actions
 from moeplug.tui.screens.confirm import ConfirmScreen
 from moeplug.tui.screens.help import HelpScreen

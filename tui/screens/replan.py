@@ -12,9 +12,9 @@ from textual.screen import ModalScreen
 from textual.widgets import Input, Label, Static
 from textual.worker import get_current_worker
 
-from moeplug.errors import MoeplugError
-from moeplug.plan import describe_slots
-from moeplug.sizes import parse_size
+from moeplug.core.errors import MoeplugError
+from moeplug.planner.plan import describe_slots
+from moeplug.core.sizes import parse_size
 from moeplug.tui import actions
 from moeplug.tui.format import percent
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from textual.widgets import Static
 
-from moeplug.monitor import Snapshot
+from moeplug.serving.monitor import Snapshot
 from moeplug.tui.format import bar, gib
 
 BAR_WIDTH = 10

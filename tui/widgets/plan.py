@@ -6,7 +6,7 @@ import shlex
 
 from textual.widgets import Static
 
-from moeplug.monitor import ServerSnapshot
+from moeplug.serving.monitor import ServerSnapshot
 from moeplug.tui.format import duration
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from textual.widgets import DataTable
 
-from moeplug.monitor import ServerMetrics, Snapshot
-from moeplug.serving import cache_summary
+from moeplug.serving.monitor import ServerMetrics, Snapshot
+from moeplug.serving.launch import cache_summary
 from moeplug.tui.format import duration, rate
 
 COLUMNS = [("name", "name"), ("state", "state"), ("uptime", "up"), ("prefill", "pp t/s"), ("decode", "tg t/s"),

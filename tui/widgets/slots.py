@@ -6,7 +6,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import DataTable, Static
 
-from moeplug.monitor import ServerSnapshot
+from moeplug.serving.monitor import ServerSnapshot
 from moeplug.tui.format import percent, size, strip
 
 COLUMNS = [("block", "blk"), ("slots", "slots"), ("kind", "kind"), ("predicted", "pred"), ("measured", "meas")]

@@ -35,7 +35,7 @@ import shutil
 from pathlib import Path
 from moeplug.native.lock import load_spec
 from moeplug.native.source import fetch_sdist
-from moeplug.paths import state_dir
+from moeplug.core.paths import state_dir
 
 lock = load_spec().lock
 log = state_dir() / "logs" / "device-prepare.log"

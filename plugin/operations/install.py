@@ -1,0 +1,289 @@
+"""`moeplug install MODEL`: reference -> files -> inspection -> native build -> profile -> plan ->
+a running, verified llama-server, its record kept with the installed models (moeplug.serving.installed).
+
+`install` reports progress through a callback and returns an `Installed` result; nothing here prints.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from moeplug.core.errors import MoeplugError, NotApplicableError
+from moeplug.core.fsutil import write_text_atomic
+from moeplug.hooks import refresh_hooks
+from moeplug.model.inspect import ModelInfo, inspect_model
+from moeplug.planner.estimates import context_size
+from moeplug.machine.gpu import gpus, one_budget_note, vram_budgets
+from moeplug.core.output import human_bytes
+from moeplug.core.paths import data_dir
+from moeplug.planner.plan import UBATCH_AUTO, Plan, make_plan, outdated
+from moeplug.profile.format import Profile
+from moeplug.machine.probes import available_ram_bytes, usable_cores
+from moeplug.profile.runner import DEFAULT_PROMPT_SETS
+from moeplug.core.progress import Note, ProgressFn, silent
+from moeplug.model.refs import ModelRef, ResolvedModel, parse_ref, resolve_ref
+from moeplug.serving.installed import (InstalledModel, installed_dir, list_installed, model_name, read_installed,
+                                       write_installed)
+from moeplug.serving.server import HOST, exposure_warning
+from moeplug.planner.speculation import KeepInstalled, Speculation
+
+DEMO_PROFILE_TOKENS = 32
+PROFILE_CTX = 2048  # the profiler's context: each prompt is one sequence, far shorter than this
+
+
+@dataclass
+class Installed:
+    """What `install` did: the model's files, its profile and build, the plan, the server (or None)."""
+
+    name: str
+    model: str
+    profile: str
+    build_id: str
+    plan: Plan
+    server: Any = None  # a serving.ServerRecord when served
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "model": self.model, "profile": self.profile, "build_id": self.build_id,
+                "plan": self.plan.to_json(), "server": self.server.to_json() if self.server else None}
+
+
+def locate(text: str, download: bool = True, progress: ProgressFn = silent) -> ResolvedModel:
+    """The model's local files: generated (demo), found, or downloaded."""
+    ref = parse_ref(text)
+    if ref.kind == "demo":
+        from moeplug.model.demo import ensure_demo_model
+
+        ensure_demo_model(progress)
+        return resolve_ref(text)
+    if ref.kind == "hf" and download:
+        from moeplug.model.download import fetch_hf
+
+        return fetch_hf(ref, progress)
+    return resolve_ref(text)
+
+
+def require_moe(info: ModelInfo) -> None:
+    if not info.layers:
+        raise NotApplicableError(f"{info.path}: a dense model (no routed-expert tensors): moeplug has nothing to "
+                                 f"offload; run it with stock llama.cpp")
+
+
+def ensure_profile(model: Path, tool: Path, n_predict: int, prompt_sets: list[str], *, remake: bool = False,
+                   progress: ProgressFn = silent) -> Path:
+    """The model's stored profile, made with the bundled prompts when there is none yet (remake:
+    made again, replacing it atomically)."""
+    from moeplug.profile.format import model_fingerprint
+    from moeplug.profile.runner import ProfileRun, default_profile_path, run_profile
+
+    dest = default_profile_path(model_fingerprint(model))
+    if dest.exists() and not remake:
+        progress(Note(f"profile: {dest} (already made; 'moeplug profile' re-makes it)"))
+        return dest
+    run = ProfileRun(tool=tool, model=model, n_predict=n_predict, ctx=PROFILE_CTX)
+    path, _ = run_profile(run, prompt_sets, dest, progress)
+    return path
+
+
+def rerun_prompts(m: InstalledModel, out: Path, progress: ProgressFn = silent) -> Profile:
+    """An installed model's routing on the bundled prompt sets and its own prompt files, profiled
+    as install profiles it, written to `out` (not stored as the model's profile)."""
+    from moeplug.profile.runner import ProfileRun, run_profile
+
+    tool = installed_build(m).binary("llama-moe-profile")
+    run = ProfileRun(tool=tool, model=Path(m.path), n_predict=default_profile_tokens(parse_ref(m.ref)), ctx=PROFILE_CTX)
+    return run_profile(run, [*DEFAULT_PROMPT_SETS, *m.prompt_files], out, progress)[1]
+
+
+def default_profile_tokens(ref: ModelRef) -> int:
+    """Tokens generated per profiling prompt: fewer for the demo's random weights."""
+    return DEMO_PROFILE_TOKENS if ref.kind == "demo" else 256
+
+
+def remake_profile(name: str, prompt_sets: list[str] | None = None, progress: ProgressFn = silent) -> Path:
+    """Profile an installed model again with its build and the bundled prompts (the dashboard's
+    re-profile); the stored profile is replaced atomically. Re-plan to use it."""
+    from moeplug.profile.runner import DEFAULT_PROMPT_SETS
+
+    m = read_installed(name)
+    tool = installed_build(m).binary("llama-moe-profile")
+    return ensure_profile(Path(m.path), tool, default_profile_tokens(parse_ref(m.ref)),
+                          list(prompt_sets or DEFAULT_PROMPT_SETS), remake=True, progress=progress)
+
+
+def plan_for(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, profile: Path | None,
+             slots_on_cpu: bool, loaded: Profile | None = None, fit_tool: Path | None = None,
+             policy: str = "auto", spec: Speculation | None = None, prefill_weight: float | None = None,
+             copy_ahead: bool | None = None, threads: int | None = None, ubatch: int = UBATCH_AUTO,
+             prompt_tokens: int | None = None) -> Plan:
+    """The plan at a budget (None: the free VRAM of each GPU; a list: one per GPU). loaded: the
+    profile to plan from when it is not (yet) the file at `profile`. fit_tool: the build's
+    llama-fit-params, whose estimate of the GPU's other buffers replaces moeplug's own where it
+    sees a GPU (one GPU only). spec: speculative decoding. prefill_weight: prompt tokens per
+    generated token (None: the planner's default, allocate.PREFILL_WEIGHT). copy_ahead: plan.make_plan's.
+    threads: the server's CPU threads as asked (0: llama.cpp's default; None: the planner's choice
+    for this machine's cores, plan.server_threads). ubatch: the server's physical batch (-ub; make_plan;
+    UBATCH_AUTO: the planner's choice); prompt_tokens: the prompt length to plan prompt batches for (None or
+    0: the profile's prompts)."""
+    from moeplug.planner.fit_estimate import gpu_need
+
+    found = gpus()
+    budget = vram_budgets(vram_budget, found)
+    slots_in_ram = max(1, info.n_expert // 4) if slots_on_cpu else 0  # the demo without a GPU
+    one_gpu = budget is not None and not isinstance(budget, list)
+    need = gpu_need(fit_tool, info.path, ctx) if fit_tool is not None and one_gpu else None
+    plan = make_plan(info, ctx, budget, profile, available_ram_bytes(), slots_in_ram, need=need, policy=policy,
+                     profile=loaded, spec=spec, draft_need=draft_need_for(spec, ctx, fit_tool if one_gpu else None),
+                     copy_ahead=copy_ahead, cpu_cores=usable_cores(), threads=threads, ubatch=ubatch,
+                     prompt_tokens=prompt_tokens,
+                     **({} if prefill_weight is None else {"prefill_weight": prefill_weight}))
+    note = one_budget_note(budget, found)
+    plan.notes += [note] if note else []
+    return plan
+
+
+def draft_need_for(spec: Speculation | None, ctx: int, fit_tool: Path | None) -> Any:
+    """llama.cpp's own estimate of what a speculative draft model holds on the GPU (a DeviceNeed), or
+    None: no draft model, no tool, or no GPU (the planner then estimates it itself)."""
+    from moeplug.planner.fit_estimate import gpu_need
+
+    if spec is None or spec.kind != "draft" or fit_tool is None:
+        return None
+    return gpu_need(fit_tool, Path(str(spec.draft)), ctx, experts_in_ram=False)
+
+
+def installed_build(m: InstalledModel) -> Any:
+    """The native build a model was installed with (a BuildResult), or an error saying what to do."""
+    from moeplug.native.build import installed_builds
+
+    builds = {b.build_id: b for b in installed_builds()}
+    if m.build_id not in builds:
+        raise MoeplugError(f"the build {m.build_id} that '{m.name}' was installed with is gone; "
+                           f"run 'moeplug install {m.ref}' again")
+    return builds[m.build_id]
+
+
+def install(text: str, *, ctx: int | None = None, vram_budget: int | list[int] | None = None,
+            backend: str | None = None,
+            jobs: int = 0, profile_tokens: int | None = None, prompt_sets: list[str] | None = None, serve: bool = True,
+            port: int | None = None, allow_fallback: bool = False, metrics: bool = False, ctx_override: bool = False,
+            host: str = HOST, spec: Speculation | None = None, prefill_weight: float | None = None,
+            threads: int | None = None, ubatch: int | None = None, prompt_tokens: int | None = None,
+            progress: ProgressFn = silent) -> Installed:
+    """Install (and unless serve=False, serve) a model. ctx None: 4096, or less for a model trained
+    with less; above the training context only with ctx_override. host: where the server listens.
+    spec: speculative decoding, planned for and kept in the installed plan (serve reuses it).
+    prefill_weight: prompt tokens per generated token to plan for (None: the planner's default),
+    kept in the installed plan as well, as threads is (the server's CPU threads; None: the planner's),
+    ubatch (the server's physical batch, -ub; None or UBATCH_AUTO: the planner's choice) and prompt_tokens
+    (the prompt length to plan prompt batches for; None: the profile's prompts)."""
+    from moeplug.native.build import build, resolve_options
+    from moeplug.serving.launch import launch_verified, model_lock
+
+    if serve:
+        warn_exposure(host, progress)
+
+    ref = parse_ref(text)
+    name = model_name(ref)
+    is_demo = ref.kind == "demo"
+    with model_lock(name, progress):
+        resolved = locate(text, progress=progress)
+        info = inspect_model(resolved.path)
+        require_moe(info)
+        ctx = context_size(info, ctx, ctx_override)
+        progress(Note(f"{name}: {info.arch}, {len(info.layers)} MoE layers x {info.n_expert} experts "
+                      f"({info.n_expert_used} used), {human_bytes(info.total_bytes)} at {resolved.path}"))
+        result = build(resolve_options(backend, stock=False, jobs=jobs, cuda_arch=None), progress=progress)
+        n_predict = profile_tokens or default_profile_tokens(ref)
+        profile = ensure_profile(resolved.path, result.binary("llama-moe-profile"), n_predict,
+                                 list(prompt_sets or DEFAULT_PROMPT_SETS), progress=progress)
+        slots_on_cpu = is_demo and result.manifest.get("backend") == "cpu"
+        plan = plan_for(info, ctx, vram_budget, profile, slots_on_cpu, fit_tool=result.binary("llama-fit-params"),
+                        spec=spec, prefill_weight=prefill_weight, threads=threads,
+                        ubatch=UBATCH_AUTO if ubatch is None else ubatch, prompt_tokens=prompt_tokens)
+        record = InstalledModel(name=name, ref=text, path=str(resolved.path), profile=str(profile),
+                                build_id=result.build_id, ctx=ctx, plan=plan,
+                                slots_on_cpu=slots_on_cpu and plan.backend == "cpu")
+        write_installed(record)
+        refresh_hooks(list_installed(), progress)
+        done = Installed(name=name, model=str(resolved.path), profile=str(profile), build_id=result.build_id,
+                         plan=plan)
+        if serve:
+            done.server = launch_verified(name, resolved.path, result.binary("llama-server"), result.build_id,
+                                          plan.server_args, ctx, port=port, allow_fallback=allow_fallback,
+                                          env=record.server_env(), metrics=metrics, plan=plan, host=host)
+    return done
+
+
+def warn_exposure(host: str, progress: ProgressFn) -> None:
+    """The warning for a server that will listen beyond this machine, before it starts."""
+    warning = exposure_warning(host)
+    if warning:
+        progress(Note(warning))
+
+
+def plan_installed(m: InstalledModel, ctx: int | None = None, vram_budget: int | list[int] | None = None,
+                   profile: Profile | None = None, spec: Speculation | KeepInstalled | None = KeepInstalled(),
+                   prefill_weight: float | None = None, threads: int | None = None,
+                   ubatch: int | None = None, prompt_tokens: int | None = None,
+                   learned: dict[str, Any] | None = None) -> Plan:
+    """An installed model's plan made again, for another budget or context (None: the stored
+    ones), from its profile (or `profile`, the one about to replace it), with its speculation
+    (or `spec`: a Speculation, None for none), its prefill weight (or `prefill_weight`) and the
+    threads its user asked for (or `threads`), the ubatch asked for (or `ubatch`; UBATCH_AUTO: the planner's
+    choice) and the prompt length planned for (or `prompt_tokens`; 0: the profile's prompts); nothing is
+    stored (replan keeps it). learned: the traffic the given prefill weight and prompt length were learned
+    from (moeplug.serving.traffic), kept with the plan; set by hand, they drop the stored one, which stays otherwise."""
+    budget = vram_budget if vram_budget is not None else m.plan.budget
+    path = Path(m.profile) if m.profile and (profile is not None or Path(m.profile).exists()) else None
+    try:
+        fit_tool = installed_build(m).binary("llama-fit-params")
+    except MoeplugError:
+        fit_tool = None  # the build is gone: moeplug's own estimate
+    if isinstance(spec, KeepInstalled):
+        spec = spec.resolve(m.plan.speculation)
+    weight = m.plan.prefill_weight if prefill_weight is None else prefill_weight
+    if learned is None and prefill_weight is None and prompt_tokens is None:
+        learned = m.plan.workload
+    plan = plan_for(inspect_model(m.path), ctx or m.ctx, budget, path, m.slots_on_cpu, profile, fit_tool=fit_tool,
+                    spec=spec, prefill_weight=weight, threads=m.plan.threads_asked if threads is None else threads,
+                    ubatch=m.plan.ubatch_asked if ubatch is None else ubatch,
+                    prompt_tokens=m.plan.prompt_tokens if prompt_tokens is None else prompt_tokens)
+    return replace(plan, workload=learned)
+
+
+def replan(m: InstalledModel, ctx: int | None = None, vram_budget: int | list[int] | None = None,
+           spec: Speculation | KeepInstalled | None = KeepInstalled(), prefill_weight: float | None = None,
+           threads: int | None = None, ubatch: int | None = None, prompt_tokens: int | None = None,
+           learned: dict[str, Any] | None = None) -> InstalledModel:
+    """Plan an installed model again (a new budget, context, speculation, prefill weight, threads, ubatch or
+    prompt length, or its profile changed: the stored ones otherwise) and keep that plan as the model's own;
+    the hooks follow. learned: plan_installed's."""
+    plan = plan_installed(m, ctx, vram_budget, spec=spec, prefill_weight=prefill_weight, threads=threads,
+                          ubatch=ubatch, prompt_tokens=prompt_tokens, learned=learned)
+    record = replace(m, ctx=ctx or m.ctx, plan=plan)
+    write_installed(record)
+    refresh_hooks(list_installed())
+    return record
+
+
+def up_to_date(m: InstalledModel, progress: ProgressFn = silent) -> InstalledModel:
+    """The installed model, its plan made again and kept where an older planner made it (plan.outdated),
+    with its stored budget, context and choices, said in one line; as it is where its plan is current or
+    the profile it was planned from is gone (a plan made now would lose the cache). The caller holds
+    the model's lock (serving.model_lock)."""
+    if not outdated(m.plan) or (m.profile is not None and not Path(m.profile).exists()):
+        return m
+    m = replan(m)
+    progress(Note(f"{m.name}: its plan was made by an older moeplug planner; planned again with the same "
+                  f"budget, context and choices ('moeplug plan {m.name}' shows it)"))
+    return m
+
+
+def replan_profile_users(profile: Path) -> list[InstalledModel]:
+    """Re-plan the installed models whose profile is this file (made again, or replaced)."""
+    return [replan(m) for m in list_installed() if m.profile and Path(m.profile).resolve() == profile.resolve()]
