@@ -171,3 +171,47 @@ class XdgHome:
     def in_library(self, code: str) -> subprocess.CompletedProcess[str]:
         """Python code run against this home (the library reads the XDG variables)."""
         return subprocess.run([sys.executable, "-c", code], env=self.env, capture_output=True, text=True, timeout=120)
+
+
+# make_plan's request and machine facts from one flat set of keywords, as the planner's tests write them
+MACHINE_KEYS = ("ram_available", "cpu_cores", "need", "draft_need", "expert_room")
+
+
+def plan_with(info: Any, ctx: int, budget: Any, profile_path: Path | None = None, *, profile: Any = None,
+              **choices: Any) -> Any:
+    """make_plan for a model at a context and budget: MACHINE_KEYS go to MachineFacts, the rest to PlanRequest."""
+    from moeplug.planner.plan import make_plan
+    from moeplug.planner.request import MachineFacts, PlanRequest
+
+    machine = MachineFacts(**{k: choices.pop(k) for k in MACHINE_KEYS if k in choices})
+    return make_plan(info, PlanRequest(ctx, budget, **choices), machine, profile, profile_path)
+
+
+def layer_costs_of(info: Any, profile: Any, tokens_per_step: int = 1, prefill_weight: float = 1.0,
+                   copy_ahead: bool = True) -> list:
+    """The planner's per-layer cost curves for a model and profile at llama.cpp's prompt batch."""
+    from moeplug.planner.request import MachineFacts, PlanRequest
+    from moeplug.planner.speculation import Speculation
+    from moeplug.planner.stages import layer_costs
+
+    spec = Speculation("draft", "-", tokens_per_step - 1) if tokens_per_step > 1 else None
+    request = PlanRequest(0, spec=spec, prefill_weight=prefill_weight, ubatch=512)
+    return layer_costs(info, profile, request, MachineFacts(), copy_ahead)
+
+
+def moeplug(env: dict[str, str] | None, *args: str, timeout: float = 900) -> CliResult:
+    """`moeplug ARGS` as a user runs it: the real command in a child process, in `env` (None: this
+    process's environment)."""
+    return run_cli_process(*args, env=env, timeout=timeout)
+
+
+def one_line_error(r: Any, code: int | None, *words: str) -> str:
+    """A refusal as the CLI promises it: exit `code` (None: any but 0), one line on stderr that starts
+    'moeplug: error: ' and holds each of `words`, no traceback. Returns the line."""
+    assert (r.returncode != 0 if code is None else r.returncode == code), (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moeplug: error: "), r.stderr
+    assert "Traceback" not in r.stderr and "--debug" not in lines[0], r.stderr
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    return lines[0]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import XdgHome
+from helpers import XdgHome, one_line_error
 
 pytestmark = pytest.mark.native
 
@@ -33,16 +33,6 @@ def home(patched_build, tmp_path_factory: pytest.TempPathFactory) -> XdgHome:
     r = h.run("install", "demo", "--no-serve", "--ctx", "1024")
     assert r.returncode == 0, r.stderr[-3000:]
     return h
-
-
-def one_line_error(r: subprocess.CompletedProcess[str], *words: str) -> str:
-    assert r.returncode != 0, r.stdout
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("moeplug: error: "), r.stderr
-    assert "--debug" not in lines[0] and "Traceback" not in r.stderr
-    for w in words:
-        assert w in lines[0], lines[0]
-    return lines[0]
 
 
 def servers(home: XdgHome) -> list[dict]:
@@ -79,7 +69,7 @@ def test_port_taken_between_check_and_bind(home: XdgHome) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-        line = one_line_error(home.run("serve", "demo", "--port", str(port)), f"port {port}", "was taken", "--port")
+        line = one_line_error(home.run("serve", "demo", "--port", str(port)), None, f"port {port}", "was taken", "--port")
     print(f"\nport taken: {line}")
     nothing_served(home)
 
@@ -106,14 +96,14 @@ def kill_server_when(home: XdgHome, ready) -> tuple[subprocess.CompletedProcess[
 def test_server_dies_during_the_health_wait(home: XdgHome) -> None:
     r, when = kill_server_when(home, lambda log: "server is listening" not in log)
     assert when, "the server was up before it could be killed"
-    print(f"\nkilled while loading at: {when[-100:]}\n{one_line_error(r, 'llama-server was killed (signal 9) while loading')}")
+    print(f"\nkilled while loading at: {when[-100:]}\n{one_line_error(r, None, 'llama-server was killed (signal 9) while loading')}")
     nothing_served(home)
 
 
 def test_server_dies_during_the_context_probe(home: XdgHome) -> None:
     r, when = kill_server_when(home, lambda log: "new prompt, n_ctx_slot" in log)
     assert when, "the probe was not seen in the log"
-    print(f"\nkilled during the probe at: {when[-100:]}\n{one_line_error(r, 'context probe')}")
+    print(f"\nkilled during the probe at: {when[-100:]}\n{one_line_error(r, None, 'context probe')}")
     nothing_served(home)
 
 
@@ -151,7 +141,7 @@ def test_full_disk_while_writing_a_profile(home: XdgHome, tmp_path: Path) -> Non
             filler.write_bytes(b"\0" * max(free - limit, 0))
         r = subprocess.run([sys.executable, "-m", "moeplug", "profile", "merge", "--force", str(old), str(profile), str(profile)],
                            env=home.env, capture_output=True, text=True, timeout=120, preexec_fn=preexec)
-        line = one_line_error(r, str(old), "cannot write it", "left as it was")
+        line = one_line_error(r, None, str(old), "cannot write it", "left as it was")
         assert old.read_bytes() == b"an old profile"
         assert sorted(p.name for p in small.iterdir() if p.name != "filler") == ["demo.profile.gguf"]
     print(f"\nfull disk ({how}): {line}")
@@ -172,7 +162,7 @@ def test_model_deleted_while_served(home: XdgHome, tmp_path: Path) -> None:
         text = home.run("status").stdout
         assert "healthy, model file gone" in text
         assert home.run("stop", "doomed").returncode == 0
-        line = one_line_error(home.run("serve", "doomed"), str(model), "no such model file")
+        line = one_line_error(home.run("serve", "doomed"), None, str(model), "no such model file")
         print(f"\nmodel deleted: {line}")
     finally:
         home.run("stop", "--all")

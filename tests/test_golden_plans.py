@@ -29,7 +29,9 @@ import pytest
 
 from moeplug.planner.fit_estimate import DeviceNeed
 from moeplug.model.inspect import inspect_model
-from moeplug.planner.plan import Plan, make_plan
+from moeplug.planner.plan import make_plan
+from moeplug.planner.record import Plan
+from moeplug.planner.request import MachineFacts, PlanRequest
 from moeplug.profile.format import PHASE_DECODE, PHASE_PREFILL, Profile, ProfileSource, model_fingerprint, \
     write_profile
 from moeplug.core.sizes import GIB, MIB
@@ -225,9 +227,11 @@ def plan_case(case: Case, inputs: dict[str, tuple[Path, Path]]) -> Plan | str:
     model, profile = inputs[case.model]
     need = DeviceNeed("CUDA0", *(v * MIB for v in case.need)) if case.need else None
     options = dict(ram_available=64 * GIB) | case.options
+    facts = {k: options.pop(k) for k in ("ram_available", "cpu_cores", "expert_room") if k in options}
+    request = PlanRequest(case.ctx, case.budget, spec=speculation(case.spec, inputs), **options)
     try:
-        return make_plan(inspect_model(model), case.ctx, case.budget, profile if case.profile else None, need=need,
-                         spec=speculation(case.spec, inputs), **options)
+        return make_plan(inspect_model(model), request, MachineFacts(need=need, **facts),
+                         profile_path=profile if case.profile else None)
     except MoeplugError as exc:
         return f"error: {exc}"
 

@@ -25,7 +25,7 @@ import jsonschema
 import pytest
 import requests
 import yaml
-from helpers import use_xdg_homes
+from helpers import moeplug, one_line_error, use_xdg_homes
 
 from moeplug.hooks.command import flag_pairs
 from moeplug.serving.server import free_port
@@ -43,7 +43,8 @@ def store(patched_build, tmp_path_factory: pytest.TempPathFactory):
     so its environment carries GGML_SCHED_EXPERT_COPY_AHEAD=0 beside the slots' LLAMA_MOE_CACHE_DEVICE."""
     from moeplug.core.fsutil import write_text_atomic
     from moeplug.serving.installed import InstalledModel, installed_dir
-    from moeplug.operations.install import ensure_profile, plan_for
+    from moeplug.operations.install import demo_slots, ensure_profile, plan_for
+    from moeplug.planner.request import PlanRequest
     from moeplug.model.inspect import inspect_model
     from moeplug.model.synth import ModelSpec, make_model
 
@@ -57,7 +58,8 @@ def store(patched_build, tmp_path_factory: pytest.TempPathFactory):
         path = make_model(ModelSpec(arch="qwen3moe", layers=4, experts=32, used=4, embd=256, expert_ff=256,
                                     dtype="q8_0", seed=99, name="other"), root / "other.gguf")[0]
         profile = ensure_profile(path, patched_build.binary("llama-moe-profile"), 16, ["codeish"])
-        plan = plan_for(inspect_model(path), 1024, None, profile, slots_on_cpu=True)
+        info = inspect_model(path)
+        plan = plan_for(info, PlanRequest(1024, slots_in_ram=demo_slots(info, True)), profile)
         record = InstalledModel(name="other", ref=str(path), path=str(path), profile=str(profile),
                                 build_id=patched_build.build_id, ctx=1024,
                                 plan=plan.to_json() | {"copy_ahead": False}, slots_on_cpu=True)
@@ -70,21 +72,6 @@ def home(store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[s
     """The module's installed models, a fresh state home (no hooks yet); env for the CLI."""
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     return dict(os.environ)
-
-
-def moeplug(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "moeplug", *args], capture_output=True, text=True, env=env,
-                          timeout=300)
-
-
-def one_line_error(r: subprocess.CompletedProcess[str], code: int, *words: str) -> str:
-    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("moeplug: error: "), r.stderr
-    assert "Traceback" not in r.stderr
-    for w in words:
-        assert w in lines[0], lines[0]
-    return lines[0]
 
 
 def installed() -> dict[str, object]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from helpers import CliResult, run_cli_process, xdg_homes
+from helpers import CliResult, moeplug, one_line_error, run_cli_process, xdg_homes
 
 from moeplug.model.download import check_disk
 from moeplug.core.errors import MoeplugError
@@ -24,11 +24,6 @@ pytestmark = pytest.mark.native
 def home(patched_build, tmp_path: Path) -> dict[str, str]:
     """Fresh XDG homes sharing the built binaries."""
     return xdg_homes(tmp_path)
-
-
-def moeplug(env: dict[str, str], *args: str) -> CliResult:
-    """End to end: the real command in a child process, as a user runs it (servers outlive it)."""
-    return run_cli_process(*args, env=env)
 
 
 def complete(url: str) -> list[int]:
@@ -170,11 +165,6 @@ def test_human_output_says_how_to_query(home: dict[str, str]) -> None:
         assert "curl http://127.0.0.1:" in r.stdout and "moeplug stop demo" in r.stdout
     finally:
         moeplug(home, "stop", "--all")
-
-
-def one_line_error(r: CliResult, code: int, text: str) -> None:
-    assert r.returncode == code, (r.returncode, r.stderr)
-    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr and text in r.stderr, r.stderr
 
 
 def test_unknown_model(home: dict[str, str]) -> None:

@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import CliResult, run_cli_process, xdg_homes
+from helpers import CliResult, moeplug, run_cli_process, xdg_homes
 
 from moeplug.operations.bench import FIT_PAD_MIB, fit_within, raised_fit_target, with_threads
 from moeplug.core.errors import MoeplugError
@@ -28,10 +28,6 @@ def home(patched_build, stock_build, tmp_path: Path) -> dict[str, str]:
     r = moeplug(env, "install", "demo", "--no-serve", "--ctx", "1024")
     assert r.returncode == 0, r.stderr[-3000:]
     return env
-
-
-def moeplug(env: dict[str, str], *args: str) -> CliResult:
-    return run_cli_process(*args, env=env)
 
 
 def installed(env: dict[str, str]) -> dict:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from helpers import use_xdg_homes
+from helpers import moeplug, one_line_error, use_xdg_homes
 
 from moeplug.serving.server import complete, free_port
 
@@ -92,19 +92,6 @@ def ollama(stock_build, patched_build, tmp_path_factory: pytest.TempPathFactory)
                "stock": tree_digest(prefix / "lib" / "ollama")}
 
 
-def moeplug(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "moeplug", *args], capture_output=True, text=True, timeout=900)
-
-
-def one_line_error(r: subprocess.CompletedProcess[str], *words: str) -> str:
-    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("moeplug: error: ") and "Traceback" not in r.stderr, r.stderr
-    for w in words:
-        assert w in lines[0], lines[0]
-    return lines[0]
-
-
 def start_as_ollama(binary: Path, blob: Path, log: Path, env_extra: dict[str, str]) -> tuple[subprocess.Popen, str]:
     """llama-server as startLlamaServer runs it: its argv, Ollama's environment plus LD_LIBRARY_PATH
     (the binary's folder first) and LLAMA_MEDIA_MARKER."""
@@ -150,7 +137,7 @@ def test_hook_swaps_in_every_model_finds_its_profile_and_remove_restores(ollama,
     stock_answers = {n: answer(lib / "llama-server", b, tmp_path / f"stock-{n}.log", {})[0]
                      for n, b in ollama["blobs"].items()}
 
-    r = moeplug("hook", "ollama", "--ollama-dir", str(prefix), "--json")
+    r = moeplug(None, "hook", "ollama", "--ollama-dir", str(prefix), "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["environment"]["LLAMA_ARG_MOE_CACHE_SLOTS"] == "auto" and "export LLAMA_ARG_MOE_CACHE_PROFILE=" in doc["next"]
@@ -162,12 +149,12 @@ def test_hook_swaps_in_every_model_finds_its_profile_and_remove_restores(ollama,
                                                  text=True).stdout.replace("-", "_")
 
     # alpha installed from Ollama's store (its blob in place) with a budget that holds part of its experts
-    r = moeplug("plan", "ollama:alpha", "--vram-budget", "8GiB", "--json")
+    r = moeplug(None, "plan", "ollama:alpha", "--vram-budget", "8GiB", "--json")
     assert r.returncode == 0, r.stderr
     p = json.loads(r.stdout)
     fixed = p["non_expert_vram_bytes"] + p["kv_cache_bytes"] + p["compute_bytes"] + p["margin_bytes"]
     budget = fixed + 12 * p["bytes_per_slot"]
-    r = moeplug("install", "ollama:alpha", "--vram-budget", str(budget), "--no-serve", "--ctx", "1024",
+    r = moeplug(None, "install", "ollama:alpha", "--vram-budget", str(budget), "--no-serve", "--ctx", "1024",
                 "--profile-tokens", "16", "--json")
     assert r.returncode == 0, r.stderr
     inst = json.loads(r.stdout)
@@ -191,13 +178,13 @@ def test_hook_swaps_in_every_model_finds_its_profile_and_remove_restores(ollama,
                                 f"{env['LLAMA_ARG_MOE_CACHE_PROFILE']}"]
     assert tokens == stock_answers["beta"]
 
-    r = moeplug("hook", "list", "--json")
+    r = moeplug(None, "hook", "list", "--json")
     assert [h["state"] for h in json.loads(r.stdout)["hooks"]] == ["ok"]
 
-    r = moeplug("hook", "remove", "ollama")
+    r = moeplug(None, "hook", "remove", "ollama")
     assert r.returncode == 0, r.stderr
     assert tree_digest(lib) == ollama["stock"]  # byte for byte, modes and links
-    assert moeplug("hook", "list", "--json").stdout.count('"target"') == 0
+    assert moeplug(None, "hook", "list", "--json").stdout.count('"target"') == 0
 
 
 def test_an_ollama_update_shows_in_hook_list_and_the_watcher_swaps_again(ollama, stock_build) -> None:
@@ -208,7 +195,7 @@ def test_an_ollama_update_shows_in_hook_list_and_the_watcher_swaps_again(ollama,
     units = Path(os.environ["MOEPLUG_SYSTEMD_DIR"])
     units.mkdir(parents=True, exist_ok=True)
     (units / "ollama.service").write_text("[Service]\nExecStart=/usr/local/bin/ollama serve\n")
-    r = moeplug("hook", "ollama", "--ollama-dir", str(lib))
+    r = moeplug(None, "hook", "ollama", "--ollama-dir", str(lib))
     assert r.returncode == 0, r.stderr
     dropin = units / "ollama.service.d" / "moeplug.conf"
     assert f"wrote {dropin}" in r.stdout
@@ -220,7 +207,7 @@ def test_an_ollama_update_shows_in_hook_list_and_the_watcher_swaps_again(ollama,
         os.replace(update, lib / "llama-server")
 
     ollama_update(ollama["prefix"] / "bin" / "ollama")
-    assert "an Ollama update" in json.loads(moeplug("hook", "list", "--json").stdout)["hooks"][0]["state"]
+    assert "an Ollama update" in json.loads(moeplug(None, "hook", "list", "--json").stdout)["hooks"][0]["state"]
 
     notes: list[str] = []
     watcher = watch_store(debounce=0.2, progress=lambda e: notes.append(str(e)))
@@ -238,8 +225,8 @@ def test_an_ollama_update_shows_in_hook_list_and_the_watcher_swaps_again(ollama,
         assert hook.binary_state(lib) == "swapped", notes
     finally:
         watcher.stop()
-    assert json.loads(moeplug("hook", "list", "--json").stdout)["hooks"][0]["state"] == "ok"
-    assert moeplug("hook", "remove", "ollama").returncode == 0
+    assert json.loads(moeplug(None, "hook", "list", "--json").stdout)["hooks"][0]["state"] == "ok"
+    assert moeplug(None, "hook", "remove", "ollama").returncode == 0
     assert tree_digest(lib) == ollama["stock"]  # the update's binary (here: stock's) back, the rest as first kept
     assert not dropin.exists()
     (units / "ollama.service").unlink()
@@ -257,21 +244,21 @@ def test_refusals_change_nothing(ollama, tmp_path: Path) -> None:
                       'echo "--reasoning-budget-next N   a flag of a newer llama.cpp"; else exec "$0.real" "$@"; fi\n')
     server.chmod(0o755)
     before = tree_digest(server.parent)
-    one_line_error(moeplug("hook", "ollama", "--ollama-dir", str(prefix)), "--reasoning-budget-next",
+    one_line_error(moeplug(None, "hook", "ollama", "--ollama-dir", str(prefix)), 1, "--reasoning-budget-next",
                    "nothing changed")
     assert tree_digest(server.parent) == before
-    assert json.loads(moeplug("hook", "list", "--json").stdout)["hooks"] == []
+    assert json.loads(moeplug(None, "hook", "list", "--json").stdout)["hooks"] == []
 
     # an install folder moeplug cannot write (immutable: root writes anywhere else)
     lib = ollama["lib"]
     if subprocess.run(["chattr", "+i", str(lib)], capture_output=True).returncode != 0:
         pytest.skip("chattr +i is not supported on this file system")
     try:
-        one_line_error(moeplug("hook", "ollama", "--ollama-dir", str(lib)), f"cannot write {lib}", "nothing changed")
+        one_line_error(moeplug(None, "hook", "ollama", "--ollama-dir", str(lib)), 1, f"cannot write {lib}", "nothing changed")
     finally:
         subprocess.run(["chattr", "-i", str(lib)], check=True)
     assert tree_digest(lib) == ollama["stock"]
-    assert json.loads(moeplug("hook", "list", "--json").stdout)["hooks"] == []
+    assert json.loads(moeplug(None, "hook", "list", "--json").stdout)["hooks"] == []
 
 
 def test_profile_dir_no_match_two_matches_corrupt_slots_auto(ollama, patched_build, tmp_path: Path) -> None:

@@ -29,7 +29,8 @@ def test_wheel_installs_with_its_data(tmp_path: Path) -> None:
                    check=True, capture_output=True)
     wheel = next((tmp_path / "dist").glob("moeplug-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
-    for expected in ("moeplug/cli.py", "moeplug/tui/__init__.py", "moeplug/tui/dashboard.tcss",
+    for expected in ("moeplug/commands/main.py", "moeplug/planner/plan.py", "moeplug/model/synth/archs.py",
+                     "moeplug/tui/__init__.py", "moeplug/tui/dashboard.tcss",
                      "moeplug/tui/screens/main.py", "moeplug/tui/widgets/slots.py", "moeplug/hooks/llama_swap.py",
                      "moeplug/_native/lock.yaml",
                      "moeplug/_native/overlay/tools/moe-profile/moe-profile.cpp", "moeplug/_prompts/codeish.txt",

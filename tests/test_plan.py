@@ -13,21 +13,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import make_profile, run_cli, run_cli_process, xdg_homes
+from helpers import layer_costs_of, make_profile, plan_with, run_cli, run_cli_process, xdg_homes
 from moeplug.planner.allocate import (LayerCost, _curve, _layer_counts, allocate, hit_curves, modelled_seconds, prefill_uploads,
                               stream_share,
                               uniform_hits)
 from moeplug.core.errors import MoeplugError
 from moeplug.model.inspect import inspect_model
-from moeplug.planner.estimates import (CUDA_POOL_HEADROOM, SAFETY_MARGIN, cache_compute_extra, compute_buffer_bytes, ubatch_growth_bytes,
-                               expert_copy_ahead_bytes, kv_cache_bytes, logits_bytes, stock_ncmoe,
-                               vocab_size)
-from moeplug.planner.plan import Plan, _layer_costs, make_plan
+from moeplug.planner.estimates import (cache_compute_extra, compute_buffer_bytes, ubatch_growth_bytes, expert_copy_ahead_bytes, kv_cache_bytes, logits_bytes, stock_ncmoe, vocab_size)
+from moeplug.planner.record import Plan
 from moeplug.planner.server_flags import experts_in_ram_args, placement_args
 from moeplug.core.sizes import GIB, parse_size
 from moeplug.profile.format import Profile, ProfileSource, read_profile
 from moeplug.serving.launch import parse_buffers
 from moeplug.serving.server import start_server
+from moeplug.planner.costs import DEFAULT_COSTS
 
 MIB = 1 << 20
 PROMPTS = Path(__file__).parents[1] / "profiles" / "codeish.txt"
@@ -45,8 +44,8 @@ def test_parse_size_rejects_nonsense() -> None:
 
 
 def fixed_bytes(info, ctx: int) -> int:
-    return info.non_expert_bytes + kv_cache_bytes(info, ctx) + compute_buffer_bytes(info) + CUDA_POOL_HEADROOM + \
-        SAFETY_MARGIN
+    return info.non_expert_bytes + kv_cache_bytes(info, ctx) + compute_buffer_bytes(info) + DEFAULT_COSTS.cuda_pool_headroom + \
+        DEFAULT_COSTS.safety_margin
 
 
 def experts_in_ram(args: list[str], info) -> list[str]:
@@ -69,13 +68,13 @@ def test_plan_without_profile_is_stock_placement(fixture_models, arch: str) -> N
     last layers' experts in RAM (stock --fit's choice, faster in prefill), and no cache."""
     info = inspect_model(fixture_models[arch])
     layer = info.layers[0].expert_bytes
-    plan = make_plan(info, 2048, fixed_bytes(info, 2048) + layer + layer // 2)
+    plan = plan_with(info, 2048, fixed_bytes(info, 2048) + layer + layer // 2)
     assert plan.whole_layers == 1 and plan.slots_per_layer[0] == sum(plan.slots_per_layer) == info.n_expert
     assert plan.stock_ncmoe == info.layers[-1].block
     args = plan.server_args
     assert experts_in_ram(args, info) == expert_tensors(info, [b.block for b in info.layers[1:]])
     assert "--moe-cache-slots" not in args and "--cpu-moe" not in args and "-ncmoe" not in args
-    full = make_plan(info, 2048, fixed_bytes(info, 2048) + 100 * layer)
+    full = plan_with(info, 2048, fixed_bytes(info, 2048) + 100 * layer)
     assert full.slots_per_layer == [info.n_expert] * len(info.layers)
     assert not {"--cpu-moe", "-ot", "--moe-cache-slots"} & set(full.server_args)
 
@@ -92,7 +91,7 @@ def test_plan_with_profile_spends_the_budget_on_slots(patched_build, fixture_mod
     layer = info.layers[0].expert_bytes
     for k in (1.5, 2.5):
         room = int(k * layer)
-        plan = make_plan(info, 2048, fixed_bytes(info, 2048) + room, profile)
+        plan = plan_with(info, 2048, fixed_bytes(info, 2048) + room, profile)
         # tiny experts: the CPU round trip outweighs any partial layer, whole layers win
         assert plan.whole_layers == int(k) and plan.expert_vram_bytes <= room
         ram = [b.block for b, n in zip(info.layers, plan.slots_per_layer) if n < info.n_expert]
@@ -121,13 +120,13 @@ def test_a_larger_ubatch_is_planned_with_its_compute_buffer(tmp_path: Path) -> N
     asked at the same -ub where there is one) comes off the slots' room; the server gets -b and -ub,
     the cache's max batch follows it, the plan keeps it, and an older record reads as llama.cpp's 512."""
     from moeplug.core.errors import MoeplugError
-    from moeplug.planner.fit_estimate import CACHE_COMPUTE_EXTRA, CUDA_CONTEXT_RESERVE, DeviceNeed
-    from moeplug.planner.plan import Plan
+    from moeplug.planner.fit_estimate import DeviceNeed
+    from moeplug.planner.record import Plan
 
     model, profile = big_expert_model(tmp_path)
     info = inspect_model(model)
     budget = fixed_bytes(info, 2048) + expert_copy_ahead_bytes(info) + info.expert_bytes // 2
-    small, large = (make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile, ubatch=u) for u in (512, 768))
+    small, large = (plan_with(info, 2048, budget, tmp_path / "p.gguf", profile=profile, ubatch=u) for u in (512, 768))
     assert small.ubatch == 512 and large.ubatch == 768
     assert large.compute_bytes - small.compute_bytes == compute_buffer_bytes(info, 768) - compute_buffer_bytes(info)
     assert 0 < large.expert_vram_bytes < small.expert_vram_bytes and large.slots_total < small.slots_total
@@ -137,27 +136,27 @@ def test_a_larger_ubatch_is_planned_with_its_compute_buffer(tmp_path: Path) -> N
         if batch:  # the logical batch stays llama.cpp's 2048 above a smaller one
             assert args[2:6] == ["-b", "2048", "-ub", batch]
         assert args[args.index("--moe-cache-max-batch") + 1] == (batch or "512")
-    assert make_plan(info, 2048, 2 * GIB + budget, tmp_path / "p.gguf", profile=profile,
+    assert plan_with(info, 2048, 2 * GIB + budget, tmp_path / "p.gguf", profile=profile,
                      ubatch=4096).server_args[2:6] == ["-b", "4096", "-ub", "4096"]
     # beside llama.cpp's estimate (asked at its default ubatch), what the larger activations add (not
     # the larger ubatch of logits llama.cpp's estimate at that ubatch would count: the servers do not hold it)
     need = DeviceNeed("CUDA0", model=64 * MIB, context=8 * MIB, compute=96 * MIB)
     grown = ubatch_growth_bytes(info, 1024)
-    room = need.total + CUDA_CONTEXT_RESERVE + grown + cache_compute_extra(info, CACHE_COMPUTE_EXTRA) + \
+    room = need.total + DEFAULT_COSTS.cuda_context_reserve + grown + cache_compute_extra(info, DEFAULT_COSTS.cache_compute_extra) + \
         info.expert_bytes // 2
-    measured = make_plan(info, 2048, room, tmp_path / "p.gguf", profile=profile, need=need, ubatch=1024)
+    measured = plan_with(info, 2048, room, tmp_path / "p.gguf", profile=profile, need=need, ubatch=1024)
     assert 0 < measured.expert_vram_bytes < info.expert_bytes
     assert grown == int(1.05 * 512 * 4 * 2 * 2 * (2048 + 512)) and ubatch_growth_bytes(info, 512) == 0
-    assert measured.compute_bytes == 96 * MIB + grown + cache_compute_extra(info, CACHE_COMPUTE_EXTRA)
+    assert measured.compute_bytes == 96 * MIB + grown + cache_compute_extra(info, DEFAULT_COSTS.cache_compute_extra)
     assert Plan.from_json(large.to_json()).ubatch == 768
     assert Plan.from_json({k: v for k, v in large.to_json().items() if k != "ubatch"}).ubatch == 512
     with pytest.raises(MoeplugError, match="--ubatch 16: at least 32"):
-        make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile, ubatch=16)
+        plan_with(info, 2048, budget, tmp_path / "p.gguf", profile=profile, ubatch=16)
     # a draft model's context takes the server's batch sizes too: not planned for above 512
     from moeplug.planner.speculation import Speculation
     with pytest.raises(MoeplugError, match="--ubatch 1024 with --spec mtp: not planned yet"):
-        make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile, ubatch=1024, spec=Speculation("mtp"))
-    assert make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile, ubatch=1024,
+        plan_with(info, 2048, budget, tmp_path / "p.gguf", profile=profile, ubatch=1024, spec=Speculation("mtp"))
+    assert plan_with(info, 2048, budget, tmp_path / "p.gguf", profile=profile, ubatch=1024,
                      spec=Speculation("ngram")).ubatch == 1024
 
 
@@ -185,17 +184,18 @@ def test_ubatch_auto_weighs_larger_prompt_batches_for_long_prompts(tmp_path: Pat
     slots its larger activations leave plus its prompt batches, a larger one only 5% faster than the
     smaller. What was weighed is in the notes; the asked ubatch and the prompt length stay with the
     plan, and an older record's ubatch other than 512 reads as asked."""
-    from moeplug.planner.fit_estimate import CACHE_COMPUTE_EXTRA, CUDA_CONTEXT_RESERVE, DeviceNeed
-    from moeplug.planner.plan import UBATCH_AUTO, ubatch_candidates
+    from moeplug.planner.fit_estimate import DeviceNeed
+    from moeplug.planner.plan import ubatch_candidates
+    from moeplug.planner.request import UBATCH_AUTO, PlanRequest
     from moeplug.planner.speculation import Speculation
 
     model, profile = big_expert_model(tmp_path)
     info = inspect_model(model)
     need = DeviceNeed("CUDA0", model=64 * MIB, context=8 * MIB, compute=96 * MIB)
-    room = need.total + CUDA_CONTEXT_RESERVE + cache_compute_extra(info, CACHE_COMPUTE_EXTRA) + info.expert_bytes // 2
+    room = need.total + DEFAULT_COSTS.cuda_context_reserve + cache_compute_extra(info, DEFAULT_COSTS.cache_compute_extra) + info.expert_bytes // 2
 
     def plan(**kw) -> Plan:
-        return make_plan(info, 4096, room, tmp_path / "p.gguf", profile=profile, need=need, **kw)
+        return plan_with(info, 4096, room, tmp_path / "p.gguf", profile=profile, need=need, **kw)
 
     def total(p: Plan) -> float:
         return p.modelled_host_ms - p.modelled_stream_saving_ms
@@ -218,13 +218,17 @@ def test_ubatch_auto_weighs_larger_prompt_batches_for_long_prompts(tmp_path: Pat
         assert all(p.ubatch_asked == p.ubatch for p in fixed.values())
     # nothing to gain: decode only, prompts that fit one batch, a draft model or MTP head, two GPUs, no GPU
     assert plan(prompt_tokens=4096, prefill_weight=0).ubatch == 512
-    assert ubatch_candidates(room, None, profile, 1000, 300) == (512,)
-    assert ubatch_candidates(room, None, profile, 1000, 1000) == (512, 1024)
-    assert ubatch_candidates(room, Speculation("mtp"), profile, 1000, 4096) == (512,)
-    assert ubatch_candidates(room, Speculation("ngram"), profile, 1000, 4096) == (512, 1024, 2048)
-    assert ubatch_candidates([room, room], None, profile, 1000, 4096) == (512,)
-    assert ubatch_candidates(None, None, profile, 1000, 4096) == (512,)
-    assert ubatch_candidates(room, None, None, 1000, 4096) == (512,)
+    def candidates(budget, spec, prof, weight, prompt_tokens):
+        return ubatch_candidates(PlanRequest(4096, budget, spec=spec, prefill_weight=weight,
+                                             prompt_tokens=prompt_tokens), prof)
+
+    assert candidates(room, None, profile, 1000, 300) == (512,)
+    assert candidates(room, None, profile, 1000, 1000) == (512, 1024)
+    assert candidates(room, Speculation("mtp"), profile, 1000, 4096) == (512,)
+    assert candidates(room, Speculation("ngram"), profile, 1000, 4096) == (512, 1024, 2048)
+    assert candidates([room, room], None, profile, 1000, 4096) == (512,)
+    assert candidates(None, None, profile, 1000, 4096) == (512,)
+    assert candidates(room, None, None, 1000, 4096) == (512,)
     assert plan(prompt_tokens=0).prompt_tokens is None  # 0: the profile's prompts
     with pytest.raises(MoeplugError, match="--prompt-tokens -1: 0 or more"):
         plan(prompt_tokens=-1)
@@ -234,11 +238,11 @@ def test_ubatch_auto_weighs_larger_prompt_batches_for_long_prompts(tmp_path: Pat
     old = {k: v for k, v in fixed[1024].to_json().items() if k not in ("ubatch_asked", "prompt_tokens")}
     assert Plan.from_json(old).ubatch_asked == 1024 and Plan.from_json(old | {"ubatch": 512}).ubatch_asked == UBATCH_AUTO
     # a budget that holds 512's buffers but not 2048's larger activations: the plan at what fits, not an error
-    tight = (room - info.expert_bytes // 2 - cache_compute_extra(info, CACHE_COMPUTE_EXTRA)
+    tight = (room - info.expert_bytes // 2 - cache_compute_extra(info, DEFAULT_COSTS.cache_compute_extra)
              + (ubatch_growth_bytes(info, 1024) + ubatch_growth_bytes(info, 2048)) // 2)
     with pytest.raises(MoeplugError, match="does not hold"):
-        make_plan(info, 4096, tight, tmp_path / "p.gguf", profile=profile, need=need, ubatch=2048)
-    fits = make_plan(info, 4096, tight, tmp_path / "p.gguf", profile=profile, need=need, prompt_tokens=4096,
+        plan_with(info, 4096, tight, tmp_path / "p.gguf", profile=profile, need=need, ubatch=2048)
+    fits = plan_with(info, 4096, tight, tmp_path / "p.gguf", profile=profile, need=need, prompt_tokens=4096,
                      prefill_weight=1000)
     assert fits.ubatch in (512, 1024)
     assert any("prompt batches of 2048 tokens or more were not weighed" in n for n in fits.notes)
@@ -251,7 +255,6 @@ def test_the_server_runs_on_half_the_cores_where_few_layers_are_partly_resident(
     share larger), fewer cores, no CPU pass (every expert in VRAM), no cache (no profile: stock's
     placement) or no GPU leave llama.cpp's default. Asked for, the user's count goes everywhere, 0
     meaning llama.cpp's default; both are kept in the plan's JSON."""
-    from moeplug.planner.plan import SERVER_THREADS_FEW_PARTIAL
     from moeplug.model.synth import ModelSpec, make_model
 
     model = make_model(ModelSpec(arch="qwen3moe", layers=8, experts=16, used=2, embd=512, expert_ff=2048, dtype="f16",
@@ -262,32 +265,32 @@ def test_the_server_runs_on_half_the_cores_where_few_layers_are_partly_resident(
     info = inspect_model(model)
     layer = info.expert_bytes // 8
     budget = fixed_bytes(info, 2048) + 7 * layer + layer // 2  # room for 7.5 layers' experts
-    plan = make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile, cpu_cores=16)
+    plan = plan_with(info, 2048, budget, tmp_path / "p.gguf", profile=profile, cpu_cores=16)
     partial = sum(0 < n < info.n_expert for n in plan.slots_per_layer)
-    assert 0 < partial <= SERVER_THREADS_FEW_PARTIAL * 8 and "--moe-cache-slots" in plan.server_args
+    assert 0 < partial <= DEFAULT_COSTS.server_threads_few_partial * 8 and "--moe-cache-slots" in plan.server_args
     assert plan.threads == 8 and plan.threads_asked is None and plan.server_args[-2:] == ["-t", "8"]
     assert any("half of the 16 physical cores it may use" in n for n in plan.notes)
     assert plan.to_json()["threads"] == 8
-    spread = make_plan(info, 2048, fixed_bytes(info, 2048) + 4 * layer, tmp_path / "p.gguf", profile=profile,
+    spread = plan_with(info, 2048, fixed_bytes(info, 2048) + 4 * layer, tmp_path / "p.gguf", profile=profile,
                        cpu_cores=16)  # half the experts' bytes: spread over most layers
-    assert sum(0 < n < info.n_expert for n in spread.slots_per_layer) > SERVER_THREADS_FEW_PARTIAL * 8
+    assert sum(0 < n < info.n_expert for n in spread.slots_per_layer) > DEFAULT_COSTS.server_threads_few_partial * 8
     assert spread.threads is None and "-t" not in spread.server_args
     for cores in (None, 6, 7):
-        few = make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile, cpu_cores=cores)
+        few = plan_with(info, 2048, budget, tmp_path / "p.gguf", profile=profile, cpu_cores=cores)
         assert few.threads is None and "-t" not in few.server_args
-    assert make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile, cpu_cores=9).threads == 4
-    full = make_plan(info, 2048, fixed_bytes(info, 2048) + 2 * info.expert_bytes, tmp_path / "p.gguf", profile=profile,
+    assert plan_with(info, 2048, budget, tmp_path / "p.gguf", profile=profile, cpu_cores=9).threads == 4
+    full = plan_with(info, 2048, fixed_bytes(info, 2048) + 2 * info.expert_bytes, tmp_path / "p.gguf", profile=profile,
                      cpu_cores=16)
     assert full.whole_layers == len(info.layers) and full.threads is None and "-t" not in full.server_args
-    stock = make_plan(info, 2048, budget, cpu_cores=16)  # no profile: stock's placement, no cache
+    stock = plan_with(info, 2048, budget, cpu_cores=16)  # no profile: stock's placement, no cache
     assert stock.threads is None and "-t" not in stock.server_args
-    asked = make_plan(info, 2048, fixed_bytes(info, 2048) + 4 * layer, tmp_path / "p.gguf", profile=profile, cpu_cores=16, threads=5)
+    asked = plan_with(info, 2048, fixed_bytes(info, 2048) + 4 * layer, tmp_path / "p.gguf", profile=profile, cpu_cores=16, threads=5)
     assert (asked.threads, asked.threads_asked, asked.server_args[-2:]) == (5, 5, ["-t", "5"])
     assert any("5 CPU threads (-t 5), as asked" in n for n in asked.notes)
-    default = make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile, cpu_cores=16, threads=0)
+    default = plan_with(info, 2048, budget, tmp_path / "p.gguf", profile=profile, cpu_cores=16, threads=0)
     assert (default.threads, default.threads_asked) == (None, 0) and "-t" not in default.server_args
-    cpu = make_plan(info, 2048, None, cpu_cores=16)  # no GPU
-    assert cpu.threads is None and make_plan(info, 2048, None, threads=3).server_args[-2:] == ["-t", "3"]
+    cpu = plan_with(info, 2048, None, cpu_cores=16)  # no GPU
+    assert cpu.threads is None and plan_with(info, 2048, None, threads=3).server_args[-2:] == ["-t", "3"]
     assert Plan.from_json({k: v for k, v in plan.to_json().items() if not k.startswith("threads")}).threads is None
 
 
@@ -331,37 +334,37 @@ def test_the_copy_ahead_is_counted_where_experts_stay_in_ram(fixture_models, tmp
                       if name.endswith("_exps.weight"))
     assert any(name.endswith("_exps.bias") for name in info.layers[0].tensors)
     assert expert_copy_ahead_bytes(info) == largest
-    base = compute_buffer_bytes(info) + CUDA_POOL_HEADROOM
+    base = compute_buffer_bytes(info) + DEFAULT_COSTS.cuda_pool_headroom
     budget = fixed_bytes(info, 2048) + 3 * info.expert_bytes // 4
-    plan = make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile)
+    plan = plan_with(info, 2048, budget, tmp_path / "p.gguf", profile=profile)
     assert all(0 < n < info.n_expert for n in plan.slots_per_layer), plan.slots_per_layer
     assert plan.compute_bytes == base + largest and plan.expert_vram_bytes <= 3 * info.expert_bytes // 4 - largest
     assert plan.stock_ncmoe == stock_ncmoe(info, 3 * info.expert_bytes // 4)  # stock holds no second copy
-    assert make_plan(info, 2048, budget).compute_bytes == base
+    assert plan_with(info, 2048, budget).compute_bytes == base
     # room for less than the copy: no slot, no cache, no copy; stock's placement (every expert on the CPU)
-    tight = make_plan(info, 2048, fixed_bytes(info, 2048) + largest // 2, tmp_path / "p.gguf", profile=profile)
+    tight = plan_with(info, 2048, fixed_bytes(info, 2048) + largest // 2, tmp_path / "p.gguf", profile=profile)
     assert sum(tight.slots_per_layer) == 0 and tight.compute_bytes == base
-    full = make_plan(info, 2048, fixed_bytes(info, 2048) + 2 * info.expert_bytes, tmp_path / "p.gguf", profile=profile)
+    full = plan_with(info, 2048, fixed_bytes(info, 2048) + 2 * info.expert_bytes, tmp_path / "p.gguf", profile=profile)
     assert full.compute_bytes == base
     # llama.cpp's own estimate (fit_estimate.gpu_need) is of stock's path, sized for a ubatch of logits:
     # the copies come on top of it as far as they outgrow those logits, never less than what the
     # benchmark shapes measured above it (their logits outweigh their copies; the fixture's do not)
-    from moeplug.planner.fit_estimate import CACHE_COMPUTE_EXTRA, CUDA_CONTEXT_RESERVE, DeviceNeed
+    from moeplug.planner.fit_estimate import DeviceNeed
     need = DeviceNeed("CUDA0", model=64 * MIB, context=8 * MIB, compute=32 * MIB)
-    with_need = make_plan(info, 2048, need.total + CUDA_CONTEXT_RESERVE + 3 * info.expert_bytes // 4,
+    with_need = plan_with(info, 2048, need.total + DEFAULT_COSTS.cuda_context_reserve + 3 * info.expert_bytes // 4,
                           tmp_path / "p.gguf", profile=profile, need=need)
-    extra = cache_compute_extra(info, CACHE_COMPUTE_EXTRA)
-    assert extra == max(CACHE_COMPUTE_EXTRA, largest // 2 + largest - logits_bytes(info))
+    extra = cache_compute_extra(info, DEFAULT_COSTS.cache_compute_extra)
+    assert extra == max(DEFAULT_COSTS.cache_compute_extra, largest // 2 + largest - logits_bytes(info))
     assert with_need.compute_bytes == 32 * MIB + extra and with_need.slots_total > 0
     # the fixture's experts are small beside the extra: it would take the room, so stock's placement
     fixture = inspect_model(fixture_models["gpt-oss"])
-    small = make_plan(fixture, 2048, need.total + CUDA_CONTEXT_RESERVE + fixture.expert_bytes // 2,
+    small = plan_with(fixture, 2048, need.total + DEFAULT_COSTS.cuda_context_reserve + fixture.expert_bytes // 2,
                       tmp_path / "p.gguf", profile=replace(profile, tensors=[f"blk.{i}.ffn_down_exps.weight"
                                                                             for i in range(len(fixture.layers))],
                                                            counts_decode=np.ones((len(fixture.layers), 8), np.int64),
                                                            counts_prefill=np.zeros((len(fixture.layers), 8), np.int64)),
                       need=need)
-    assert fixture.expert_bytes // 2 < CACHE_COMPUTE_EXTRA
+    assert fixture.expert_bytes // 2 < DEFAULT_COSTS.cache_compute_extra
     assert small.compute_bytes == 32 * MIB and "--moe-cache-slots" not in small.server_args
     largest = expert_copy_ahead_bytes(fixture)
     assert vocab_size(fixture) == 515  # the fixture's: the token embeddings' rows
@@ -377,15 +380,15 @@ def test_a_plan_without_copies_ahead_gives_their_bytes_to_slots(tmp_path: Path) 
     while it copies, plus one weight copy (llama.cpp's estimate); the bytes hold slots, and the server's
     environment turns the copies ahead off."""
     from moeplug.planner.estimates import cache_compute_single_copy
-    from moeplug.planner.fit_estimate import CACHE_COMPUTE_EXTRA, CUDA_CONTEXT_RESERVE, DeviceNeed
+    from moeplug.planner.fit_estimate import DeviceNeed
 
     model, profile = big_expert_model(tmp_path)
     info = inspect_model(model)
     budget = fixed_bytes(info, 2048) + 3 * info.expert_bytes // 4
-    on = make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile, copy_ahead=True)
-    off = make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile, copy_ahead=False)
+    on = plan_with(info, 2048, budget, tmp_path / "p.gguf", profile=profile, copy_ahead=True)
+    off = plan_with(info, 2048, budget, tmp_path / "p.gguf", profile=profile, copy_ahead=False)
     # both layers partly resident: the planner keeps the copies ahead
-    assert make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile).to_json() == on.to_json()
+    assert plan_with(info, 2048, budget, tmp_path / "p.gguf", profile=profile).to_json() == on.to_json()
     assert on.copy_ahead and not off.copy_ahead
     assert on.server_env() == {} and off.server_env() == {"GGML_SCHED_EXPERT_COPY_AHEAD": "0"}
     assert off.compute_bytes == on.compute_bytes - expert_copy_ahead_bytes(info)
@@ -393,17 +396,17 @@ def test_a_plan_without_copies_ahead_gives_their_bytes_to_slots(tmp_path: Path) 
     assert off.stock_ncmoe == on.stock_ncmoe  # stock's placement is the same either way
     # llama.cpp's estimate: a ubatch of logits it counts and the server does not hold beside a weight copy
     largest = max(t.n_bytes for layer in info.layers for t in layer.tensors.values() if len(t.shape) == 3)
-    single = cache_compute_single_copy(info, CACHE_COMPUTE_EXTRA)
-    assert single == min(largest + CACHE_COMPUTE_EXTRA - logits_bytes(info), cache_compute_extra(info, CACHE_COMPUTE_EXTRA))
+    single = cache_compute_single_copy(info, DEFAULT_COSTS.cache_compute_extra)
+    assert single == min(largest + DEFAULT_COSTS.cache_compute_extra - logits_bytes(info), cache_compute_extra(info, DEFAULT_COSTS.cache_compute_extra))
     need = DeviceNeed("CUDA0", model=64 * MIB, context=8 * MIB, compute=32 * MIB)
-    room = need.total + CUDA_CONTEXT_RESERVE + 3 * info.expert_bytes // 4
-    with_need = [make_plan(info, 2048, room, tmp_path / "p.gguf", profile=profile, need=need, copy_ahead=c)
+    room = need.total + DEFAULT_COSTS.cuda_context_reserve + 3 * info.expert_bytes // 4
+    with_need = [plan_with(info, 2048, room, tmp_path / "p.gguf", profile=profile, need=need, copy_ahead=c)
                  for c in (True, False)]
-    assert [p.compute_bytes for p in with_need] == [32 * MIB + cache_compute_extra(info, CACHE_COMPUTE_EXTRA),
+    assert [p.compute_bytes for p in with_need] == [32 * MIB + cache_compute_extra(info, DEFAULT_COSTS.cache_compute_extra),
                                                    32 * MIB + single]
     assert with_need[1].slots_total >= with_need[0].slots_total
     # Plan JSON keeps the choice; an older record without it reads as the copies ahead on
-    from moeplug.planner.plan import Plan
+    from moeplug.planner.record import Plan
     assert Plan.from_json(off.to_json()).copy_ahead is False
     assert Plan.from_json({k: v for k, v in off.to_json().items() if k != "copy_ahead"}).copy_ahead is True
 
@@ -413,7 +416,6 @@ def test_the_planner_drops_the_copies_ahead_where_few_layers_are_partly_resident
     the planner plans prompt batches without the copies ahead and gives their bytes to slots; with
     most layers partly resident it keeps them. The installed record's server environment follows."""
     from moeplug.serving.installed import InstalledModel
-    from moeplug.planner.plan import COPY_AHEAD_FEW_PARTIAL
     from moeplug.model.synth import ModelSpec, make_model
 
     path = make_model(ModelSpec(arch="qwen3moe", layers=8, experts=16, used=2, embd=512, expert_ff=2048, dtype="f16",
@@ -424,10 +426,10 @@ def test_the_planner_drops_the_copies_ahead_where_few_layers_are_partly_resident
                    counts_prefill=counts * 0, counts_decode=counts, sources=[])
     layer = info.expert_bytes // 8
     few = fixed_bytes(info, 2048) + 7 * layer + layer // 2  # room for 7.5 layers' experts
-    auto = make_plan(info, 2048, few, tmp_path / "p.gguf", profile=prof)
-    forced = make_plan(info, 2048, few, tmp_path / "p.gguf", profile=prof, copy_ahead=True)
+    auto = plan_with(info, 2048, few, tmp_path / "p.gguf", profile=prof)
+    forced = plan_with(info, 2048, few, tmp_path / "p.gguf", profile=prof, copy_ahead=True)
     partial = sum(0 < n < info.n_expert for n in forced.slots_per_layer)
-    assert 0 < partial <= COPY_AHEAD_FEW_PARTIAL * 8
+    assert 0 < partial <= DEFAULT_COSTS.copy_ahead_few_partial * 8
     assert not auto.copy_ahead and auto.slots_total > forced.slots_total
     assert auto.compute_bytes == forced.compute_bytes - expert_copy_ahead_bytes(info)
     assert any("prompt batches copy their expert weights one at a time" in n for n in auto.notes)
@@ -439,39 +441,39 @@ def test_the_planner_drops_the_copies_ahead_where_few_layers_are_partly_resident
     assert record.server_env() == {"GGML_SCHED_EXPERT_COPY_AHEAD": "0"}
     assert InstalledModel.from_json(json.loads(json.dumps(record.to_json()))).server_env() == record.server_env()
     many = fixed_bytes(info, 2048) + 4 * layer  # half the experts' bytes: spread over most layers
-    kept = make_plan(info, 2048, many, tmp_path / "p.gguf", profile=prof)
-    assert sum(0 < n < info.n_expert for n in kept.slots_per_layer) > COPY_AHEAD_FEW_PARTIAL * 8
+    kept = plan_with(info, 2048, many, tmp_path / "p.gguf", profile=prof)
+    assert sum(0 < n < info.n_expert for n in kept.slots_per_layer) > DEFAULT_COSTS.copy_ahead_few_partial * 8
     assert kept.copy_ahead and kept.server_env() == {}
 
 
 def test_short_prompts_go_to_the_gpu_where_the_cache_holds_slots_there(tmp_path: Path) -> None:
-    """A plan whose cache holds slots on one GPU sends prompt batches of SHORT_PROMPT_OFFLOAD tokens or more
+    """A plan whose cache holds slots on one GPU sends prompt batches of DEFAULT_COSTS.short_prompt_offload tokens or more
     to the GPU (--moe-cache-offload-min-batch in its server's flags, for the cache's layers of that model
     alone, said in a note and kept in the installed record; no process-wide GGML_OP_OFFLOAD_MIN_BATCH); a
     plan without the cache (every expert in VRAM, no profile: stock's placement), without a GPU or on two
     leaves llama.cpp's threshold alone; a record of the planner's revision 2, which set the variable
     instead, is made again (install.up_to_date)."""
-    from moeplug.planner.plan import PLANNER_REVISION, SHORT_PROMPT_OFFLOAD, Plan, outdated
+    from moeplug.planner.record import PLANNER_REVISION, Plan, outdated
     from moeplug.planner.server_flags import OFFLOAD_MIN_BATCH_FLAG
 
     model, profile = big_expert_model(tmp_path)
     info = inspect_model(model)
-    cached = make_plan(info, 2048, fixed_bytes(info, 2048) + 3 * info.expert_bytes // 4, tmp_path / "p.gguf",
+    cached = plan_with(info, 2048, fixed_bytes(info, 2048) + 3 * info.expert_bytes // 4, tmp_path / "p.gguf",
                        profile=profile)
     assert any(0 < n < info.n_expert for n in cached.slots_per_layer) and "--moe-cache-slots" in cached.server_args
-    assert cached.offload_min_batch == SHORT_PROMPT_OFFLOAD < 32
+    assert cached.offload_min_batch == DEFAULT_COSTS.short_prompt_offload < 32
     i = cached.server_args.index(OFFLOAD_MIN_BATCH_FLAG)
-    assert cached.server_args[i + 1] == str(SHORT_PROMPT_OFFLOAD) and cached.server_env() == {}
-    assert any(f"{OFFLOAD_MIN_BATCH_FLAG} {SHORT_PROMPT_OFFLOAD}" in n for n in cached.notes)
+    assert cached.server_args[i + 1] == str(DEFAULT_COSTS.short_prompt_offload) and cached.server_env() == {}
+    assert any(f"{OFFLOAD_MIN_BATCH_FLAG} {DEFAULT_COSTS.short_prompt_offload}" in n for n in cached.notes)
     again = Plan.from_json(json.loads(json.dumps(cached.to_json())))
-    assert again.server_args == cached.server_args and again.offload_min_batch == SHORT_PROMPT_OFFLOAD
+    assert again.server_args == cached.server_args and again.offload_min_batch == DEFAULT_COSTS.short_prompt_offload
     assert not outdated(again) and outdated(Plan.from_json(cached.to_json() | {"planner": PLANNER_REVISION - 1}))
-    whole = make_plan(info, 2048, fixed_bytes(info, 2048) + 2 * info.expert_bytes, tmp_path / "p.gguf",
+    whole = plan_with(info, 2048, fixed_bytes(info, 2048) + 2 * info.expert_bytes, tmp_path / "p.gguf",
                       profile=profile)
-    stock = make_plan(info, 2048, fixed_bytes(info, 2048) + 3 * info.expert_bytes // 4, None)
-    cpu = make_plan(info, 2048, None, tmp_path / "p.gguf", profile=profile)
+    stock = plan_with(info, 2048, fixed_bytes(info, 2048) + 3 * info.expert_bytes // 4, None)
+    cpu = plan_with(info, 2048, None, tmp_path / "p.gguf", profile=profile)
     half = fixed_bytes(info, 2048) + 3 * info.expert_bytes // 8
-    two = make_plan(info, 2048, [half, half], tmp_path / "p.gguf", profile=profile)  # unmeasured on two GPUs
+    two = plan_with(info, 2048, [half, half], tmp_path / "p.gguf", profile=profile)  # unmeasured on two GPUs
     assert two.devices is not None and "--moe-cache-slots" in two.server_args
     for plan in (whole, stock, cpu, two):
         assert plan.offload_min_batch is None and OFFLOAD_MIN_BATCH_FLAG not in plan.server_args
@@ -483,8 +485,7 @@ def test_a_plan_without_copies_ahead_prices_its_uploads_at_stocks_rate(tmp_path:
     stock's do, so the plan's uploads are priced at stock's rate (allocate.STOCK_UPLOAD_BYTES_PER_S),
     the plan with them at the cache's (run `2026-12-03-prefill-16gib`: at the cache's rate the Qwen3 shape's
     16 GiB plan modelled 39 us per prompt token ahead of stock, runs measured -32 to +26)."""
-    from moeplug.planner.allocate import STOCK_UPLOAD_BYTES_PER_S, UPLOAD_BYTES_PER_S, modelled_prompt_seconds
-    from moeplug.planner.plan import _layer_costs
+    from moeplug.planner.allocate import modelled_prompt_seconds
     from moeplug.model.synth import ModelSpec, make_model
 
     path = make_model(ModelSpec(arch="qwen3moe", layers=8, experts=16, used=2, embd=512, expert_ff=2048, dtype="f16",
@@ -506,17 +507,17 @@ def test_a_plan_without_copies_ahead_prices_its_uploads_at_stocks_rate(tmp_path:
                    counts_prefill=counts * 0, counts_decode=counts,
                    sources=[ProfileSource("t", ["p"] * 8, seq, meta_arr)])
     budget = fixed_bytes(info, 2048) + int(7.6 * info.expert_bytes // 8)
-    on, off = (make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=prof, copy_ahead=c) for c in (True, False))
+    on, off = (plan_with(info, 2048, budget, tmp_path / "p.gguf", profile=prof, copy_ahead=c) for c in (True, False))
     assert 0 < sum(0 < n < 16 for n in off.slots_per_layer) and off.slots_total > on.slots_total
-    ahead, single = _layer_costs(info, prof), _layer_costs(info, prof, copy_ahead=False)
+    ahead, single = layer_costs_of(info, prof), layer_costs_of(info, prof, copy_ahead=False)
     assert on.modelled_prompt_us == pytest.approx(1e6 * modelled_prompt_seconds(ahead, on.slots_per_layer))
     assert off.modelled_prompt_us == pytest.approx(1e6 * modelled_prompt_seconds(single, off.slots_per_layer))
     assert off.modelled_prompt_us == pytest.approx(1e6 * modelled_prompt_seconds(ahead, off.slots_per_layer)
-                                                   * UPLOAD_BYTES_PER_S / STOCK_UPLOAD_BYTES_PER_S)
+                                                   * DEFAULT_COSTS.upload_bytes_per_s / DEFAULT_COSTS.stock_upload_bytes_per_s)
     # stock's placement is priced on stock's path either way
     assert off.stock_modelled_prompt_us == pytest.approx(on.stock_modelled_prompt_us)
-    # the planner's choice still follows the count of partly resident layers (COPY_AHEAD_FEW_PARTIAL)
-    assert make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=prof).to_json()["slots_per_layer"] == \
+    # the planner's choice still follows the count of partly resident layers (DEFAULT_COSTS.copy_ahead_few_partial)
+    assert plan_with(info, 2048, budget, tmp_path / "p.gguf", profile=prof).to_json()["slots_per_layer"] == \
         off.slots_per_layer
 
 
@@ -546,25 +547,25 @@ def test_the_gpu_computes_part_of_the_misses_where_that_is_modelled_to_pay(tmp_p
     info = inspect_model(model)
     args = dict(profile=profile, ram_available=64 * GIB)
     budget = fixed_bytes(info, 2048) + 9 * info.expert_bytes // 10
-    streamed = make_plan(info, 2048, budget, tmp_path / "p.gguf", **args)
+    streamed = plan_with(info, 2048, budget, tmp_path / "p.gguf", **args)
     assert any(0 < n < info.n_expert for n in streamed.slots_per_layer), streamed.slots_per_layer
-    share, saving = stream_share(_layer_costs(info, profile), streamed.slots_per_layer)
+    share, saving = stream_share(layer_costs_of(info, profile), streamed.slots_per_layer)
     assert share > 0 and (streamed.stream_share, streamed.modelled_stream_saving_ms) == (share, 1e3 * saving)
     flags = streamed.server_args
     assert flags[flags.index("--moe-cache-stream") + 1] == f"{share:g}"
     assert any(f"--moe-cache-stream {share:g}" in n and "less host time per token" in n for n in streamed.notes)
     side = expert_side_bytes(info.layers)
     assert side > 0 and any(name.endswith("_exps.bias") for name in info.layers[0].tensors)
-    assert streamed.compute_bytes == compute_buffer_bytes(info) + CUDA_POOL_HEADROOM + expert_copy_ahead_bytes(info) + side
+    assert streamed.compute_bytes == compute_buffer_bytes(info) + DEFAULT_COSTS.cuda_pool_headroom + expert_copy_ahead_bytes(info) + side
     assert json.loads(json.dumps(streamed.to_json()))["stream_share"] == share
     row = next(line for line in plan_text(streamed).splitlines() if "misses the GPU computes" in line)
     assert f"{share:.0%} of the selections" in row and f"{1e3 * saving:.2f} ms less host time per token" in row
-    mmap = make_plan(info, 2048, budget, tmp_path / "p.gguf", profile=profile)
+    mmap = plan_with(info, 2048, budget, tmp_path / "p.gguf", profile=profile)
     assert mmap.load_mode == "mmap" and "--moe-cache-stream" not in mmap.server_args and mmap.stream_share == 0
-    whole = make_plan(info, 2048, fixed_bytes(info, 2048) + 2 * info.expert_bytes, tmp_path / "p.gguf", **args)
+    whole = plan_with(info, 2048, fixed_bytes(info, 2048) + 2 * info.expert_bytes, tmp_path / "p.gguf", **args)
     assert "--moe-cache-stream" not in whole.server_args
     skewed_model, skewed = big_expert_model(tmp_path)
-    few = make_plan(inspect_model(skewed_model), 2048, fixed_bytes(inspect_model(skewed_model), 2048)
+    few = plan_with(inspect_model(skewed_model), 2048, fixed_bytes(inspect_model(skewed_model), 2048)
                     + 3 * inspect_model(skewed_model).expert_bytes // 4, tmp_path / "p.gguf", profile=skewed,
                     ram_available=64 * GIB)
     assert any(0 < n < 16 for n in few.slots_per_layer) and "--moe-cache-stream" not in few.server_args
@@ -826,7 +827,7 @@ def test_warnings_at_20_and_15_percent(tmp_path: Path) -> None:
     per_slot = sum(layer.bytes_per_expert for layer in info.layers)
 
     def plan_with(n: int):
-        return make_plan(info, 1024, fixed_bytes(info, 1024) + n * per_slot)
+        return plan_with(info, 1024, fixed_bytes(info, 1024) + n * per_slot)
 
     assert plan_with(5).warnings == []  # 25%
     assert plan_with(4).warnings == []  # 20%: at the threshold, not below
@@ -847,7 +848,7 @@ def test_stock_ncmoe_keeps_the_last_layers_on_the_gpu(fixture_models) -> None:
 def test_budget_too_small_is_a_clear_error(fixture_models) -> None:
     info = inspect_model(fixture_models["qwen3moe"])
     with pytest.raises(MoeplugError, match="does not hold the model's other weights"):
-        make_plan(info, 2048, 64 * MIB)
+        plan_with(info, 2048, 64 * MIB)
 
 
 @pytest.mark.native
@@ -898,7 +899,7 @@ def test_cli_plan_prefill_weight(patched_build, fixture_models, tmp_path: Path) 
         assert r.returncode == 0, r.stderr
         docs[w] = json.loads(r.stdout)
         assert docs[w]["prefill_weight"] == float(w)
-    costs = _layer_costs(info, read_profile(profile), 1, 1.0)
+    costs = layer_costs_of(info, read_profile(profile), 1, 1.0)
 
     def prompt(slots: list[int]) -> float:
         return sum(float(c.prompt_seconds(np.array(n))) for c, n in zip(costs, slots) if n < info.n_expert)
@@ -1043,7 +1044,7 @@ def test_llama_fit_estimate_is_what_the_server_allocates(patched_build, fixture_
     on this CPU build its Host line (weights, context, compute, whole MiB) is what llama-server then
     allocates, to the MiB; without a GPU gpu_need is None and the planner keeps its own estimate; with
     one, the experts get the budget less the estimate and the CUDA context reserve."""
-    from moeplug.planner.fit_estimate import CUDA_CONTEXT_RESERVE, DeviceNeed, gpu_need, parse_fit_print
+    from moeplug.planner.fit_estimate import DeviceNeed, gpu_need, parse_fit_print
 
     model, ctx = fixture_models["qwen3moe"], 1024
     tool = patched_build.binary("llama-fit-params")
@@ -1062,10 +1063,10 @@ def test_llama_fit_estimate_is_what_the_server_allocates(patched_build, fixture_
 
     info = inspect_model(model)
     assert gpu_need(tool, model, ctx) is None
-    assert make_plan(info, ctx, 2 << 30).vram_source == "estimate"
+    assert plan_with(info, ctx, 2 << 30).vram_source == "estimate"
     need = DeviceNeed("CUDA0", model=64 * MIB, context=8 * MIB, compute=32 * MIB)
-    plan = make_plan(info, ctx, 2 << 30, need=need)
-    assert plan.vram_source == "llama-fit-params" and plan.margin_bytes == CUDA_CONTEXT_RESERVE
+    plan = plan_with(info, ctx, 2 << 30, need=need)
+    assert plan.vram_source == "llama-fit-params" and plan.margin_bytes == DEFAULT_COSTS.cuda_context_reserve
     assert (plan.non_expert_vram_bytes, plan.kv_cache_bytes, plan.compute_bytes) == (64 * MIB, 8 * MIB, 32 * MIB)
 
 
@@ -1076,7 +1077,7 @@ def test_serve_plans_again_a_model_an_older_planner_planned(patched_build, fixtu
     context and choices, kept, and said in one line; a current plan is served as stored. A hook's
     configuration (a proxy starts the servers) is written from the plan made again too. Where the
     profile it was planned from is gone, the old plan is served rather than one without the cache."""
-    from moeplug.planner.plan import PLANNER_REVISION
+    from moeplug.planner.record import PLANNER_REVISION
 
     env = xdg_homes(tmp_path / "home")
     r = run_cli_process("install", str(fixture_models["qwen3moe"]), "--ctx", "512", "--no-serve", "--profile-tokens", "8",

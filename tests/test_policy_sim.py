@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "native" / "bench"))
 from helpers import write_npz  # noqa: E402
 import policy_sim  # noqa: E402
+from moeplug.planner.costs import DEFAULT_COSTS  # noqa: E402
 
 
 def test_slots_that_follow_the_prompt_find_experts_the_profile_never_saw(tmp_path: Path,
@@ -101,7 +102,6 @@ def test_the_designs_table_prices_uploads_at_each_bus(tmp_path: Path, capsys: py
     """On a skewed random trace (4 layers, 2 of 16 used), the table at 12.5/25/50%: the designs that upload
     every miss upload what they miss, their time per token grows as the bus slows, the static slots' does
     not (no uploads), and every time is the cost model's of the counts printed beside it."""
-    from moeplug.planner.allocate import CPU_EXPERT_BYTES_PER_S, ROUND_TRIP_S
 
     path = tmp_path / "trace.npz"
     n = len(write_npz(path, prompts=40, layers=4, experts=16, used=2)["experts"])
@@ -132,8 +132,8 @@ def test_the_designs_table_prices_uploads_at_each_bus(tmp_path: Path, capsys: py
         # the static slots: the misses on the CPU and at most a round trip per layer and token
         hit, _, cpu, ms = static
         assert cpu == pytest.approx(4 * 2 * (1 - hit / 100), abs=0.01)
-        assert 1e3 * cpu * 1e7 / CPU_EXPERT_BYTES_PER_S <= ms[0] <= 1e3 * (cpu * 1e7 / CPU_EXPERT_BYTES_PER_S
-                                                                          + 4 * (ROUND_TRIP_S + 20e-6)) + 0.01
+        assert 1e3 * cpu * 1e7 / DEFAULT_COSTS.cpu_expert_bytes_per_s <= ms[0] <= 1e3 * (cpu * 1e7 / DEFAULT_COSTS.cpu_expert_bytes_per_s
+                                                                          + 4 * (DEFAULT_COSTS.round_trip_s + 20e-6)) + 0.01
     # more slots, more hits, for every design
     for name in names:
         hits = [rows[(h, name)][0] for h in held]

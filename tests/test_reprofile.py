@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
-from helpers import CliResult, fixture_spec, run_cli_process, xdg_homes
+from helpers import CliResult, fixture_spec, moeplug, run_cli_process, xdg_homes
 
 XDG = ("XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CONFIG_HOME")
 
@@ -173,10 +173,6 @@ def test_sigkill_while_writing_leaves_the_old_or_the_new_profile(small_model: Pa
 @pytest.fixture
 def home(patched_build, tmp_path: Path) -> dict[str, str]:
     return xdg_homes(tmp_path)
-
-
-def moeplug(env: dict[str, str], *args: str) -> CliResult:
-    return run_cli_process(*args, env=env)
 
 
 def data(env: dict[str, str]) -> Path:

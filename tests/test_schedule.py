@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import CliResult, run_cli_process, xdg_homes
+from helpers import CliResult, moeplug, run_cli_process, xdg_homes
 
 XDG = ("XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CONFIG_HOME")
 
@@ -24,10 +24,6 @@ def env(tmp_path: Path) -> dict[str, str]:
     e = xdg_homes(tmp_path, share_builds=False)
     e.pop("MOEPLUG_CRONTAB_FILE", None)
     return e
-
-
-def moeplug(env: dict[str, str], *args: str) -> CliResult:
-    return run_cli_process(*args, env=env, timeout=120)
 
 
 def log_lines(env: dict[str, str]) -> list[str]:

@@ -11,16 +11,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
-from helpers import run_cli, run_cli_process, xdg_homes
+from helpers import one_line_error, plan_with, run_cli, run_cli_process, xdg_homes
 
-from moeplug.planner.allocate import CPU_EXPERT_BYTES_PER_S, ROUND_TRIP_S, SLOT_PASS_S, LayerCost, _curve, allocate
-from moeplug.planner.estimates import CUDA_POOL_HEADROOM, SAFETY_MARGIN, compute_buffer_bytes, kv_cache_bytes
+from moeplug.planner.allocate import LayerCost, _curve, allocate
+from moeplug.planner.estimates import compute_buffer_bytes, kv_cache_bytes
 from moeplug.model.inspect import inspect_model
-from moeplug.planner.plan import make_plan
 from moeplug.serving.server import start_server
 from moeplug.serving.launch import parse_buffers
 from moeplug.planner.speculation import DEFAULT_DRAFT_MAX, Speculation, draft_compute_bytes, nextn_weight_bytes, spec_need
 from moeplug.model.synth import ModelSpec, make_model
+from moeplug.planner.costs import DEFAULT_COSTS
 
 MIB = 1 << 20
 
@@ -35,16 +35,8 @@ def draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def others(info, ctx: int) -> int:
     """The planner's estimate of the GPU's buffers beside the experts and the draft."""
-    return info.non_expert_bytes + kv_cache_bytes(info, ctx) + compute_buffer_bytes(info) + CUDA_POOL_HEADROOM + \
-        SAFETY_MARGIN
-
-
-def one_line_error(r, code: int, *words: str) -> None:
-    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
-    for w in words:
-        assert w in lines[0], (w, lines[0])
+    return info.non_expert_bytes + kv_cache_bytes(info, ctx) + compute_buffer_bytes(info) + DEFAULT_COSTS.cuda_pool_headroom + \
+        DEFAULT_COSTS.safety_margin
 
 
 # ---------------------------------------------------------------------------------------------
@@ -61,8 +53,8 @@ def test_one_token_per_step_is_todays_cost_model_exactly() -> None:
         hits = np.concatenate([[0.0], np.cumsum(p)])
         layer, used, b = LayerCost(2_654_208, n, 4, hits), 4, 2_654_208
         slots = np.arange(n + 1)
-        before = np.where(slots >= n, 0.0, ROUND_TRIP_S + np.where(slots > 0, SLOT_PASS_S, 0.0)
-                          + used * (1.0 - hits[slots]) * b / CPU_EXPERT_BYTES_PER_S)  # the model before batches
+        before = np.where(slots >= n, 0.0, DEFAULT_COSTS.round_trip_s + np.where(slots > 0, DEFAULT_COSTS.slot_pass_s, 0.0)
+                          + used * (1.0 - hits[slots]) * b / DEFAULT_COSTS.cpu_expert_bytes_per_s)  # the model before batches
         assert np.array_equal(layer.seconds(slots), before)
         assert np.array_equal(LayerCost(b, n, 4, hits, 1).seconds(slots), before)
 
@@ -114,14 +106,14 @@ def test_a_draft_model_is_counted_in_the_budget(fixture_models, draft: Path, tmp
     names = {t.name for t in d.tensors}
     assert "output.weight" in names and "token_embd.weight" in names  # untied: the embeddings stay in RAM
     weights = d.total_bytes - next(t.n_bytes for t in d.tensors if t.name == "token_embd.weight")
-    need = weights + kv_cache_bytes(d, ctx) + compute_buffer_bytes(d) + CUDA_POOL_HEADROOM // 4
+    need = weights + kv_cache_bytes(d, ctx) + compute_buffer_bytes(d) + DEFAULT_COSTS.cuda_pool_headroom // 4
     budget = others(info, ctx) + need + int(1.5 * layer)
-    plan = make_plan(info, ctx, budget, spec=spec)
+    plan = plan_with(info, ctx, budget, spec=spec)
     assert plan.draft_weights_bytes == weights
     assert plan.draft_kv_cache_bytes == ctx * 2 * 2 * (64 + 64) * 2  # 2 layers x 2 KV heads x (K + V) x f16
     assert plan.draft_weights_bytes + plan.draft_kv_cache_bytes + plan.draft_compute_bytes == need
     assert plan.whole_layers == 1 and plan.expert_vram_bytes <= budget - others(info, ctx) - need
-    assert make_plan(info, ctx, budget).whole_layers == 3  # the draft's bytes went to experts without it
+    assert plan_with(info, ctx, budget).whole_layers == 3  # the draft's bytes went to experts without it
     args = plan.server_args
     i = args.index("-md")
     assert args[i:i + 8] == ["-md", str(draft), "-ngld", "99", "--spec-type", "draft-simple",
@@ -140,7 +132,7 @@ def test_a_draft_model_is_counted_in_the_budget(fixture_models, draft: Path, tmp
     assert "draft weights" in human and "draft KV cache (2048 tokens)" in human and "-md " in human
 
     small = others(info, ctx) + need - 1  # room for everything but the draft's last byte
-    assert make_plan(info, ctx, small).slots_total > 0
+    assert plan_with(info, ctx, small).slots_total > 0
     r = run_cli("plan", str(fixture_models["qwen3moe"]), "--vram-budget", str(small), "--ctx", str(ctx),
                 "--draft", str(draft))
     one_line_error(r, 1, "does not hold the draft", "KV cache at 2048 tokens", "without --spec")
@@ -155,7 +147,7 @@ def test_an_mtp_head_is_counted_and_kept_on_the_gpu(fixture_models) -> None:
     assert mtp_block == info.n_layer - 1
     nextn = sum(t.n_bytes for t in info.tensors if t.name.startswith(f"blk.{mtp_block}."))
     budget = others(info, ctx) + spec_need(info, Speculation("mtp"), ctx).total + 64 * MIB
-    plan = make_plan(info, ctx, budget, spec=Speculation("mtp"))
+    plan = plan_with(info, ctx, budget, spec=Speculation("mtp"))
     assert plan.draft_weights_bytes == nextn == nextn_weight_bytes(info)
     assert plan.draft_kv_cache_bytes == ctx * 1 * 2 * (64 + 64) * 2  # the NextN block's attention only
     assert plan.draft_compute_bytes == draft_compute_bytes(info)
@@ -165,14 +157,14 @@ def test_an_mtp_head_is_counted_and_kept_on_the_gpu(fixture_models) -> None:
     # the NextN block's other weights are not counted twice
     assert plan.non_expert_vram_bytes == info.non_expert_bytes - (nextn - info.layers[-1].expert_bytes)
 
-    plain = make_plan(info, ctx, budget)
+    plain = plan_with(info, ctx, budget)
     assert plain.slots_per_layer[-1] == 0 and plain.speculation is None and plain.draft_weights_bytes == 0
     ot = plain.server_args[plain.server_args.index("-ot") + 1]
     assert re.search(ot.rsplit("=", 1)[0], f"blk.{mtp_block}.ffn_down_exps.weight")
     # a budget with room for experts but not the MTP head: the trunk's experts all in RAM, the head's on the GPU
     tight = others(info, ctx) - (nextn - info.layers[-1].expert_bytes) + plan.draft_weights_bytes + \
         plan.draft_kv_cache_bytes + plan.draft_compute_bytes
-    squeezed = make_plan(info, ctx, tight, spec=Speculation("mtp"))
+    squeezed = plan_with(info, ctx, tight, spec=Speculation("mtp"))
     assert squeezed.slots_per_layer == [0] * (len(info.layers) - 1) + [info.n_expert]
     assert "--cpu-moe" not in squeezed.server_args and "-ot" in squeezed.server_args
 
@@ -210,7 +202,7 @@ def test_llama_server_speculates_with_the_planned_flags(patched_build, fixture_m
     model, ctx = fixture_models["hy_v3-mtp"], 512
     info = inspect_model(model)
     spec = Speculation("mtp") if kind == "mtp" else Speculation("draft", str(draft))
-    plan = make_plan(info, ctx, None, spec=spec)  # the CPU plan: -ngl 0 (-ngld 0)
+    plan = plan_with(info, ctx, None, spec=spec)  # the CPU plan: -ngl 0 (-ngld 0)
     log_path = tmp_path / "srv.log"
     with start_server(patched_build.binary("llama-server"), model, log_path, ctx=None, threads=2,
                       extra_args=["-np", "1", "-lv", "4", "-lm", "none", *plan.server_args]) as srv:
@@ -273,18 +265,17 @@ def test_llama_cpp_s_estimate_of_the_draft_replaces_moeplug_s(fixture_models, dr
     that the CUDA server does not hold, and what the draft context measured beyond it instead."""
     from moeplug.planner.estimates import logits_bytes
     from moeplug.planner.fit_estimate import DeviceNeed
-    from moeplug.planner.speculation import DRAFT_CONTEXT_EXTRA
 
     info, ctx = inspect_model(fixture_models["qwen3moe"]), 2048
     spec = Speculation("draft", str(draft))
     logits = logits_bytes(inspect_model(draft, dense_ok=True))
     assert 0 < logits < 7 * MIB
     measured = DeviceNeed("CUDA0", 3 * MIB, 5 * MIB, 7 * MIB)
-    plan = make_plan(info, ctx, 1 << 40, spec=spec, draft_need=measured)
+    plan = plan_with(info, ctx, 1 << 40, spec=spec, draft_need=measured)
     assert (plan.draft_weights_bytes, plan.draft_kv_cache_bytes, plan.draft_compute_bytes) == \
-        (3 * MIB, 5 * MIB, 7 * MIB - logits + DRAFT_CONTEXT_EXTRA)
-    small = make_plan(info, ctx, 1 << 40, spec=spec, draft_need=DeviceNeed("CUDA0", 3 * MIB, 5 * MIB, logits // 2))
-    assert small.draft_compute_bytes == DRAFT_CONTEXT_EXTRA  # never below what the context measured
+        (3 * MIB, 5 * MIB, 7 * MIB - logits + DEFAULT_COSTS.draft_context_extra)
+    small = plan_with(info, ctx, 1 << 40, spec=spec, draft_need=DeviceNeed("CUDA0", 3 * MIB, 5 * MIB, logits // 2))
+    assert small.draft_compute_bytes == DEFAULT_COSTS.draft_context_extra  # never below what the context measured
 
 
 def test_the_plan_says_what_acceptance_pays_for_a_verification_batch(patched_build, fixture_models, draft: Path,
@@ -293,7 +284,7 @@ def test_the_plan_says_what_acceptance_pays_for_a_verification_batch(patched_bui
     k = draft + 1 tokens against one token's, and the acceptance at which a step yields that many
     tokens: more drafted tokens cost more per batch and need at least as much acceptance."""
     from helpers import make_profile
-    from moeplug.planner.plan import tokens_per_step
+    from moeplug.planner.stages import tokens_per_step
 
     assert tokens_per_step(0.0, 3) == 1.0 and tokens_per_step(1.0, 3) == 4.0
     assert tokens_per_step(0.5, 2) == pytest.approx(1.75)
@@ -301,11 +292,11 @@ def test_the_plan_says_what_acceptance_pays_for_a_verification_batch(patched_bui
     info = inspect_model(model)
     profile = make_profile(patched_build, model, tmp_path / "p.profile.gguf", 8)
     d = inspect_model(draft)
-    room = d.total_bytes + kv_cache_bytes(d, 2048) + compute_buffer_bytes(d) + CUDA_POOL_HEADROOM // 4
+    room = d.total_bytes + kv_cache_bytes(d, 2048) + compute_buffer_bytes(d) + DEFAULT_COSTS.cuda_pool_headroom // 4
     budget = others(info, 2048) + room + info.expert_bytes // 3
     found = {}
     for n in (1, 3):
-        plan = make_plan(info, 2048, budget, profile, spec=Speculation("draft", str(draft), n))
+        plan = plan_with(info, 2048, budget, profile, spec=Speculation("draft", str(draft), n))
         notes = [x for x in plan.notes if x.startswith("speculation: a verification batch")]
         assert len(notes) == 1, plan.notes
         m = re.search(rf"batch of {n + 1} tokens is modelled at ([\d.]+)x .* above ([\d.]+) acceptance", notes[0])
@@ -314,4 +305,4 @@ def test_the_plan_says_what_acceptance_pays_for_a_verification_batch(patched_bui
         assert 1.0 <= found[n][0] <= n + 1
         assert tokens_per_step(found[n][1], n) == pytest.approx(found[n][0], abs=0.06)
     assert found[3][0] > found[1][0] and found[3][1] >= found[1][1] - 0.01
-    assert not [x for x in make_plan(info, 2048, budget, profile).notes if x.startswith("speculation")]
+    assert not [x for x in plan_with(info, 2048, budget, profile).notes if x.startswith("speculation")]

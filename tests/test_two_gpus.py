@@ -19,18 +19,18 @@ from pathlib import Path
 
 import pytest
 
-from helpers import fixture_spec, make_profile, run_cli
+from helpers import fixture_spec, layer_costs_of, make_profile, plan_with, run_cli
 from moeplug.core.errors import MoeplugError
-from moeplug.planner.estimates import (CUDA_POOL_HEADROOM, SAFETY_MARGIN, compute_buffer_bytes, expert_copy_ahead_bytes,
-                                kv_cache_bytes, nextn_layers)
+from moeplug.planner.estimates import compute_buffer_bytes, expert_copy_ahead_bytes, kv_cache_bytes, nextn_layers
 from moeplug.machine.gpu import GpuInfo, one_budget_note, vram_budgets
 from moeplug.model.inspect import inspect_model
 from moeplug.planner.allocate import allocate
-from moeplug.planner.plan import Plan, _layer_costs, make_plan
+from moeplug.planner.record import Plan
 from moeplug.profile.format import read_profile
 from moeplug.planner.speculation import Speculation, draft_compute_bytes
 from moeplug.planner.split import layer_devices, split_for
 from moeplug.model.synth import make_model
+from moeplug.planner.costs import DEFAULT_COSTS
 
 MIB = 1 << 20
 
@@ -134,7 +134,7 @@ def eight_blocks(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def fixed_per_gpu(info, ctx: int) -> int:
     """What every GPU holds besides its blocks: the compute buffer, the CUDA pool and the margin."""
-    return compute_buffer_bytes(info) + CUDA_POOL_HEADROOM + SAFETY_MARGIN
+    return compute_buffer_bytes(info) + DEFAULT_COSTS.cuda_pool_headroom + DEFAULT_COSTS.safety_margin
 
 
 def check_within_budgets(plan: Plan, info, ctx: int, budgets: list[int], draft=None,
@@ -204,7 +204,7 @@ def test_two_budgets_without_profile(eight_blocks: Path) -> None:
     layer, base = info.layers[0].expert_bytes, fixed_per_gpu(info, ctx) + 8 * MIB
     for extra in [(0, 0), (layer, 0), (layer, 3 * layer), (3 * layer, layer), (5 * layer, 5 * layer), (0, 9 * layer)]:
         budgets = [base + extra[0], base + extra[1]]
-        plan = make_plan(info, ctx, budgets)
+        plan = plan_with(info, ctx, budgets)
         devices = check_within_budgets(plan, info, ctx, budgets)
         assert plan.vram_budget_bytes == sum(budgets) and plan.backend == "cuda"
         for d in (0, 1):  # stock placement on each GPU: its first layers whole, the rest in RAM
@@ -223,10 +223,10 @@ def test_two_budgets_with_profile_fill_each_gpu(patched_build, eight_blocks: Pat
     layer, base = info.layers[0].expert_bytes, fixed_per_gpu(info, ctx) + 8 * MIB
     for extra in [(layer // 3, layer // 2), (2 * layer + layer // 4, layer // 5), (layer // 8, 4 * layer)]:
         budgets = [base + extra[0], base + extra[1]]
-        plan = make_plan(info, ctx, budgets, profile)
+        plan = plan_with(info, ctx, budgets, profile)
         devices = check_within_budgets(plan, info, ctx, budgets)
         assert plan.devices is not None
-        costs = _layer_costs(info, read_profile(profile))
+        costs = layer_costs_of(info, read_profile(profile))
         for d, dev in enumerate(plan.devices):
             mine = [lay for lay in info.layers if devices[lay.block] == d]
             slots = [n for lay, n in zip(info.layers, plan.slots_per_layer) if lay in mine]
@@ -240,7 +240,7 @@ def test_two_budgets_with_profile_fill_each_gpu(patched_build, eight_blocks: Pat
 def test_one_budget_plans_as_before(fixture_models) -> None:
     """A single budget, or a list of one, is the one-GPU plan: no split flags, no devices key."""
     info = inspect_model(fixture_models["qwen3moe"])
-    one, listed = make_plan(info, 2048, 1 << 30), make_plan(info, 2048, [1 << 30])
+    one, listed = plan_with(info, 2048, 1 << 30), plan_with(info, 2048, [1 << 30])
     assert one.to_json() == listed.to_json()
     doc = one.to_json()
     assert "devices" not in doc and "tensor_split" not in doc
@@ -251,9 +251,9 @@ def test_one_budget_plans_as_before(fixture_models) -> None:
 def test_stored_plans_load(eight_blocks: Path) -> None:
     """An older record (no devices) loads as a one-GPU plan; a two-GPU plan round-trips with its budgets."""
     info = inspect_model(eight_blocks)
-    old = make_plan(info, 2048, 1 << 30).to_json()
+    old = plan_with(info, 2048, 1 << 30).to_json()
     assert Plan.from_json(old).devices is None and Plan.from_json(old).budget == 1 << 30
-    two = make_plan(info, 2048, [1 << 30, 900 * MIB])
+    two = plan_with(info, 2048, [1 << 30, 900 * MIB])
     again = Plan.from_json(json.loads(json.dumps(two.to_json())))
     assert again == two and again.budget == [1 << 30, 900 * MIB]
 
@@ -261,7 +261,7 @@ def test_stored_plans_load(eight_blocks: Path) -> None:
 def test_budgets_that_no_split_holds(eight_blocks: Path) -> None:
     info = inspect_model(eight_blocks)
     with pytest.raises(MoeplugError, match="however the layers are split"):
-        make_plan(info, 2048, [fixed_per_gpu(info, 2048) - MIB, 4 << 30])
+        plan_with(info, 2048, [fixed_per_gpu(info, 2048) - MIB, 4 << 30])
 
 
 def test_cli_plan_two_budgets(eight_blocks: Path) -> None:
@@ -301,15 +301,15 @@ def test_two_budgets_with_a_draft_model(eight_blocks: Path, draft5: Path) -> Non
     shared = 0
     for extra in [(room, room), (room + 3 * layer, room), (room // 2, room + room // 2), (0, 2 * room + 5 * layer)]:
         budgets = [base + extra[0], base + extra[1]]
-        plan = make_plan(info, ctx, budgets, spec=spec)
+        plan = plan_with(info, ctx, budgets, spec=spec)
         check_within_budgets(plan, info, ctx, budgets, draft=draft)
         assert plan.draft_weights_bytes == draft.total_bytes  # every tensor of the draft on a GPU (-ngld 99)
         assert plan.tokens_per_step == 4 and plan.server_args[-6:-4] == ["-ngld", "99"]
         shared += all(d["draft_weights_bytes"] for d in plan.devices or [])
     assert shared  # at least one plan shares the draft over both GPUs
     with pytest.raises(MoeplugError, match="and the draft's share however the layers are split.*without --spec"):
-        make_plan(info, ctx, [base, base], spec=spec)
-    make_plan(info, ctx, [base, base])  # the same budgets hold the model without the draft
+        plan_with(info, ctx, [base, base], spec=spec)
+    plan_with(info, ctx, [base, base])  # the same budgets hold the model without the draft
 
 
 def test_two_budgets_with_an_mtp_head(fixture_models) -> None:
@@ -320,12 +320,12 @@ def test_two_budgets_with_an_mtp_head(fixture_models) -> None:
     base = fixed_per_gpu(info, ctx) + info.total_bytes + kv_cache_bytes(info, ctx) + \
         kv_cache_bytes(info, ctx, mtp=True) + draft_compute_bytes(info)
     for budgets in ([base, base], [fixed_per_gpu(info, ctx) + info.total_bytes // 4, base]):
-        plan = make_plan(info, ctx, budgets, spec=Speculation("mtp"))
+        plan = plan_with(info, ctx, budgets, spec=Speculation("mtp"))
         devices = check_within_budgets(plan, info, ctx, budgets, mtp=True)
         assert plan.server_args[-4:] == ["--spec-type", "draft-mtp", "--spec-draft-n-max", "3"]
         holder = devices[info.n_layer - 1]
         assert plan.devices is not None and plan.devices[1 - holder]["draft_weights_bytes"] == 0
-        plain = make_plan(info, ctx, budgets)
+        plain = plan_with(info, ctx, budgets)
         check_within_budgets(plain, info, ctx, budgets)
         assert plain.slots_per_layer[-1] == 0 and plain.draft_weights_bytes == 0
 
@@ -389,7 +389,7 @@ def test_planned_split_is_the_one_llama_cpp_loads(patched_build, rpc_devices, ei
     info = inspect_model(eight_blocks)
     splits = set()
     for budgets in ([845 * MIB, 846 * MIB], [846 * MIB, 844 * MIB], [900 * MIB, 845 * MIB]):
-        plan = make_plan(info, 2048, budgets)
+        plan = plan_with(info, 2048, budgets)
         splits.add(tuple(plan.tensor_split or ()))
         args = plan.server_args
         flags = args[args.index("-ngl"): args.index("--tensor-split") + 2]
@@ -422,7 +422,7 @@ def test_draft_follows_the_planned_split_on_two_rpc_devices(patched_build, rpc_d
     model = eight_blocks if kind == "draft" else fixture_models["hy_v3-mtp"]
     info = inspect_model(model)
     spec = Speculation("draft", str(draft5)) if kind == "draft" else Speculation("mtp")
-    plan = make_plan(info, 512, [3 << 30, 3 << 30], spec=spec)
+    plan = plan_with(info, 512, [3 << 30, 3 << 30], spec=spec)
     assert plan.devices is not None and all(d["blocks"] for d in plan.devices)
     log_path = tmp_path / "srv.log"
     with start_server(patched_build.binary("llama-server"), model, log_path, ctx=None, threads=2,

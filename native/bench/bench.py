@@ -199,7 +199,7 @@ def cache_desc(plan, info) -> str:
 def cache_args(plan, info, profile, profile_path: Path) -> list[str]:
     """What moeplug runs for the plan: whole layers offloaded as stock does, the rest's experts in
     RAM, slots for the partly resident layers."""
-    from moeplug.planner.plan import placement_args
+    from moeplug.planner.server_flags import placement_args
 
     return ["-ngl", "99", *placement_args(info, plan.slots_per_layer, profile, profile_path)]
 
@@ -281,6 +281,7 @@ def free_vram_or_say(what: str) -> int | None:
 def main() -> int:
     from moeplug.model.inspect import inspect_model
     from moeplug.planner.plan import make_plan
+    from moeplug.planner.request import MachineFacts, PlanRequest
     from moeplug.profile.format import read_profile
     from moeplug.model.synth import benchmark_spec, make_model
 
@@ -367,7 +368,8 @@ def main() -> int:
         for test, ctx in (("pp", a.pp), ("tg", a.tg)):
             if ctx > 0:  # --pp 0 or --tg 0 skips that test
                 room = fit_expert_bytes(patched.binary("llama-fit-params"), a.model, info, margin_mib, ctx)
-                plans[test] = make_plan(info, ctx, budget, profile, expert_room=room)
+                plans[test] = make_plan(info, PlanRequest(ctx, budget), MachineFacts(expert_room=room),
+                                        profile_path=profile)
                 print(f"# {label} {test}: slots per layer {','.join(map(str, plans[test].slots_per_layer))}",
                       file=sys.stderr)
         plans.setdefault("pp", plans.get("tg"))

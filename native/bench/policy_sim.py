@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moeplug.planner.allocate import CPU_EXPERT_BYTES_PER_S, ROUND_TRIP_S, SLOT_PASS_S
+from moeplug.planner.costs import DEFAULT_COSTS
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "traces" / "gpt-oss-20b" / \
     "decode-routing-mmlu.npz"
@@ -184,11 +184,11 @@ class Served:
 
     def seconds(self, expert_bytes: float, bus_bytes_per_s: float) -> float:
         """Host-side time per decoded token in the planner's cost model (plugin/planner/allocate.py): uploads at
-        the bus's rate, CPU experts at CPU_EXPERT_BYTES_PER_S, a round trip per waiting layer and a slot
+        the bus's rate, CPU experts at DEFAULT_COSTS.cpu_expert_bytes_per_s, a round trip per waiting layer and a slot
         pass per partly resident one, one after another (the GPU's own time, alike for every policy,
         left out)."""
-        return (self.uploads * expert_bytes / bus_bytes_per_s + self.cpu * expert_bytes / CPU_EXPERT_BYTES_PER_S
-                + self.trips * ROUND_TRIP_S + self.slot_passes * SLOT_PASS_S)
+        return (self.uploads * expert_bytes / bus_bytes_per_s + self.cpu * expert_bytes / DEFAULT_COSTS.cpu_expert_bytes_per_s
+                + self.trips * DEFAULT_COSTS.round_trip_s + self.slot_passes * DEFAULT_COSTS.slot_pass_s)
 
 
 def frequency_class(uses: float) -> int:
@@ -294,8 +294,8 @@ def print_designs(rows: list[tuple[float, str, Served]], n_expert: int, expert_b
     the modelled host time per decoded token at each bus speed."""
     at = " / ".join(f"{b:g}" for b in buses)
     print(f"\nthe upload-every-miss designs beside moeplug's rule, per decoded token; host time from the planner's "
-          f"costs (CPU {CPU_EXPERT_BYTES_PER_S / 1e9:g} GB/s of expert bytes, {ROUND_TRIP_S * 1e6:g} us a round "
-          f"trip, {SLOT_PASS_S * 1e6:g} us a slot pass), experts of {expert_bytes / 1e6:.2f} MB, the bus at {at} GB/s")
+          f"costs (CPU {DEFAULT_COSTS.cpu_expert_bytes_per_s / 1e9:g} GB/s of expert bytes, {DEFAULT_COSTS.round_trip_s * 1e6:g} us a round "
+          f"trip, {DEFAULT_COSTS.slot_pass_s * 1e6:g} us a slot pass), experts of {expert_bytes / 1e6:.2f} MB, the bus at {at} GB/s")
     print(f"{'experts held':<14} {'policy':<42} {'hit':>6} {'uploads':>8} {'CPU':>7}  ms per token at {at} GB/s")
     for share, name, s in rows:
         ms = " / ".join(f"{1e3 * s.seconds(expert_bytes, b * 1e9):.2f}" for b in buses)

@@ -24,7 +24,10 @@ import numpy as np
 def main(argv: list[str] | None = None) -> int:
     from moeplug.core.errors import MoeplugError
     from moeplug.model.inspect import inspect_model
-    from moeplug.planner.plan import _layer_costs, make_plan
+    from moeplug.planner.estimates import DEFAULT_UBATCH
+    from moeplug.planner.plan import make_plan
+    from moeplug.planner.request import MachineFacts, PlanRequest
+    from moeplug.planner.stages import layer_costs
     from moeplug.profile.format import read_profile
     from moeplug.core.sizes import parse_size
 
@@ -45,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     except (MoeplugError, ValueError, OSError) as exc:
         print(f"prompt_cost: {exc}", file=sys.stderr)
         return 2
-    costs = _layer_costs(info, profile, 1, 1.0)
+    costs = layer_costs(info, profile, PlanRequest(a.ctx, ubatch=DEFAULT_UBATCH), MachineFacts(), copy_ahead=True)
     if costs[0].prefill is None:
         print("prompt_cost: the profile holds no prompt tokens", file=sys.stderr)
         return 2
@@ -63,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         decode = sum(float(costs[i].seconds(np.array(slots[i]), stock)) for i in not_whole) - prompt
         return len(not_whole), up, prompt, decode
 
-    plans = {f"planner, prefill weight {w:g}": make_plan(info, a.ctx, budget, a.profile, prefill_weight=w).slots_per_layer
+    plans = {f"planner, prefill weight {w:g}":
+             make_plan(info, PlanRequest(a.ctx, budget, prefill_weight=w), profile_path=a.profile).slots_per_layer
              for w in weights}
     room_slots = sum(next(iter(plans.values())))
     whole = a.stock_whole if a.stock_whole is not None else room_slots // info.n_expert

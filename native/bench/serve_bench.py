@@ -181,12 +181,13 @@ def budget_bytes(info, ctx: int, value: float | list[float], fraction: bool, nee
     llama-fit-params saw a GPU, need, else moeplug's; and a speculative draft's weights, KV cache
     and buffers)."""
     from moeplug.planner.plan import make_plan
+    from moeplug.planner.request import MachineFacts, PlanRequest
 
     if isinstance(value, list):
         return [int(v * GIB) for v in value]
     if not fraction:
         return int(value * GIB)
-    p = make_plan(info, ctx, 1 << 50, need=need, spec=spec, draft_need=draft_need)
+    p = make_plan(info, PlanRequest(ctx, 1 << 50, spec=spec), MachineFacts(need=need, draft_need=draft_need))
     other = p.non_expert_vram_bytes + p.kv_cache_bytes + p.compute_bytes + p.margin_bytes
     draft = p.draft_weights_bytes + p.draft_kv_cache_bytes + p.draft_compute_bytes
     return int(other + draft + value * info.expert_bytes)
@@ -891,8 +892,9 @@ def main(argv: list[str] | None = None) -> int:
     from moeplug.planner.fit_estimate import gpu_need
     from moeplug.serving.installed import SLOTS_ON_CPU_ENV
     from moeplug.operations.install import draft_need_for, plan_for
+    from moeplug.planner.request import PlanRequest
     from moeplug.model.inspect import inspect_model
-    from moeplug.planner.plan import describe_slots
+    from moeplug.planner.record import describe_slots
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=("qwen3-30b-a3b", "gpt-oss-20b"), help="synthetic model shape written when --model is missing "
@@ -1018,7 +1020,7 @@ def main(argv: list[str] | None = None) -> int:
     stock_extras = row_args(ap, a.stock_args, "--stock-args")
     from moeplug.planner.estimates import DEFAULT_UBATCH, MIN_UBATCH
 
-    from moeplug.planner.plan import UBATCH_AUTO
+    from moeplug.planner.request import UBATCH_AUTO
 
     numbers = [u for u in a.ubatches.split(",") if u.strip() != "auto"]
     ubatches = [int(u) if u is not None else DEFAULT_UBATCH for u in
@@ -1115,9 +1117,9 @@ def main(argv: list[str] | None = None) -> int:
             stock_kind = binary_kind(stock_bin)  # what the binary is, whatever the folder it came from was called
             variants = [(p, w, s, e, c, x, u, n) for p in policies for w in weights for s in shares for e in envs
                         for c in aheads for x in extras for u in ubatches for n in lengths]
-            plans = [plan_for(info, a.ctx, budget, profile, slots_on_cpu=False, fit_tool=fit_tool,
-                              policy=p.removesuffix("+record"), spec=spec, prefill_weight=w, copy_ahead=c, ubatch=u,
-                              prompt_tokens=n)
+            plans = [plan_for(info, PlanRequest(a.ctx, budget, policy=p.removesuffix("+record"), spec=spec,
+                                                prefill_weight=w, copy_ahead=c, ubatch=u, prompt_tokens=n),
+                              profile, fit_tool=fit_tool)
                      for p, w, _, _, c, _, u, n in variants]
             load = ["-lm", "none"] if plans[0].load_mode == "pinned" else []
             stock_args = ["-c", str(a.ctx), "--fit", "on", "-fitt", fitt, *load, *common, *extra]

@@ -190,8 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     from moeplug.planner.fit_estimate import gpu_need
     from moeplug.serving.installed import SLOTS_ON_CPU_ENV
     from moeplug.operations.install import plan_for
+    from moeplug.planner.request import PlanRequest
     from moeplug.model.inspect import inspect_model
-    from moeplug.planner.plan import describe_slots, placement_args
+    from moeplug.planner.record import describe_slots
+    from moeplug.planner.server_flags import placement_args
     from moeplug.profile.format import read_profile
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -257,8 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         budget = budget_bytes(info, ctx, value, fraction, need)
         label = label if not fraction else f"{label} ({budget / GIB:.2f} GiB)"
         fitt = fit_targets(budget, free)
-        plan = plan_for(info, ctx, budget, profile_path, slots_on_cpu=False,
-                        fit_tool=patched.binary("llama-fit-params"), policy=a.policy)
+        plan = plan_for(info, PlanRequest(ctx, budget, policy=a.policy), profile_path,
+                        fit_tool=patched.binary("llama-fit-params"))
         args = ["-ngl", "99", *load, *placement_args(info, plan.slots_per_layer, profile, profile_path,
                                                      plan.cache_policy)]
         stock = Row(label, "stock", ["-fitt", fitt, *load], desc="--fit")

@@ -16,7 +16,8 @@ from moeplug.commands.options import (JOBS, TOKENS, Number, add_backend, add_jso
                              add_spec_options, add_threads)
 from moeplug.planner.estimates import DEFAULT_UBATCH, MIN_UBATCH
 from moeplug.core.output import Output, human_bytes, table
-from moeplug.planner.plan import UBATCH_AUTO, Plan, describe_slots
+from moeplug.planner.record import Plan, describe_slots
+from moeplug.planner.request import UBATCH_AUTO
 from moeplug.serving.server import HOST
 from moeplug.serving.launch import cache_summary, slot_range, streamed_text
 from moeplug.core.sizes import MIB

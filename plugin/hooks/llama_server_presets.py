@@ -143,8 +143,3 @@ def write_preset(path: Path, commands: list[ModelCommand]) -> bool:
         return False
     replace_keeping(path, old, new)
     return True
-
-
-def remove_blocks(path: Path) -> str:
-    """The file's text without moeplug's blocks (what `moeplug hook remove` leaves)."""
-    return merge(read_text_exact(path), [], str(path)) if path.exists() else ""

@@ -37,6 +37,7 @@ from moeplug.core.fsutil import atomic_path, sha256_file, write_text_atomic
 from moeplug.hooks.command import Installed
 from moeplug.core.paths import data_dir, state_dir
 from moeplug.core.progress import Note, ProgressFn, silent
+from moeplug.planner.costs import DEFAULT_COSTS
 
 SERVER = "llama-server"
 # The flags and variables Ollama's startLlamaServer can pass (llm/llama_server.go), for when the
@@ -254,12 +255,11 @@ def environment() -> dict[str, str]:
     the slots follow the prompt as under `moeplug serve` (server_flags.DYNAMIC_ARGS), and short prompts
     go to the GPU as moeplug's plans send them (plan.SHORT_PROMPT_OFFLOAD): for the layers whose GPU
     copies their experts from the slots alone, so a model without a profile runs as Ollama ran it."""
-    from moeplug.planner.plan import SHORT_PROMPT_OFFLOAD
     from moeplug.planner.server_flags import DYNAMIC_ARGS, OFFLOAD_MIN_BATCH_FLAG, env_of
 
     return {"LLAMA_ARG_MOE_CACHE_PROFILE": str(profiles_dir()), "LLAMA_ARG_MOE_CACHE_SLOTS": "auto",
             "LLAMA_ARG_MOE_CACHE_MAX_BATCH": "512",
-            **env_of(DYNAMIC_ARGS + [OFFLOAD_MIN_BATCH_FLAG, str(SHORT_PROMPT_OFFLOAD)])}
+            **env_of(DYNAMIC_ARGS + [OFFLOAD_MIN_BATCH_FLAG, str(DEFAULT_COSTS.short_prompt_offload)])}
 
 
 def systemd_dirs() -> list[Path]:

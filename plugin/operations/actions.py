@@ -16,7 +16,8 @@ from moeplug.planner.estimates import context_size
 from moeplug.serving.installed import InstalledModel, list_installed, read_installed
 from moeplug.operations.install import warn_exposure, installed_build, locate, plan_for, replan, replan_profile_users, up_to_date, require_moe
 from moeplug.model.inspect import inspect_model
-from moeplug.planner.plan import UBATCH_AUTO, Plan, outdated
+from moeplug.planner.record import Plan, outdated
+from moeplug.planner.request import PlanRequest
 from moeplug.core.progress import Note, ProgressFn, silent
 from moeplug.serving.server import HOST
 from moeplug.serving.launch import ServerRecord
@@ -41,26 +42,17 @@ def plan_model(model: str, *, ctx: int | None = None, vram_budget: int | list[in
 
     installed = {m.name: m for m in list_installed()}
     path = Path(installed[model].path) if model in installed else locate(model, download=False, progress=progress).path
+    # an installed model's choices (its workload too, unless one is given), else the planner's defaults
+    asked = installed[model].asked() if model in installed else PlanRequest(0)
     if isinstance(spec, KeepInstalled):
-        spec = spec.resolve(installed[model].plan.speculation if model in installed else None)
-    # the installed model's workload (its source too: learned from traffic or not) unless one is given
-    learned = installed[model].plan.workload if model in installed and (prefill_weight, prompt_tokens) == (None, None) \
-        else None
-    if prefill_weight is None and model in installed:
-        prefill_weight = installed[model].plan.prefill_weight
-    if threads is None and model in installed:
-        threads = installed[model].plan.threads_asked
-    if ubatch is None:
-        ubatch = installed[model].plan.ubatch_asked if model in installed else UBATCH_AUTO
-    if prompt_tokens is None and model in installed:
-        prompt_tokens = installed[model].plan.prompt_tokens
+        spec = spec.resolve(asked.spec.to_json() if asked.spec else None)
+    asked = asked.given(prefill_weight=prefill_weight, threads=threads, ubatch=ubatch, prompt_tokens=prompt_tokens)
     info = inspect_model(path)
     require_moe(info)
-    ctx = context_size(info, ctx, ctx_override)
     profile = profile or default_profile_path(model_fingerprint(path))
-    plan = plan_for(info, ctx, vram_budget, profile if profile.exists() else None, slots_on_cpu=False, spec=spec,
-                    prefill_weight=prefill_weight, threads=threads, ubatch=ubatch, prompt_tokens=prompt_tokens)
-    return replace(plan, workload=learned)
+    request = replace(asked, ctx=context_size(info, ctx, ctx_override), vram_budget=vram_budget, spec=spec,
+                      slots_in_ram=0)
+    return plan_for(info, request, profile if profile.exists() else None)
 
 
 @dataclass
@@ -112,7 +104,8 @@ def serve(name: str, *, port: int | None = None, vram_budget: int | list[int] | 
             if ctx is not None:
                 ctx = context_size(inspect_model(m.path), ctx, ctx_override)
             # the new plan becomes the model's own; the hooks follow
-            m = replan(m, ctx, vram_budget, spec, prefill_weight, threads, ubatch, prompt_tokens)
+            m = replan(m, ctx, vram_budget, spec, prefill_weight=prefill_weight, threads=threads, ubatch=ubatch,
+                       prompt_tokens=prompt_tokens)
         else:
             m = up_to_date(m, progress)
         plan = m.plan

@@ -21,7 +21,9 @@ from moeplug.planner.estimates import context_size
 from moeplug.machine.gpu import gpus, one_budget_note, vram_budgets
 from moeplug.core.output import human_bytes
 from moeplug.core.paths import data_dir
-from moeplug.planner.plan import UBATCH_AUTO, Plan, make_plan, outdated
+from moeplug.planner.plan import make_plan
+from moeplug.planner.record import Plan, outdated
+from moeplug.planner.request import UBATCH_AUTO, MachineFacts, PlanRequest
 from moeplug.profile.format import Profile
 from moeplug.machine.probes import available_ram_bytes, usable_cores
 from moeplug.profile.runner import DEFAULT_PROMPT_SETS
@@ -115,35 +117,35 @@ def remake_profile(name: str, prompt_sets: list[str] | None = None, progress: Pr
                           list(prompt_sets or DEFAULT_PROMPT_SETS), remake=True, progress=progress)
 
 
-def plan_for(info: ModelInfo, ctx: int, vram_budget: int | list[int] | None, profile: Path | None,
-             slots_on_cpu: bool, loaded: Profile | None = None, fit_tool: Path | None = None,
-             policy: str = "auto", spec: Speculation | None = None, prefill_weight: float | None = None,
-             copy_ahead: bool | None = None, threads: int | None = None, ubatch: int = UBATCH_AUTO,
-             prompt_tokens: int | None = None) -> Plan:
-    """The plan at a budget (None: the free VRAM of each GPU; a list: one per GPU). loaded: the
-    profile to plan from when it is not (yet) the file at `profile`. fit_tool: the build's
-    llama-fit-params, whose estimate of the GPU's other buffers replaces moeplug's own where it
-    sees a GPU (one GPU only). spec: speculative decoding. prefill_weight: prompt tokens per
-    generated token (None: the planner's default, allocate.PREFILL_WEIGHT). copy_ahead: plan.make_plan's.
-    threads: the server's CPU threads as asked (0: llama.cpp's default; None: the planner's choice
-    for this machine's cores, plan.server_threads). ubatch: the server's physical batch (-ub; make_plan;
-    UBATCH_AUTO: the planner's choice); prompt_tokens: the prompt length to plan prompt batches for (None or
-    0: the profile's prompts)."""
+def probe_machine(info: ModelInfo, request: PlanRequest, fit_tool: Path | None) -> tuple[PlanRequest, MachineFacts]:
+    """This machine's facts for a plan, probed once: free RAM, usable cores, and where it plans for one
+    GPU, llama.cpp's own figure for what that GPU holds beside the experts (fit_tool: the build's
+    llama-fit-params; None: moeplug's estimate). The request comes back with its budget resolved (None:
+    each GPU's free VRAM; still None without a GPU: a CPU plan)."""
     from moeplug.planner.fit_estimate import gpu_need
 
     found = gpus()
-    budget = vram_budgets(vram_budget, found)
-    slots_in_ram = max(1, info.n_expert // 4) if slots_on_cpu else 0  # the demo without a GPU
+    budget = vram_budgets(request.vram_budget, found)
     one_gpu = budget is not None and not isinstance(budget, list)
-    need = gpu_need(fit_tool, info.path, ctx) if fit_tool is not None and one_gpu else None
-    plan = make_plan(info, ctx, budget, profile, available_ram_bytes(), slots_in_ram, need=need, policy=policy,
-                     profile=loaded, spec=spec, draft_need=draft_need_for(spec, ctx, fit_tool if one_gpu else None),
-                     copy_ahead=copy_ahead, cpu_cores=usable_cores(), threads=threads, ubatch=ubatch,
-                     prompt_tokens=prompt_tokens,
-                     **({} if prefill_weight is None else {"prefill_weight": prefill_weight}))
+    need = gpu_need(fit_tool, info.path, request.ctx) if fit_tool is not None and one_gpu else None
     note = one_budget_note(budget, found)
-    plan.notes += [note] if note else []
-    return plan
+    facts = MachineFacts(ram_available=available_ram_bytes(), cpu_cores=usable_cores(), need=need,
+                         draft_need=draft_need_for(request.spec, request.ctx, fit_tool if one_gpu else None),
+                         notes=(note,) if note else ())
+    return replace(request, vram_budget=budget), facts
+
+
+def plan_for(info: ModelInfo, request: PlanRequest, profile: Path | None, loaded: Profile | None = None,
+             fit_tool: Path | None = None) -> Plan:
+    """The plan for a request on this machine (probe_machine). profile: the profile file the server
+    reads; loaded: the profile to plan from when it is not (yet) that file."""
+    request, machine = probe_machine(info, request, fit_tool)
+    return make_plan(info, request, machine, loaded, profile)
+
+
+def demo_slots(info: ModelInfo, slots_on_cpu: bool) -> int:
+    """Slots per layer the demo holds in RAM without a GPU (0: none)."""
+    return max(1, info.n_expert // 4) if slots_on_cpu else 0
 
 
 def draft_need_for(spec: Speculation | None, ctx: int, fit_tool: Path | None) -> Any:
@@ -202,12 +204,14 @@ def install(text: str, *, ctx: int | None = None, vram_budget: int | list[int] |
         profile = ensure_profile(resolved.path, result.binary("llama-moe-profile"), n_predict,
                                  list(prompt_sets or DEFAULT_PROMPT_SETS), progress=progress)
         slots_on_cpu = is_demo and result.manifest.get("backend") == "cpu"
-        plan = plan_for(info, ctx, vram_budget, profile, slots_on_cpu, fit_tool=result.binary("llama-fit-params"),
-                        spec=spec, prefill_weight=prefill_weight, threads=threads,
-                        ubatch=UBATCH_AUTO if ubatch is None else ubatch, prompt_tokens=prompt_tokens)
+        request = PlanRequest(ctx, vram_budget, spec=spec, threads=threads, slots_in_ram=demo_slots(info, slots_on_cpu),
+                              ubatch=UBATCH_AUTO if ubatch is None else ubatch, prompt_tokens=prompt_tokens)
+        request = request.given(prefill_weight=prefill_weight)
+        plan = plan_for(info, request, profile, fit_tool=result.binary("llama-fit-params"))
         record = InstalledModel(name=name, ref=text, path=str(resolved.path), profile=str(profile),
                                 build_id=result.build_id, ctx=ctx, plan=plan,
-                                slots_on_cpu=slots_on_cpu and plan.backend == "cpu")
+                                slots_on_cpu=slots_on_cpu and plan.backend == "cpu",
+                                request=replace(request, vram_budget=plan.budget))
         write_installed(record)
         refresh_hooks(list_installed(), progress)
         done = Installed(name=name, model=str(resolved.path), profile=str(profile), build_id=result.build_id,
@@ -228,44 +232,37 @@ def warn_exposure(host: str, progress: ProgressFn) -> None:
 
 def plan_installed(m: InstalledModel, ctx: int | None = None, vram_budget: int | list[int] | None = None,
                    profile: Profile | None = None, spec: Speculation | KeepInstalled | None = KeepInstalled(),
-                   prefill_weight: float | None = None, threads: int | None = None,
-                   ubatch: int | None = None, prompt_tokens: int | None = None,
-                   learned: dict[str, Any] | None = None) -> Plan:
-    """An installed model's plan made again, for another budget or context (None: the stored
-    ones), from its profile (or `profile`, the one about to replace it), with its speculation
-    (or `spec`: a Speculation, None for none), its prefill weight (or `prefill_weight`) and the
-    threads its user asked for (or `threads`), the ubatch asked for (or `ubatch`; UBATCH_AUTO: the planner's
-    choice) and the prompt length planned for (or `prompt_tokens`; 0: the profile's prompts); nothing is
-    stored (replan keeps it). learned: the traffic the given prefill weight and prompt length were learned
-    from (moeplug.serving.traffic), kept with the plan; set by hand, they drop the stored one, which stays otherwise."""
-    budget = vram_budget if vram_budget is not None else m.plan.budget
+                   **choices: Any) -> Plan:
+    """An installed model's plan made again from what was asked for it (InstalledModel.asked) with
+    the choices given now (None: not given; PlanRequest.given: prefill_weight, threads, ubatch,
+    prompt_tokens, workload), for another budget or context (None: the stored ones), from its profile
+    (or `profile`, the one about to replace it), with its speculation (KeepInstalled) or `spec` (a
+    Speculation, None for none). Nothing is stored (replan keeps it)."""
     path = Path(m.profile) if m.profile and (profile is not None or Path(m.profile).exists()) else None
     try:
         fit_tool = installed_build(m).binary("llama-fit-params")
     except MoeplugError:
         fit_tool = None  # the build is gone: moeplug's own estimate
-    if isinstance(spec, KeepInstalled):
-        spec = spec.resolve(m.plan.speculation)
-    weight = m.plan.prefill_weight if prefill_weight is None else prefill_weight
-    if learned is None and prefill_weight is None and prompt_tokens is None:
-        learned = m.plan.workload
-    plan = plan_for(inspect_model(m.path), ctx or m.ctx, budget, path, m.slots_on_cpu, profile, fit_tool=fit_tool,
-                    spec=spec, prefill_weight=weight, threads=m.plan.threads_asked if threads is None else threads,
-                    ubatch=m.plan.ubatch_asked if ubatch is None else ubatch,
-                    prompt_tokens=m.plan.prompt_tokens if prompt_tokens is None else prompt_tokens)
-    return replace(plan, workload=learned)
+    asked = m.asked()
+    spec = spec.resolve(asked.spec.to_json() if asked.spec else None) if isinstance(spec, KeepInstalled) else spec
+    request = replace(asked.given(ctx=ctx or None, vram_budget=vram_budget, **choices), spec=spec)
+    return plan_for(inspect_model(m.path), request, path, profile, fit_tool=fit_tool)
+
+
+def request_of(m: InstalledModel, plan: Plan, ctx: int) -> PlanRequest:
+    """What a new plan was asked: the model's request with the budget and context the plan was made for."""
+    return replace(m.asked(), ctx=ctx, vram_budget=plan.budget, spec=Speculation.from_json(plan.speculation),
+                   prefill_weight=plan.prefill_weight, threads=plan.threads_asked, ubatch=plan.ubatch_asked,
+                   prompt_tokens=plan.prompt_tokens, workload=plan.workload)
 
 
 def replan(m: InstalledModel, ctx: int | None = None, vram_budget: int | list[int] | None = None,
-           spec: Speculation | KeepInstalled | None = KeepInstalled(), prefill_weight: float | None = None,
-           threads: int | None = None, ubatch: int | None = None, prompt_tokens: int | None = None,
-           learned: dict[str, Any] | None = None) -> InstalledModel:
-    """Plan an installed model again (a new budget, context, speculation, prefill weight, threads, ubatch or
-    prompt length, or its profile changed: the stored ones otherwise) and keep that plan as the model's own;
-    the hooks follow. learned: plan_installed's."""
-    plan = plan_installed(m, ctx, vram_budget, spec=spec, prefill_weight=prefill_weight, threads=threads,
-                          ubatch=ubatch, prompt_tokens=prompt_tokens, learned=learned)
-    record = replace(m, ctx=ctx or m.ctx, plan=plan)
+           spec: Speculation | KeepInstalled | None = KeepInstalled(), **choices: Any) -> InstalledModel:
+    """Plan an installed model again (a new budget, context, speculation, or choices given as
+    plan_installed takes them, or its profile changed: the stored ones otherwise) and keep that plan
+    and what was asked as the model's own; the hooks follow."""
+    plan = plan_installed(m, ctx, vram_budget, spec=spec, **choices)
+    record = replace(m, ctx=ctx or m.ctx, plan=plan, request=request_of(m, plan, ctx or m.ctx))
     write_installed(record)
     refresh_hooks(list_installed())
     return record

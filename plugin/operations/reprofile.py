@@ -460,15 +460,16 @@ def _learn(m: InstalledModel, served: ServerRecord | None, opts: Options, result
     if learned is None or traffic is None:
         return {}
     result.workload = {"prefill_weight": learned[0], "prompt_tokens": learned[1]}
-    return {"prefill_weight": learned[0], "prompt_tokens": learned[1] or 0, "learned": traffic.to_json()}
+    return {"prefill_weight": learned[0], "prompt_tokens": learned[1] or 0, "workload": traffic.to_json()}
 
 
 def _keep_workload(m: InstalledModel, workload: dict[str, Any], result: Reprofiled,
                    progress: ProgressFn) -> InstalledModel:
     """The model with the learned workload in its stored plan (every re-plan after starts from it);
     under the model's lock."""
-    m = replace(m, plan=replace(m.plan, prefill_weight=workload["prefill_weight"],
-                                prompt_tokens=workload["prompt_tokens"] or None, workload=workload["learned"]))
+    learned = dict(prefill_weight=workload["prefill_weight"], prompt_tokens=workload["prompt_tokens"] or None,
+                   workload=workload["workload"])
+    m = replace(m, plan=replace(m.plan, **learned), request=replace(m.asked(), **learned))
     write_installed(m)
     result.workload_stored = True
     if result.traffic is not None:

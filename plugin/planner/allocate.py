@@ -72,7 +72,7 @@ the profile says nothing of a workload whose prompts fill many batches. Given a 
 (long_prompt_uploads): the prompt cut into batches of the ubatch, each batch picking the expert ranked
 r with chance 1 - (1 - p_r)^b. A batch of 512 picks nearly every expert, so both paths upload all the
 experts a layer holds in RAM once per batch, bound by the bus, not by compute: priced at
-LONG_PROMPT_UPLOAD_BYTES_PER_S on either path. That is what makes the ubatch a lever (plan.py,
+CostModel.long_prompt_upload_bytes_per_s on either path. That is what makes the ubatch a lever (plan.py,
 choose_ubatch): 2048 uploads a quarter of 512's bytes per prompt token, for activations that take
 VRAM from the slots.
 """
@@ -84,47 +84,16 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from moeplug.profile.format import Profile, ProfileSource
+from moeplug.planner.costs import DEFAULT_COSTS, CostModel
 
-# Fitted to decode on the GPU machine (native/README.md, "Calibration"): 32, 64 or 96 slots in
-# every layer of the benchmark model, and 24 whole layers + 24 in RAM, tg128 with pinned weights.
-# A layer in RAM costs ~0.40 ms per token: a round trip of ~60 us and ~42 us per expert of 2.65 MB
-# (about 63 GB/s of expert bytes); a partly resident layer ~20 us more for its slot pass.
-CPU_EXPERT_BYTES_PER_S = 63e9
-ROUND_TRIP_S = 60e-6
-SLOT_PASS_S = 20e-6
 TIE_BREAK_S = 1e-12
-# Prompt batches (module docstring): a layer that is not whole uploads the experts it misses at
-# this rate on the cache's path and on stock's (H200, PCIe 5, pinned weights, llama-server prefill).
-UPLOAD_BYTES_PER_S = 70e9
-STOCK_UPLOAD_BYTES_PER_S = 48e9
-# Long prompts (prompt batches priced for a prompt length, long_prompt_uploads): a batch of hundreds of tokens
-# picks nearly every expert of a layer, its copies outrun its compute, and both paths run at what the bus
-# gives. Fitted to llama-server on the H200 (gpt-oss-20b shape at 25%, prompts of 4096 random tokens):
-# moeplug's plans prefilled 450 us per prompt token at -ub 512 and 164 at 2048 in the twenty-eighth session,
-# 377, 220 and 145 at 512, 1024 and 2048 in the twenty-ninth (68 us + 0.158 s / ubatch within 2 us): the
-# uploads this model counts there (7.6 GB per batch) at 39 and 48 GB/s beside ~70 us of compute per token.
-LONG_PROMPT_UPLOAD_BYTES_PER_S = 43e9
 PREFILL_WEIGHT = 1.0  # prompt tokens per generated token
 PREFILL_UBATCH = 512  # llama-server's ubatch: a longer prompt uploads once per ubatch
 PREFILL_GUARD_DOUBLINGS = 10  # allocate_against_stock weighs prompts at most 1024 times more
-# ... where its slots' prompt batches are modelled more than this much slower than stock's: on the gpt-oss
-# shape the planner's plans were modelled 0.2% and 0.5% slower than stock on 4096-token prompts (25%, 50%) and
-# prefilled them at 1.00x-1.01x of stock (twenty-ninth session), where a guard without tolerance put stock's
-# placement in their place; differences within 2% are below what a run resolves
-PREFILL_GUARD_TOLERANCE = 0.02
 # Misses on both sides of the link (--moe-cache-stream S, native/DESIGN.md): the GPU computes the hottest
 # missed experts carrying S of a partly resident layer's missed selections from pinned RAM while the
-# CPU computes the rest. Fitted to llama-server decode on the H200 (seventeenth session, gpt-oss-20b
-# shape, trace replay, the planner's slots at 25% and 50% of the expert bytes, shares 0, 0.75 and 1;
-# native/BENCHMARKS.md): the misses there took STREAM_CPU_SCALE times the CPU model above (MXFP4
-# experts), the GPU's share STREAM_GPU_RATIO of the CPU's time for the same experts, and every
-# streamed layer STREAM_LAYER_S more per step. Only one shape was measured: a share is taken where it
-# saves at least STREAM_MIN_SAVING of the modelled host time, not for a marginal modelled gain.
+# CPU computes the rest; the shares weighed (stream_share), priced by CostModel's stream_* figures.
 STREAM_SHARES = (0.25, 0.5, 0.75, 1.0)
-STREAM_CPU_SCALE = 1.34
-STREAM_GPU_RATIO = 0.56
-STREAM_LAYER_S = 159e-6
-STREAM_MIN_SAVING = 0.10
 
 
 @dataclass
@@ -141,6 +110,7 @@ class LayerCost:
     prefill_weight: float = PREFILL_WEIGHT
     copy_ahead: bool = True  # False: a prompt batch's expert weights are copied one at a time, as stock's
     prompt_rate: float | None = None  # bytes/s of a prompt batch's uploads on either path (None: the path's own)
+    costs: CostModel = DEFAULT_COSTS  # the machine's figures (planner/costs.py)
 
     def missed_experts(self, n_slots: np.ndarray) -> np.ndarray:
         """Expected distinct experts a step computes on the CPU with n_slots resident: at k = 1 the
@@ -153,8 +123,8 @@ class LayerCost:
     def seconds(self, n_slots: np.ndarray, stock: bool = False) -> np.ndarray:
         """Modelled host-side time per step (a decoded token, or a verification batch of
         tokens_per_step tokens) with n_slots resident experts; stock: prompt batches on stock's path."""
-        cpu = self.missed_experts(n_slots) * self.bytes_per_expert / CPU_EXPERT_BYTES_PER_S
-        t = ROUND_TRIP_S + np.where(n_slots > 0, SLOT_PASS_S, 0.0) + cpu + self.prompt_seconds(n_slots, stock)
+        cpu = self.missed_experts(n_slots) * self.bytes_per_expert / self.costs.cpu_expert_bytes_per_s
+        t = self.costs.round_trip_s + np.where(n_slots > 0, self.costs.slot_pass_s, 0.0) + cpu + self.prompt_seconds(n_slots, stock)
         return np.where(n_slots >= self.n_expert, 0.0, t)
 
     def prompt_seconds(self, n_slots: np.ndarray, stock: bool = False) -> np.ndarray:
@@ -172,7 +142,7 @@ class LayerCost:
         n_slots = np.asarray(n_slots)
         if self.prefill is None:
             return np.zeros_like(n_slots, dtype=np.float64)
-        rate = self.prompt_rate or (STOCK_UPLOAD_BYTES_PER_S if stock or not self.copy_ahead else UPLOAD_BYTES_PER_S)
+        rate = self.prompt_rate or (self.costs.stock_upload_bytes_per_s if stock or not self.copy_ahead else self.costs.upload_bytes_per_s)
         per_token = self.prefill[np.minimum(n_slots, self.n_expert)] * self.bytes_per_expert / rate
         return np.where(n_slots >= self.n_expert, 0.0, per_token)
 
@@ -403,14 +373,15 @@ def stream_saving(layers: list[LayerCost], slots_per_layer: list[int], share: fl
     for layer, n in zip(layers, slots_per_layer):
         if not 0 < n < layer.n_expert:
             continue  # a whole layer misses nothing; a layer without slots has no cache to stream from
-        cpu = STREAM_CPU_SCALE * float(layer.missed_experts(np.array(n))) * layer.bytes_per_expert / CPU_EXPERT_BYTES_PER_S
-        saved += cpu - max((1.0 - share) * cpu, share * STREAM_GPU_RATIO * cpu) - STREAM_LAYER_S
+        c = layer.costs
+        cpu = c.stream_cpu_scale * float(layer.missed_experts(np.array(n))) * layer.bytes_per_expert / c.cpu_expert_bytes_per_s
+        saved += cpu - max((1.0 - share) * cpu, share * c.stream_gpu_ratio * cpu) - c.stream_layer_s
     return saved
 
 
 def stream_share(layers: list[LayerCost], slots_per_layer: list[int]) -> tuple[float, float]:
     """The share of misses to stream (STREAM_SHARES, or 0) and its modelled saving per step: the
-    share saving most, where that is at least STREAM_MIN_SAVING of the modelled host time.
+    share saving most, where that is at least CostModel.stream_min_saving of the modelled host time.
 
     Measured: on the gpt-oss-20b shape at 25% (1.8 missed experts of 13 MB per layer and token)
     decode ran 60.2 t/s at 0.75, 54.2 at 1 and 48.3 without; at 50% (0.8 missed) 78.5 at 0.75 against
@@ -419,7 +390,7 @@ def stream_share(layers: list[LayerCost], slots_per_layer: list[int]) -> tuple[f
     slots, verification batches."""
     total = modelled_seconds([replace(layer, prefill=None) for layer in layers], slots_per_layer)  # decode's
     best = max(((stream_saving(layers, slots_per_layer, s), s) for s in STREAM_SHARES), default=(0.0, 0.0))
-    if total <= 0 or best[0] < STREAM_MIN_SAVING * total:
+    if total <= 0 or not layers or best[0] < layers[0].costs.stream_min_saving * total:
         return 0.0, 0.0
     return best[1], best[0]
 
@@ -428,7 +399,7 @@ def allocate_against_stock(layers: list[LayerCost], room: int, stock_slots: list
     """The slots for `room` (allocate()), or stock's placement where that is modelled no slower:
     stock_slots, the whole layers --fit keeps with the bytes the cache would spend on room and its
     copies ahead, run without the cache. Prompt batches may not get slower than stock's (by more than
-    PREFILL_GUARD_TOLERANCE): where the slots allocate() spreads would make them so, the prompt weight
+    DEFAULT_COSTS.prefill_guard_tolerance): where the slots allocate() spreads would make them so, the prompt weight
     is doubled until they do not (at most 2^PREFILL_GUARD_DOUBLINGS times), and where no weight keeps
     them, stock's placement is the plan. Returns the slots and the factor the prompt weight took (1: none needed).
 
@@ -440,7 +411,8 @@ def allocate_against_stock(layers: list[LayerCost], room: int, stock_slots: list
     after its prefill: moeplug does not buy decode speed with it."""
     slots, factor = allocate(layers, room), 1.0
     if any(layer.prefill is not None for layer in layers) and all(layer.prefill_weight > 0 for layer in layers):
-        limit = modelled_prompt_seconds(layers, stock_slots, stock=True) * (1.0 + PREFILL_GUARD_TOLERANCE)
+        tolerance = layers[0].costs.prefill_guard_tolerance
+        limit = modelled_prompt_seconds(layers, stock_slots, stock=True) * (1.0 + tolerance)
         while modelled_prompt_seconds(layers, slots) > limit and factor < 2.0 ** PREFILL_GUARD_DOUBLINGS:
             factor *= 2.0
             slots = allocate([replace(layer, prefill_weight=layer.prefill_weight * factor) for layer in layers], room)

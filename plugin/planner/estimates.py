@@ -11,9 +11,8 @@ from __future__ import annotations
 from moeplug.core.errors import EXIT_USAGE, MoeplugError
 from moeplug.model.inspect import ModelInfo, MoeLayer, scalar_or_max
 from moeplug.core.sizes import GIB, MIB
+from moeplug.planner.costs import DEFAULT_COSTS
 
-SAFETY_MARGIN = 512 * MIB
-CUDA_POOL_HEADROOM = 256 * MIB
 DEFAULT_UBATCH = 512  # llama-server's physical batch (-ub)
 DEFAULT_BATCH = 2048  # and its logical batch (-b), never below the physical one
 # the smallest -ub moeplug plans for: llama.cpp offloads a prompt batch's host weights to the GPU
@@ -147,13 +146,6 @@ def cache_compute_single_copy(info: ModelInfo, extra: int) -> int:
     return min(single, cache_compute_extra(info, extra))
 
 
-# what each prompt token of a ubatch beyond llama.cpp's 512 adds to a CUDA server's memory, in units of
-# the routed experts' activations of one token (4 bytes x n_expert_used x (2 expert_ff + 2 n_embd): the
-# gate and up outputs, the down output and its input gathered per expert), compute buffer and CUDA pool
-# together (NVML): from 512 to 2048 the servers grew by 156 (moeplug, copies ahead) to 274 MiB (stock
-# --fit) on the Qwen3 shape, where the unit gives 264, and by 203 on the gpt-oss shape, where it gives
-# 270 (twenty-eighth session, native/BENCHMARKS.md)
-UBATCH_GROWTH_FACTOR = 1.05
 
 
 def ubatch_growth_bytes(info: ModelInfo, ubatch: int) -> int:
@@ -164,7 +156,7 @@ def ubatch_growth_bytes(info: ModelInfo, ubatch: int) -> int:
     the servers did not hold."""
     n_embd, n_ff = embd_and_expert_ff(info)
     per_token = 4 * info.n_expert_used * 2 * (n_ff + n_embd)
-    return int(UBATCH_GROWTH_FACTOR * max(0, ubatch - DEFAULT_UBATCH) * per_token)
+    return int(DEFAULT_COSTS.ubatch_growth_factor * max(0, ubatch - DEFAULT_UBATCH) * per_token)
 
 
 def bytes_per_slot(info: ModelInfo) -> int:

@@ -16,19 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moeplug.core.sizes import MIB
+from moeplug.planner.costs import DEFAULT_COSTS
 
-# the CUDA runtime's own memory in a llama-server process (context, kernels, cuBLAS workspace, the
-# pool's temporaries, the CUDA graphs of the graph's splits), which no ggml buffer counts: NVML's count
-# of a server process less the CUDA buffers its log names, 701-732 MiB over ten servers on the H200
-# (CUDA 12; stock and moeplug, the Qwen3 and gpt-oss shapes; native/BENCHMARKS.md, fifteenth session);
-# and the CPU computing a layer's misses beside the GPU's slots (two more splits per partly resident
-# layer) held 2-10 MiB more on the same plans (twenty-fourth session: 8190 against 8180 MiB at 8 GiB),
-# so 742 at most, rounded up
-CUDA_CONTEXT_RESERVE = 748 * MIB
-# what the expert cache's graph adds to the compute buffer beyond llama-fit-params' figure where the
-# latter is dominated by a whole ubatch of logits (estimates.cache_compute_extra): the servers logged
-# 449 against 416 MiB (gpt-oss shape) and 356 against 316 (Qwen3 shape), at every budget measured
-CACHE_COMPUTE_EXTRA = 48 * MIB
 
 
 @dataclass(frozen=True)
@@ -84,4 +73,4 @@ def _gpu_need(fit_tool: Path, model: Path, ctx: int, extra_args: tuple[str, ...]
 
 def expert_room(need: DeviceNeed, vram_budget: int) -> int:
     """VRAM left for routed experts (whole layers and slots) at this budget."""
-    return vram_budget - need.total - CUDA_CONTEXT_RESERVE
+    return vram_budget - need.total - DEFAULT_COSTS.cuda_context_reserve

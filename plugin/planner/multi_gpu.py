@@ -52,18 +52,12 @@ from typing import Any
 
 from moeplug.planner.allocate import LayerCost, allocate, modelled_seconds
 from moeplug.core.errors import MoeplugError
-from moeplug.planner.estimates import (
-    CUDA_POOL_HEADROOM,
-    SAFETY_MARGIN,
-    compute_buffer_bytes,
-    expert_copy_ahead_bytes,
-    kv_cache_bytes_per_block,
-    whole_layers_first,
-)
+from moeplug.planner.estimates import (compute_buffer_bytes, expert_copy_ahead_bytes, kv_cache_bytes_per_block, whole_layers_first)
 from moeplug.model.inspect import ModelInfo
 from moeplug.core.sizes import GIB
 from moeplug.planner.speculation import Speculation, draft_compute_bytes, nextn_blocks, read_draft
 from moeplug.planner.split import layer_devices, split_for
+from moeplug.planner.costs import DEFAULT_COSTS
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
 
@@ -193,7 +187,7 @@ def plan_split(info: ModelInfo, trunk: ModelInfo, ctx: int, budgets: list[int], 
     if draft.kind == "mtp":  # the NextN blocks' weights are the draft's (all of them, experts included)
         per_block = [0 if draft.per_block[b] else per_block[b] for b in range(n)]
     kv = kv_cache_bytes_per_block(info, ctx)
-    compute = compute_buffer_bytes(info) + CUDA_POOL_HEADROOM
+    compute = compute_buffer_bytes(info) + DEFAULT_COSTS.cuda_pool_headroom
     best: tuple[float, float, int] | None = None
     chosen: SplitPlan | None = None
     least_over = None
@@ -207,7 +201,7 @@ def plan_split(info: ModelInfo, trunk: ModelInfo, ctx: int, budgets: list[int], 
             fixed_ne = sum(per_block[b] for b in blocks) + (outside if output[d] else 0)
             fixed_kv = sum(kv[b] for b in blocks)
             dev = DevicePlan(f"CUDA{d}", budgets[d], blocks, output[d], 0, 0, 0, fixed_ne, fixed_kv, compute,
-                             SAFETY_MARGIN, 0, share.weights[d], share.kv_cache[d], share.compute[d])
+                             DEFAULT_COSTS.safety_margin, 0, share.weights[d], share.kv_cache[d], share.compute[d])
             rooms.append(dev.headroom_bytes)
             devices.append(dev)
         if min(rooms) < 0:

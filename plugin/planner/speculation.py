@@ -27,7 +27,7 @@ GPU), its compute figure is mostly that ubatch of logits over the whole vocabula
 for the gpt-oss-20b shape's 1-block draft), which the CUDA server does not hold on the GPU: the
 draft context there logged 91 MiB of compute and held about 112 MiB more that no buffer names
 (NVML less the logged buffers, against the trunk alone; fifteenth session, native/BENCHMARKS.md).
-So the plan takes llama.cpp's figure less those logits, plus DRAFT_CONTEXT_EXTRA for the rest.
+So the plan takes llama.cpp's figure less those logits, plus DEFAULT_COSTS.draft_context_extra for the rest.
 
 The trunk's verification batches are k = draft_max + 1 tokens, which the planner's cost model
 takes as tokens_per_step (allocate.py). N-gram drafts come only where the text repeats itself, so
@@ -41,19 +41,15 @@ from pathlib import Path
 from typing import Any
 
 from moeplug.core.errors import EXIT_USAGE, MoeplugError
-from moeplug.planner.estimates import CUDA_POOL_HEADROOM, compute_buffer_bytes, kv_cache_bytes, logits_bytes, nextn_layers
+from moeplug.planner.estimates import compute_buffer_bytes, kv_cache_bytes, logits_bytes, nextn_layers
 from moeplug.planner.fit_estimate import DeviceNeed
 from moeplug.model.inspect import ModelInfo, inspect_model
 from moeplug.core.sizes import MIB
+from moeplug.planner.costs import DEFAULT_COSTS
 
-KINDS = ("draft", "mtp", "ngram")
 DEFAULT_DRAFT_MAX = 3  # llama.cpp common.h: common_params_speculative_draft::n_max
 DEFAULT_NGRAM_MAX = 48  # llama.cpp common.h: common_params_speculative_ngram_map::size_m
-MAX_DRAFT = 1024  # llama.cpp's own bound on n-gram sizes
-DRAFT_POOL_HEADROOM = CUDA_POOL_HEADROOM // 4
-# a draft context on the GPU beyond llama.cpp's compute figure less its logits (module docstring):
-# 91 MiB logged less 23 MiB of the figure, and 112 MiB outside any buffer, measured on one draft
-DRAFT_CONTEXT_EXTRA = 192 * MIB
+DRAFT_POOL_HEADROOM = DEFAULT_COSTS.cuda_pool_headroom // 4
 
 
 @dataclass(frozen=True)
@@ -200,5 +196,5 @@ def spec_need(info: ModelInfo, spec: Speculation | None, ctx: int, measured: Dev
     draft = read_draft(spec)
     if measured is not None:
         return SpecNeed(measured.model, measured.context,
-                        max(measured.compute - logits_bytes(draft), 0) + DRAFT_CONTEXT_EXTRA)
+                        max(measured.compute - logits_bytes(draft), 0) + DEFAULT_COSTS.draft_context_extra)
     return SpecNeed(draft_weight_bytes(draft), kv_cache_bytes(draft, ctx), draft_compute_bytes(draft))

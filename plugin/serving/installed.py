@@ -16,7 +16,9 @@ from moeplug.core.errors import MoeplugError
 from moeplug.core.fsutil import write_text_atomic
 from moeplug.core.paths import data_dir
 from moeplug.model.refs import ModelRef
-from moeplug.planner.plan import Plan
+from moeplug.planner.record import Plan
+from moeplug.planner.request import PlanRequest
+from moeplug.planner.speculation import Speculation
 
 SLOTS_ON_CPU_ENV = {"LLAMA_MOE_CACHE_DEVICE": "CPU"}
 
@@ -35,17 +37,32 @@ class InstalledModel:
     # prompt files (.txt, prompts separated by '---') that `moeplug reprofile` runs besides the
     # bundled sets when the model is not served: `moeplug reprofile NAME --prompt-file FILE`
     prompt_files: list[str] = field(default_factory=list)
+    # what was asked for its plan (the budget as planned); None: a record from before requests were kept
+    request: PlanRequest | None = None
+
+    def asked(self) -> PlanRequest:
+        """What was asked for this model's plan: the stored request, or, for a record from before
+        requests were kept, the choices its plan recorded."""
+        if self.request is not None:
+            return self.request
+        p = self.plan
+        return PlanRequest(self.ctx, p.budget, spec=Speculation.from_json(p.speculation),
+                           prefill_weight=p.prefill_weight, threads=p.threads_asked, ubatch=p.ubatch_asked,
+                           prompt_tokens=p.prompt_tokens, workload=p.workload,
+                           slots_in_ram=max(1, p.n_expert // 4) if self.slots_on_cpu else 0)
 
     def server_env(self) -> dict[str, str]:
         """The environment its llama-server runs with beside the plan's flags."""
         return (dict(SLOTS_ON_CPU_ENV) if self.slots_on_cpu else {}) | self.plan.server_env()
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self) | {"plan": self.plan.to_json()}
+        doc = asdict(self) | {"plan": self.plan.to_json(), "request": self.request.to_json() if self.request else None}
+        return doc if self.request else {k: v for k, v in doc.items() if k != "request"}
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> InstalledModel:
-        return cls(**(doc | {"plan": Plan.from_json(doc["plan"])}))
+        request = PlanRequest.from_json(doc["request"]) if doc.get("request") else None
+        return cls(**(doc | {"plan": Plan.from_json(doc["plan"]), "request": request}))
 
 
 def installed_dir() -> Path:

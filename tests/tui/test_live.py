@@ -28,6 +28,7 @@ from moeplug.tui.app import make_app
 from moeplug.tui.widgets.activity import ActivityBar
 from moeplug.tui.format import percent
 from moeplug.tui.screens.main import MainScreen
+from helpers import moeplug
 
 pytestmark = pytest.mark.native
 INTERVAL = 0.5
@@ -53,11 +54,6 @@ def home(patched_build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[di
             yield env
         finally:
             moeplug(env, "stop", "--all")
-
-
-def moeplug(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "moeplug", *args], capture_output=True, text=True, env=env,
-                          timeout=900)
 
 
 def status(env: dict[str, str]) -> dict[str, Any]:

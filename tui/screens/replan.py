@@ -13,7 +13,7 @@ from textual.widgets import Input, Label, Static
 from textual.worker import get_current_worker
 
 from moeplug.core.errors import MoeplugError
-from moeplug.planner.plan import describe_slots
+from moeplug.planner.record import describe_slots
 from moeplug.core.sizes import parse_size
 from moeplug.tui import actions
 from moeplug.tui.format import percent

@@ -1,0 +1,88 @@
+"""What the planner is asked and what it knows of the machine: two typed records in, one plan out.
+
+`PlanRequest` is the user's choices (budget, context, speculation, the workload, threads, prompt
+batch); it is stored with the installed model beside its plan, so a re-plan starts from what was
+asked, not from what the last plan made of it. `MachineFacts` is what this machine has (GPUs, free
+RAM, cores, llama.cpp's own figure for the GPU's other buffers) and what its work costs
+(`CostModel`), probed once per command (operations.install.probe_machine) or set by hand (tests,
+benchmarks, planning for another machine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from moeplug.core.errors import MoeplugError
+from moeplug.planner.allocate import PREFILL_WEIGHT
+from moeplug.planner.costs import DEFAULT_COSTS, CostModel
+from moeplug.planner.estimates import MIN_UBATCH
+from moeplug.planner.fit_estimate import DeviceNeed
+from moeplug.planner.speculation import Speculation
+
+# the planner's choice of the server's prompt batch (-ub): PlanRequest.ubatch's value for "auto"
+UBATCH_AUTO = 0
+POLICIES = ("auto", "static", "dynamic")
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """The user's choices for one model's plan. Where a field is the planner's to choose, its value
+    says so (copy_ahead None, threads None, ubatch UBATCH_AUTO, prompt_tokens None)."""
+
+    ctx: int
+    # bytes of one GPU's budget, or one per GPU; None: no GPU to plan for (a CPU plan)
+    vram_budget: int | list[int] | None = None
+    policy: str = "auto"  # the slot policy: "static", "dynamic", or "auto" (dynamic where a layer is partly resident)
+    spec: Speculation | None = None
+    prefill_weight: float = PREFILL_WEIGHT  # prompt tokens per generated token (0: decode only)
+    copy_ahead: bool | None = None  # prompt batches copy their next weights ahead (None: the planner's choice)
+    threads: int | None = None  # the server's -t (0: llama.cpp's default; None: the planner's choice)
+    ubatch: int = UBATCH_AUTO  # the server's -ub (UBATCH_AUTO: the planner's choice)
+    prompt_tokens: int | None = None  # the prompt length prompt batches are planned for (None: the profile's)
+    slots_in_ram: int = 0  # without a GPU, slots per layer held in RAM anyway (the demo's stand-in for a GPU)
+    # the served traffic prefill_weight and prompt_tokens were learned from (serving.traffic), or None
+    workload: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        """The one-line errors for choices no plan can take."""
+        if self.ubatch != UBATCH_AUTO and self.ubatch < MIN_UBATCH:
+            raise MoeplugError(f"--ubatch {self.ubatch}: at least {MIN_UBATCH} (a prompt batch below it is not "
+                               f"offloaded)")
+        if self.prompt_tokens is not None and self.prompt_tokens < 0:
+            raise MoeplugError(f"--prompt-tokens {self.prompt_tokens}: 0 or more")
+        if self.policy not in POLICIES:
+            raise MoeplugError(f"slot policy {self.policy!r}: one of {', '.join(POLICIES)}")
+
+    def given(self, **changes: Any) -> PlanRequest:
+        """This request with the choices given now (None: not given, this request's stands). Setting
+        prefill_weight or prompt_tokens by hand drops the workload they were learned from, unless a
+        new one comes with them."""
+        given = {k: v for k, v in changes.items() if v is not None}
+        if ("prefill_weight" in given or "prompt_tokens" in given) and "workload" not in given:
+            given["workload"] = None
+        return replace(self, **given)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self) | {"spec": self.spec.to_json() if self.spec else None}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> PlanRequest:
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in doc.items() if k in known}
+        return cls(**(values | {"spec": Speculation.from_json(doc.get("spec"))}))
+
+
+@dataclass(frozen=True)
+class MachineFacts:
+    """What the planner knows of the machine it plans for."""
+
+    ram_available: int | None = None  # bytes of RAM free now (None: unknown, pinned memory assumed to fit)
+    cpu_cores: int | None = None  # physical cores the server may use (probes.usable_cores)
+    # llama.cpp's own figure (llama-fit-params) for what one GPU holds beside the routed experts, and
+    # for a speculative draft model; None: moeplug's estimate (estimates.py)
+    need: DeviceNeed | None = None
+    draft_need: DeviceNeed | None = None
+    expert_room: int | None = None  # VRAM for the experts where measured better than any estimate (benchmarks)
+    costs: CostModel = DEFAULT_COSTS
+    notes: tuple[str, ...] = ()  # what the probe has to say in the plan (e.g. one budget for two GPUs)
