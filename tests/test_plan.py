@@ -826,14 +826,14 @@ def test_warnings_at_20_and_15_percent(tmp_path: Path) -> None:
     info = inspect_model(path)
     per_slot = sum(layer.bytes_per_expert for layer in info.layers)
 
-    def plan_with(n: int):
+    def slots_of(n: int):
         return plan_with(info, 1024, fixed_bytes(info, 1024) + n * per_slot)
 
-    assert plan_with(5).warnings == []  # 25%
-    assert plan_with(4).warnings == []  # 20%: at the threshold, not below
-    w = plan_with(3).warnings  # 15%
+    assert slots_of(5).warnings == []  # 25%
+    assert slots_of(4).warnings == []  # 20%: at the threshold, not below
+    w = slots_of(3).warnings  # 15%
     assert len(w) == 1 and "below 20%" in w[0]
-    w = plan_with(2).warnings  # 10%
+    w = slots_of(2).warnings  # 10%
     assert len(w) == 1 and "below 15%" in w[0] and "--cpu-moe speed" in w[0]
 
 
