@@ -381,13 +381,16 @@ def stream_saving(layers: list[LayerCost], slots_per_layer: list[int], share: fl
 
 def stream_share(layers: list[LayerCost], slots_per_layer: list[int]) -> tuple[float, float]:
     """The share of misses to stream (STREAM_SHARES, or 0) and its modelled saving per step: the
-    share saving most, where that is at least CostModel.stream_min_saving of the modelled host time.
+    share saving most, where that is at least CostModel.stream_min_saving of the modelled host time;
+    none where the GPU's pass over a missed expert, its bytes over the bus, costs more than the CPU's.
 
     Measured: on the gpt-oss-20b shape at 25% (1.8 missed experts of 13 MB per layer and token)
     decode ran 60.2 t/s at 0.75, 54.2 at 1 and 48.3 without; at 50% (0.8 missed) 78.5 at 0.75 against
     82.6 without; with a draft (batches of 4) 61.1 at 0.75, 55.7 at 0.5, 46.0 without. The extra pass
     costs per layer, so streaming pays where a layer misses many bytes per step: large experts, few
     slots, verification batches."""
+    if not layers or layers[0].costs.stream_gpu_ratio >= 1.0:
+        return 0.0, 0.0  # the bus carries a miss slower than the CPU computes it: no share pays its bytes
     total = modelled_seconds([replace(layer, prefill=None) for layer in layers], slots_per_layer)  # decode's
     best = max(((stream_saving(layers, slots_per_layer, s), s) for s in STREAM_SHARES), default=(0.0, 0.0))
     if total <= 0 or not layers or best[0] < layers[0].costs.stream_min_saving * total:

@@ -30,6 +30,9 @@ class CostModel:
     # long prompts: a batch of hundreds of tokens picks nearly every expert, bound by the bus on either
     # path (run 2026-12-03-ubatch-auto)
     long_prompt_upload_bytes_per_s: float = 43e9
+    # the bus: pinned host-to-GPU copies (the GPU machine's, shared/reference/baseline-h200.md: 55.5 GB/s);
+    # the upload and streaming figures above and below were fitted at this rate and scale with it
+    h2d_bytes_per_s: float = 55.5e9
     # --- misses computed by the GPU from pinned RAM beside the CPU (run 2026-12-02-stream-share) ---
     stream_cpu_scale: float = 1.34  # the CPU's misses took this times the decode model above (MXFP4 experts)
     stream_gpu_ratio: float = 0.56  # the GPU's share took this share of the CPU's time for the same experts
@@ -63,6 +66,10 @@ class CostModel:
     # machines of server_threads_min_cores or more (runs 2026-12-03-timeline-threads, 2026-12-03-threads-rule)
     server_threads_few_partial: float = 0.25
     server_threads_min_cores: int = 8
+    # the dynamic policy's uploads started after a batch (--moe-cache-uploads; fitted on the gpt-oss-20b
+    # trace at this bus: native/DESIGN.md, "Slots that follow the prompt"); fewer on a slower bus, and
+    # 0: the static policy
+    dynamic_uploads: int = 8
     # prompt batches of this many tokens or more go to the GPU with their misses copied over, where
     # llama.cpp sends batches below 32 tokens to the CPU (run 2026-12-04-short-prompts-gpu)
     short_prompt_offload: int = 8
@@ -73,6 +80,38 @@ class CostModel:
         return asdict(self)
 
     @classmethod
+    def from_measured(cls, cpu_expert_bytes_per_s: float, h2d_bytes_per_s: float | None = None,
+                      round_trip_s: float | None = None, prompt_upload_bytes_per_s: float | None = None,
+                      gpu_miss_bytes_per_s: float | None = None, source: str = "measured") -> CostModel:
+        """The cost model of a machine from what was measured there (operations.calibrate), the GPU
+        machine's figures for the rest. What the bus carries scales with the bus: the prompt batches'
+        upload rates (unless the prompt path's own rate was measured) and the GPU's time on streamed
+        misses (unless its rate on misses read from host memory was measured), and the dynamic policy
+        starts fewer uploads a batch, none below an eighth of the GPU machine's bus (the slots then
+        stay as profiled: the static policy). A figure not measured (None) keeps the default."""
+        d = DEFAULT_COSTS
+        bus = h2d_bytes_per_s or d.h2d_bytes_per_s
+        scale = bus / d.h2d_bytes_per_s
+        upload = prompt_upload_bytes_per_s or d.upload_bytes_per_s * scale
+        # the GPU's time per streamed byte, fitted on the GPU machine as a share of its CPU's
+        gpu_s_per_byte = (1.0 / gpu_miss_bytes_per_s if gpu_miss_bytes_per_s else
+                          d.stream_gpu_ratio * d.stream_cpu_scale / d.cpu_expert_bytes_per_s / scale)
+        cpu_s_per_byte = d.stream_cpu_scale / cpu_expert_bytes_per_s
+        return replace(d, cpu_expert_bytes_per_s=cpu_expert_bytes_per_s, h2d_bytes_per_s=bus,
+                       round_trip_s=round_trip_s if round_trip_s is not None else d.round_trip_s,
+                       upload_bytes_per_s=upload,
+                       stock_upload_bytes_per_s=d.stock_upload_bytes_per_s * upload / d.upload_bytes_per_s,
+                       long_prompt_upload_bytes_per_s=d.long_prompt_upload_bytes_per_s * scale,
+                       stream_gpu_ratio=gpu_s_per_byte / cpu_s_per_byte,
+                       dynamic_uploads=uploads_at(d.dynamic_uploads, scale),
+                       source=source)
+
+    def describe(self) -> str:
+        """One line for the plan's table: where the figures come from and the ones a machine changes most."""
+        return (f"{self.source}: CPU {self.cpu_expert_bytes_per_s / 1e9:.3g} GB/s of experts, bus "
+                f"{self.h2d_bytes_per_s / 1e9:.3g} GB/s, round trip {self.round_trip_s * 1e6:.0f} us")
+
+    @classmethod
     def from_json(cls, doc: dict[str, Any]) -> CostModel:
         """The record as to_json wrote it; keys it does not know are dropped, ones it lacks keep
         the GPU machine's figures."""
@@ -81,3 +120,9 @@ class CostModel:
 
 
 DEFAULT_COSTS = CostModel()
+
+
+def uploads_at(uploads: int, scale: float) -> int:
+    """The dynamic policy's uploads a batch on a bus `scale` times the GPU machine's: as many fewer,
+    and none (the static policy) where not even one would take its share of the bus."""
+    return min(uploads, round(uploads * scale)) if uploads * scale >= 1 else 0

@@ -102,6 +102,9 @@ class Plan:
     # the served traffic prefill_weight and prompt_tokens were learned from (moeplug reprofile:
     # traffic.Traffic.to_json()), kept on re-plans that do not set them; None: the user's or the defaults
     workload: dict[str, Any] | None = None
+    # the cost model the plan was made with (CostModel.to_json()) where it is not the GPU machine's
+    # fitted figures (a calibration of this machine, or a file given by hand); absent from the JSON otherwise
+    cost_model: dict[str, Any] | None = None
 
     @property
     def workload_source(self) -> str:
@@ -117,7 +120,7 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
-        for key in ("devices", "tensor_split"):
+        for key in ("devices", "tensor_split", "cost_model"):
             if doc[key] is None:
                 del doc[key]
         return doc

@@ -17,7 +17,12 @@ from moeplug.profile.format import Profile
 # (planner fed prompts 0:400, 24 held-out requests of 64 prompt + 64 generated tokens, the
 # engine's rule simulated in Python) the slots served 52.7% of selections at 25% of the expert
 # bytes (static 46.7%, 128/4 51.6%) and 80.5% at 50% (static 76.9%, 128/4 79.7%): DESIGN.md.
-DYNAMIC_ARGS = ["--moe-cache-policy", "dynamic", "--moe-cache-half-life", "32", "--moe-cache-uploads", "8"]
+def dynamic_args(uploads: int = 8) -> list[str]:
+    """The dynamic policy's flags with `uploads` started after a batch (CostModel.dynamic_uploads)."""
+    return ["--moe-cache-policy", "dynamic", "--moe-cache-half-life", "32", "--moe-cache-uploads", str(uploads)]
+
+
+DYNAMIC_ARGS = dynamic_args()
 # prompt batches of N tokens or more go to the GPU for the layers whose GPU copies their experts from the
 # slots (native patches 0031-0032); llama.cpp's own threshold, GGML_OP_OFFLOAD_MIN_BATCH (32), applies to
 # every model of a process, this flag to one model and to its cache's layers alone
@@ -67,11 +72,12 @@ def _slots_arg(info: ModelInfo, profile: Profile, slots: list[int]) -> str:
 
 
 def placement_args(info: ModelInfo, slots: list[int], profile: Profile | None, profile_path: Path | None,
-                   policy: str = "static", ubatch: int = DEFAULT_UBATCH) -> list[str]:
+                   policy: str = "static", ubatch: int = DEFAULT_UBATCH, uploads: int = 8) -> list[str]:
     """llama-server flags (beside -ngl 99) for slots per MoE layer in block order. Whole
     layers load straight into VRAM like any offloaded layer (no copy of them stays in RAM); the
     others keep their experts in RAM, and the cache holds the slots of the partly resident ones
-    (policy "dynamic": they follow the prompt, --moe-cache-policy dynamic). ubatch: the server's -ub."""
+    (policy "dynamic": they follow the prompt, --moe-cache-policy dynamic, `uploads` started after a
+    batch). ubatch: the server's -ub."""
     in_ram = [layer.block for layer, n in zip(info.layers, slots) if n < info.n_expert]
     partial = [n if n < info.n_expert else 0 for n in slots]
     args = experts_in_ram_args(in_ram)
@@ -82,7 +88,7 @@ def placement_args(info: ModelInfo, slots: list[int], profile: Profile | None, p
         # max batch the stock graph would upload the resident experts too
         args += ["--moe-cache-max-batch", str(ubatch)]
         if policy == "dynamic":
-            args += DYNAMIC_ARGS
+            args += dynamic_args(uploads)
     return args
 
 

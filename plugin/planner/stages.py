@@ -33,10 +33,11 @@ from moeplug.planner.estimates import (MIN_UBATCH, bytes_per_slot, cache_compute
                                        expert_side_bytes, kv_cache_bytes, stock_ncmoe, ubatch_growth_bytes,
                                        whole_layers_first)
 from moeplug.planner.estimates import DEFAULT_UBATCH
+from moeplug.planner.costs import DEFAULT_COSTS
 from moeplug.planner.multi_gpu import plan_split
 from moeplug.planner.record import Plan
 from moeplug.planner.request import MachineFacts, PlanRequest
-from moeplug.planner.server_flags import (DYNAMIC_ARGS, OFFLOAD_MIN_BATCH_FLAG, experts_in_ram_args, placement_args,
+from moeplug.planner.server_flags import (OFFLOAD_MIN_BATCH_FLAG, dynamic_args, experts_in_ram_args, placement_args,
                                           ubatch_args)
 from moeplug.planner.speculation import SpecNeed, Speculation, nextn_blocks, nextn_weight_bytes, spec_need
 from moeplug.profile.format import Profile
@@ -294,9 +295,11 @@ def placement_flags(s: Setting, alloc: Allocation) -> Flags:
         flags.args += experts_in_ram_args([layer.block for layer in s.trunk.layers])
         flags.notes.append("no room for one slot: every expert of the trunk on the CPU")
     else:
-        dynamic = s.partial(slots) and s.profile and s.request.policy in ("auto", "dynamic")
+        dynamic = (s.partial(slots) and s.profile and s.request.policy in ("auto", "dynamic")
+                   and s.machine.costs.dynamic_uploads > 0)
         flags.cache_policy = "dynamic" if dynamic else "static"
-        flags.args += placement_args(info, all_slots, s.profile, s.profile_path, flags.cache_policy, s.request.ubatch)
+        flags.args += placement_args(info, all_slots, s.profile, s.profile_path, flags.cache_policy, s.request.ubatch,
+                                     s.machine.costs.dynamic_uploads)
         flags.notes += placement_notes(s, alloc, whole, flags.cache_policy)
     return flags
 
@@ -451,9 +454,9 @@ def cpu_plan(s: Setting) -> Plan:
     if slots[0]:
         args += ["--moe-cache-slots", str(slots[0])]
         args += ["--moe-cache-profile", str(s.profile_path)] if s.profile_path else []
-        if s.profile_path and s.request.policy in ("auto", "dynamic"):
+        if s.profile_path and s.request.policy in ("auto", "dynamic") and s.machine.costs.dynamic_uploads > 0:
             policy = "dynamic"
-            args += DYNAMIC_ARGS
+            args += dynamic_args(s.machine.costs.dynamic_uploads)
         note = (f"no NVIDIA GPU: {slots[0]} slots per layer held in RAM (LLAMA_MOE_CACHE_DEVICE=CPU) to show the "
                 f"cache engage: same results as stock, no speedup")
     args += s.spec.server_args(gpu=False) if s.spec else []
@@ -494,6 +497,9 @@ def gpu_plan(s: Setting) -> Plan:
 
 def plan_once(info: ModelInfo, request: PlanRequest, machine: MachineFacts, profile: Profile | None,
               profile_path: Path | None, copy_ahead: bool) -> Plan:
-    """The plan at request.ubatch (a number) with or without the copies ahead."""
+    """The plan at request.ubatch (a number) with or without the copies ahead; the cost model it used
+    kept with it where it is not the GPU machine's default."""
     s = setting(info, request, machine, profile, profile_path, copy_ahead)
-    return cpu_plan(s) if s.budget is None else gpu_plan(s)
+    plan = cpu_plan(s) if s.budget is None else gpu_plan(s)
+    plan.cost_model = machine.costs.to_json() if machine.costs != DEFAULT_COSTS else None
+    return plan
