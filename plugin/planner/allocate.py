@@ -46,18 +46,13 @@ Prompts cost too. A prompt batch (up to a ubatch of 512 tokens) uploads, for eve
 not whole, the experts its tokens picked that have no slot. How fast depends on the path: the
 cache's prompt batches copy the experts on the GPU itself, the later weights of a layer while the
 one before computes (native/DESIGN.md, "Prefill"); stock's scheduler copies from the host, one
-weight after another. Fitted to llama-server's prefill on the H200 (fifteenth session, Qwen3-30B-A3B
-shape, stock --fit and moeplug at 8, 12 and 16 GiB, the four profiled text prompts of 72-339
-tokens, 24 timings; the distinct experts each prompt's batch picks behind each layer's slots counted
-from a profile of those prompts): 38 us per uploaded expert of 2.65 MB on the cache's path (about
-70 GB/s, the copies partly hidden behind compute), 56 us on stock's (about 48 GB/s), within 3.9 ms
-rms of prompts taking 29-102 ms. A plan that runs without the copies ahead (`LayerCost.copy_ahead`)
-copies each weight only when its split starts, as stock does, so its uploads are priced at stock's
-rate (until the twenty-third session they were priced at the cache's, which modelled the Qwen3
-shape's 16 GiB plan 39 us per prompt token ahead of stock where runs measured -32 to +26). A fixed
-stall per layer that is not whole, 0.58 ms fitted to llama-bench pp64 on the eleventh session's
-two-pass path, no longer shows: fitted beside the uploads it came out below zero, so the model has
-none. Those uploads explained why placement mattered:
+weight after another. The two rates (CostModel.upload_bytes_per_s, stock_upload_bytes_per_s) were
+fitted to llama-server's prefill on the GPU machine (run 2026-12-02-server-rounds-vram: 38 us per
+uploaded expert of 2.65 MB on the cache's path, 56 us on stock's, within 3.9 ms rms of prompts taking
+29-102 ms). A plan that runs without the copies ahead (`LayerCost.copy_ahead`) copies each weight only
+when its split starts, as stock does, so its uploads are priced at stock's rate (run
+2026-12-03-prefill-16gib). The model has no fixed stall per layer: fitted beside the uploads it came
+out below zero. The uploads explain why placement matters:
 the benchmark model's early layers route a 64-token prompt to 94-42 distinct experts, its later ones
 to ~25, so keeping the later layers' experts in RAM (as --fit does) uploads a third fewer bytes than
 keeping the first ones there. How many distinct experts a prompt batch picks per layer comes from
@@ -66,7 +61,7 @@ the other half counted), and `prefill_weight` says how many prompt tokens the wo
 generated token (1 by default; 0 plans for decode only).
 A profile without prompt tokens (one made from a decode trace) adds no prompt cost.
 
-Long prompts (twenty-ninth session). The bundled prompts have at most 256 tokens, one batch each, so
+Long prompts (run 2026-12-03-ubatch-auto). The bundled prompts have at most 256 tokens, one batch each, so
 the profile says nothing of a workload whose prompts fill many batches. Given a prompt length
 (`moeplug plan --prompt-tokens N`), a layer's uploads are priced from its hit curve instead
 (long_prompt_uploads): the prompt cut into batches of the ubatch, each batch picking the expert ranked
@@ -402,7 +397,7 @@ def allocate_against_stock(layers: list[LayerCost], room: int, stock_slots: list
     """The slots for `room` (allocate()), or stock's placement where that is modelled no slower:
     stock_slots, the whole layers --fit keeps with the bytes the cache would spend on room and its
     copies ahead, run without the cache. Prompt batches may not get slower than stock's (by more than
-    DEFAULT_COSTS.prefill_guard_tolerance): where the slots allocate() spreads would make them so, the prompt weight
+    CostModel.prefill_guard_tolerance): where the slots allocate() spreads would make them so, the prompt weight
     is doubled until they do not (at most 2^PREFILL_GUARD_DOUBLINGS times), and where no weight keeps
     them, stock's placement is the plan. Returns the slots and the factor the prompt weight took (1: none needed).
 
@@ -410,7 +405,7 @@ def allocate_against_stock(layers: list[LayerCost], room: int, stock_slots: list
     layers than stock keeps in RAM save decode time, but each of those layers uploads the experts
     a prompt picks without a slot, and an unfamiliar prompt picks many (Qwen3 shape, 16 GiB, six
     partly resident layers against stock's three in RAM: unseen text prefill 0.93x of stock, one
-    prompt 0.81x, for decode 1.03x; native/BENCHMARKS.md, fifteenth session). A prompt is answered
+    prompt 0.81x, for decode 1.03x; run 2026-12-02-server-rounds-vram). A prompt is answered
     after its prefill: moeplug does not buy decode speed with it."""
     slots, factor = allocate(layers, room), 1.0
     if any(layer.prefill is not None for layer in layers) and all(layer.prefill_weight > 0 for layer in layers):

@@ -139,7 +139,7 @@ def cache_compute_single_copy(info: ModelInfo, extra: int) -> int:
     weights one at a time (no copies ahead), negative where it takes away: that estimate is sized
     for a ubatch of logits, which the server never holds while it copies a weight; what it holds is
     about the estimate less those logits, plus one expert weight copy and the cache's graph `extra`.
-    Measured (nineteenth session): planned 175 MiB, logged 172 on the Qwen3 shape (316 - 297 + 108 +
+    Measured (run 2026-12-02-copy-ahead-vs-slots): planned 175 MiB, logged 172 on the Qwen3 shape (316 - 297 + 108 +
     48); planned 206 (231 with the 25 MiB of biases a streaming plan mirrors), logged 203 on the
     gpt-oss shape. Never more than with the copies ahead."""
     single = largest_expert_weight(info.layers) + extra - logits_bytes(info)

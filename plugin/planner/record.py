@@ -83,7 +83,7 @@ class Plan:
     # bytes go to slots (the server then runs with GGML_SCHED_EXPERT_COPY_AHEAD=0: server_env)
     copy_ahead: bool = True
     # prompt batches of this many tokens or more go to the GPU with their missed experts copied over
-    # (--moe-cache-offload-min-batch in server_args; DEFAULT_COSTS.short_prompt_offload), None for llama.cpp's
+    # (--moe-cache-offload-min-batch in server_args; CostModel.short_prompt_offload), None for llama.cpp's
     # (estimates.MIN_UBATCH): set where the cache holds slots on one GPU
     offload_min_batch: int | None = None
     # the server's CPU threads (-t), None for llama.cpp's default (plan.server_threads); threads_asked:

@@ -26,8 +26,8 @@ sequence), and headroom for its own CUDA pool. Where llama-fit-params measured a
 GPU), its compute figure is mostly that ubatch of logits over the whole vocabulary (393 of 416 MiB
 for the gpt-oss-20b shape's 1-block draft), which the CUDA server does not hold on the GPU: the
 draft context there logged 91 MiB of compute and held about 112 MiB more that no buffer names
-(NVML less the logged buffers, against the trunk alone; fifteenth session, native/BENCHMARKS.md).
-So the plan takes llama.cpp's figure less those logits, plus DEFAULT_COSTS.draft_context_extra for the rest.
+(NVML less the logged buffers, against the trunk alone; run 2026-12-02-server-rounds-vram). So the
+plan takes llama.cpp's figure less those logits, plus CostModel.draft_context_extra for the rest.
 
 The trunk's verification batches are k = draft_max + 1 tokens, which the planner's cost model
 takes as tokens_per_step (allocate.py). N-gram drafts come only where the text repeats itself, so
