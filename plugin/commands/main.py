@@ -49,6 +49,7 @@ COMMAND_MODULES = (
     "moeplug.commands.reprofile",  # reprofile
     "moeplug.commands.schedule",  # schedule install | status | remove
     "moeplug.commands.bench",  # bench
+    "moeplug.commands.calibrate",  # calibrate
 )
 
 

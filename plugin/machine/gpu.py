@@ -60,6 +60,47 @@ def gpus() -> list[GpuInfo]:
             pass
 
 
+def gpu_identities() -> list[dict[str, Any]]:
+    """What makes each NVIDIA GPU the card it is, for a machine's fingerprint (machine.fingerprint):
+    name, total memory, the PCIe link's generation and width and the driver, in index order; [] without
+    an NVIDIA GPU. The link's figures are the most the card and this slot allow (NVML's max link
+    generation and width), not the current ones, which drop while the card idles; None where NVML
+    does not say (an SXM card, a virtual GPU)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return []
+    try:
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        driver = driver.decode() if isinstance(driver, bytes) else str(driver)
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(h)
+            out.append({"name": name.decode() if isinstance(name, bytes) else str(name),
+                        "memory_bytes": int(pynvml.nvmlDeviceGetMemoryInfo(h).total),
+                        "pcie_gen": _nvml_or_none(pynvml.nvmlDeviceGetMaxPcieLinkGeneration, h),
+                        "pcie_width": _nvml_or_none(pynvml.nvmlDeviceGetMaxPcieLinkWidth, h),
+                        "driver": driver})
+        return out
+    except Exception:
+        return []
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def _nvml_or_none(query: Any, handle: Any) -> int | None:
+    try:
+        return int(query(handle))
+    except Exception:
+        return None
+
+
 def free_vram_bytes() -> int | None:
     """Free memory of GPU 0, or None without an NVIDIA GPU."""
     found = gpus()

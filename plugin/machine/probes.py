@@ -1,4 +1,4 @@
-"""What this machine has free for the planner: RAM here (GPUs: moeplug.machine.gpu, the one NVML probe)."""
+"""What this machine has for the planner: RAM and CPU cores here (GPUs: moeplug.machine.gpu, the one NVML probe)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,28 @@ def available_ram_bytes() -> int | None:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def total_ram_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name as the kernel reports it ("AMD Ryzen 9 7950X 16-Core Processor"), or None."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "Model", "cpu model") and value.strip():
+                return value.strip()
     except OSError:
         pass
     return None

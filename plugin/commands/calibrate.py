@@ -1,0 +1,57 @@
+"""`moeplug calibrate [MODEL]`: measure this machine's CPU and bus for the planner
+(moeplug.operations.calibrate), or show the file already measured for this machine and build."""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+from typing import Any
+
+from moeplug.commands.options import THREADS, add_json
+from moeplug.core.output import Output, table
+
+
+def _rate(v: float | None) -> str:
+    return "not measured" if v is None else f"{v / 1e9:.2f} GB/s"
+
+
+def calibrated_text(done: Any) -> str:
+    c = done.calibration
+    rows = [["fingerprint", c.fingerprint or "-"],
+            ["CPU expert throughput", _rate(c.cpu_expert_bytes_per_s) + (f" at {c.threads} threads" if c.threads else "")],
+            ["round trip per layer", "not measured" if c.round_trip_s is None else f"{c.round_trip_s * 1e6:.0f} us"],
+            ["host to device (pinned)", _rate(c.h2d_bytes_per_s)],
+            ["prompt batch uploads", _rate(c.prompt_upload_bytes_per_s)],
+            ["GPU on misses in RAM", _rate(c.gpu_miss_bytes_per_s)],
+            ["measured", c.measured_at or "-"]]
+    lines = [table(["calibration", ""], rows, "ll")]
+    lines.append(f"{'reused' if done.reused else 'written'}: {done.path}")
+    lines += [textwrap.fill(n, 80, initial_indent="note: ", subsequent_indent="      ") for n in c.notes]
+    return "\n".join(lines)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from moeplug.operations.calibrate import calibrate_model
+
+    out = Output.for_args(args)
+    return out.result(calibrate_model(args.model, threads=args.threads, force=args.force, progress=out.progress),
+                      calibrated_text)
+
+
+def register(sub: Any) -> None:
+    """calibrate."""
+    p = sub.add_parser(
+        "calibrate", help="measure this machine's CPU and bus for the planner (one file per machine)",
+        description="Measure, with the model's own build, what the planner's costs are on this machine: the CPU's "
+        "expert throughput at the server's threads, and with a GPU the host-to-device rate from pinned memory, a "
+        "layer's round trip and a prompt batch's uploads (llama-bench, under a minute). Writes one JSON file per "
+        "machine fingerprint (GPUs, driver, CPU, RAM, build) under the data dir's calibration/; a later run "
+        "shows that file unless --force. Without a GPU the bus is not measured. Exit codes: 0 measured or "
+        "reused, 1 an error (a failed run, a damaged file), 2 a usage error.")
+    p.add_argument("model", nargs="?", default=None,
+                   help="an installed model's name, or a model reference or path (default: the demo model)")
+    p.add_argument("--threads", "-t", type=THREADS, default=None, metavar="N",
+                   help="CPU threads to measure at, 1-4096 (default: the physical cores, llama.cpp's default)")
+    p.add_argument("--force", action="store_true", help="measure again even where this machine has a file")
+    add_json(p, "the calibration as JSON, with the file's path ('path') and whether it was reused ('reused')")
+    p.set_defaults(func=cmd_calibrate)

@@ -1,0 +1,498 @@
+"""`moeplug calibrate [MODEL]`: what this machine's CPU and bus cost, measured with the model's own build,
+kept in one JSON file per machine for the planner's cost model (moeplug.planner.costs.CostModel).
+
+The planner's figures were fitted on one machine (an H200 on PCIe 5, 16 cores); a user's CPU and bus
+may be several times slower or faster. A calibration measures them here, in well under a minute:
+
+- `cpu_expert_bytes_per_s`: llama-bench decoding a few tokens with every weight on the CPU (`-ngl 0`),
+  at the given threads; the time per token turned into bytes per second over the weights a token
+  reads: the experts it uses in every MoE layer (the model's bytes per expert, experts used per token)
+  and the other weights (attention, router, norms, shared experts, the output matrix; one row of the
+  token embedding). The other weights are taken at the experts' rate, which takes their share of the
+  time out of the experts' figure; what a token costs besides weights (building the graph, the
+  threads' synchronisation, sampling) stays in it, so the figure is low on a tiny model. Its notes
+  say how it was derived, with the numbers.
+- with a GPU and a CUDA build, llama-bench again with the dense weights on the GPU (`-ngl 999`), once
+  with every layer's experts in RAM (`-ncmoe` over every block) and once with the experts of the last
+  blocks in VRAM (as many as fit, at most half the MoE layers). Between the two, per moved MoE layer:
+  - `round_trip_s`: the decode time per token less what the CPU spent on the moved experts (at the
+    rate above): a layer's activations to the CPU and its result back;
+  - `prompt_upload_bytes_per_s`: a 512-token prompt batch (one ubatch) uploads every expert of a layer
+    in RAM (stock's path, with the load mode the planner would choose): the moved layers' expert bytes
+    over the difference in the batch's time.
+- `h2d_bytes_per_s`: copies of 256 MiB from pinned memory to GPU 0 through libcudart (moeplug.machine.bus).
+- `gpu_miss_bytes_per_s`: the GPU computing misses read over the bus from host memory; llama-bench has
+  no way to run that path, so it is None with a note (the planner keeps its fitted share).
+
+Anything not measured is None, and a note says why ("no GPU: the bus is not measured").
+
+API (for the planner's side, `install` and the CLI):
+
+    Calibration                                  the record; to_json() / Calibration.from_json(doc)
+    calibrate(build, model=None, threads=None, progress=silent) -> Calibration
+        measures now (build: a moeplug.native.BuildResult; model None: the demo model, noted)
+    machine_fingerprint(build_id) -> (str, dict) this machine's fingerprint and identity
+                                                 (moeplug.machine.fingerprint)
+    calibration_dir() -> Path                    data_dir()/calibration
+    calibration_path(fingerprint) -> Path        calibration_dir()/FINGERPRINT.json
+    write_calibration(cal, path=None) -> Path    atomically; default calibration_path(cal.fingerprint)
+    read_calibration(path) -> Calibration        a written or hand-written file, checked: one-line
+                                                 MoeplugError naming the file and the key otherwise
+    stored_calibration(build) -> Calibration | None
+                                                 this machine's file for the build's fingerprint
+    calibrate_model(text, threads=None, force=False, progress=silent) -> Calibrated
+                                                 the CLI's action: an installed model's name, a model
+                                                 reference or path, or None (the demo); reuses this
+                                                 fingerprint's file unless force (or other threads)
+
+A hand-written file (to plan for another machine) needs only `cpu_expert_bytes_per_s`; every other
+key may be left out (None, or empty) and `h2d_bytes_per_s` is the other one worth giving. Keys are
+checked: unknown keys, wrong types and non-positive rates are errors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field, fields
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from moeplug.core.errors import MoeplugError, NotApplicableError
+from moeplug.core.fsutil import write_text_atomic
+from moeplug.core.output import human_bytes
+from moeplug.core.paths import data_dir
+from moeplug.core.progress import Note, ProgressFn, Step, silent
+from moeplug.machine.fingerprint import machine_fingerprint
+from moeplug.machine.gpu import gpus
+from moeplug.machine.probes import available_ram_bytes, usable_cores
+from moeplug.model.inspect import ModelInfo, inspect_model
+
+__all__ = ["Calibrated", "Calibration", "calibrate", "calibrate_model", "calibration_dir", "calibration_path",
+           "machine_fingerprint", "read_calibration", "stored_calibration", "write_calibration"]
+
+GEN_TOKENS = 16  # tokens each decode run generates (after llama-bench's warm-up)
+REPETITIONS = 5  # runs of each test; the median counts (a shared machine's outliers drop out)
+PROMPT_BATCH = 512  # one prompt batch of stock's default ubatch
+RUN_TIMEOUT_S = 300
+GIB = 1 << 30
+VRAM_HEADROOM = 1536 << 20  # KV cache, compute buffer and CUDA's own memory beside the weights
+TASK = "calibrating"
+
+# the keys of a calibration file: (type, what a value must be); rates must be positive
+RATES = ("cpu_expert_bytes_per_s", "h2d_bytes_per_s", "prompt_upload_bytes_per_s", "gpu_miss_bytes_per_s")
+CLI_KEYS = ("path", "reused")  # what `moeplug calibrate --json` adds beside the record: read back, ignored
+
+
+@dataclass
+class Calibration:
+    """What this machine costs the planner, measured (or written by hand). Rates in bytes/s, times
+    in seconds; None: not measured (the notes say why)."""
+
+    fingerprint: str  # moeplug.machine.fingerprint; "" in a hand-written file that gives none
+    cpu_expert_bytes_per_s: float  # expert bytes the CPU computes per second at `threads`
+    round_trip_s: float | None = None  # a layer's activations to the CPU and back (decode)
+    h2d_bytes_per_s: float | None = None  # pinned host memory to GPU 0
+    prompt_upload_bytes_per_s: float | None = None  # a prompt batch's expert uploads, stock's path
+    gpu_miss_bytes_per_s: float | None = None  # the GPU on misses read from host memory
+    measured_at: str | None = None  # ISO 8601, UTC
+    threads: int | None = None  # the CPU threads the figures hold for
+    build_id: str | None = None
+    model: str | None = None  # the model measured with
+    machine: dict[str, Any] = field(default_factory=dict)  # {"gpus": [...], "cpu": {...}, "ram_gib": N}
+    notes: list[str] = field(default_factory=list)
+    runs: list[dict[str, Any]] = field(default_factory=list)  # each llama-bench run: its flags and times
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any], source: str = "calibration") -> Calibration:
+        """The record from a JSON object, checked (see read_calibration); `source` names it in errors."""
+        return cls(**_checked(doc, source))
+
+
+@dataclass
+class Calibrated:
+    """What `moeplug calibrate` did: the calibration, its file, and whether the file was reused."""
+
+    calibration: Calibration
+    path: Path
+    reused: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.calibration.to_json(), "path": str(self.path), "reused": self.reused}
+
+
+# ---------------------------------------------------------------------------------------------
+# the file
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _checked(doc: Any, source: str) -> dict[str, Any]:
+    """The keys of a calibration document, type-checked; one-line MoeplugErrors name `source` and the key."""
+    if not isinstance(doc, dict):
+        raise MoeplugError(f"{source}: not a calibration: expected a JSON object, got {type(doc).__name__}")
+    known = {f.name for f in fields(Calibration)}
+    unknown = sorted(k for k in doc if k not in known and k not in CLI_KEYS)
+    if unknown:
+        raise MoeplugError(f"{source}: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+    if "cpu_expert_bytes_per_s" not in doc:
+        raise MoeplugError(f"{source}: key 'cpu_expert_bytes_per_s' is missing (the CPU's expert bytes per second)")
+    out: dict[str, Any] = {}
+
+    def bad(key: str, expected: str) -> MoeplugError:
+        return MoeplugError(f"{source}: key {key!r}: expected {expected}, got {json.dumps(doc[key])[:40]}")
+
+    for key, value in doc.items():
+        if key in CLI_KEYS:
+            continue
+        optional = key != "cpu_expert_bytes_per_s"
+        if value is None and optional and key not in ("fingerprint", "machine", "notes", "runs"):
+            out[key] = None
+        elif key in RATES:
+            if not _number(value) or value <= 0:
+                raise bad(key, "a positive number of bytes per second")
+            out[key] = float(value)
+        elif key == "round_trip_s":
+            if not _number(value) or value < 0:
+                raise bad(key, "a number of seconds, 0 or more")
+            out[key] = float(value)
+        elif key == "threads":
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise bad(key, "a positive whole number")
+            out[key] = value
+        elif key in ("fingerprint", "measured_at", "build_id", "model"):
+            if not isinstance(value, str):
+                raise bad(key, "a string")
+            out[key] = value
+        elif key == "machine":
+            if not isinstance(value, dict):
+                raise bad(key, "an object")
+            out[key] = value
+        elif key == "notes":
+            if not isinstance(value, list) or not all(isinstance(n, str) for n in value):
+                raise bad(key, "a list of strings")
+            out[key] = value
+        elif key == "runs":
+            if not isinstance(value, list) or not all(isinstance(r, dict) for r in value):
+                raise bad(key, "a list of objects")
+            out[key] = value
+    out.setdefault("fingerprint", "")
+    return out
+
+
+def calibration_dir() -> Path:
+    return data_dir() / "calibration"
+
+
+def calibration_path(fingerprint: str) -> Path:
+    return calibration_dir() / f"{fingerprint}.json"
+
+
+def write_calibration(cal: Calibration, path: Path | None = None) -> Path:
+    """Write `cal` atomically (default: its fingerprint's file) and return where."""
+    dest = path or calibration_path(cal.fingerprint)
+    write_text_atomic(dest, json.dumps(cal.to_json(), indent=2) + "\n")
+    return dest
+
+
+def read_calibration(path: Path) -> Calibration:
+    """A calibration file, written by `moeplug calibrate` or by hand: only cpu_expert_bytes_per_s is
+    needed. A file that cannot be read, is not JSON, or has an unknown key, a key of the wrong type
+    or a non-positive rate is a one-line MoeplugError naming the file (and the key)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise MoeplugError(f"{path}: cannot read the calibration file ({exc.strerror or exc})") from None
+    except UnicodeDecodeError:
+        raise MoeplugError(f"{path}: not a calibration file (not UTF-8 text)") from None
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise MoeplugError(f"{path}: not a calibration file: not JSON ({exc})") from None
+    return Calibration.from_json(doc, str(path))
+
+
+def stored_calibration(build: Any) -> Calibration | None:
+    """This machine's calibration with `build` (a BuildResult): the file of the current fingerprint,
+    or None where there is none (a new machine, GPU, driver or build). A damaged file is an error
+    that says to measure again."""
+    path = calibration_path(machine_fingerprint(build.build_id)[0])
+    if not path.exists():
+        return None
+    try:
+        return read_calibration(path)
+    except MoeplugError as exc:
+        raise MoeplugError(f"{exc}; 'moeplug calibrate --force' measures again") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# measuring
+
+
+@dataclass
+class _Bench:
+    """One llama-bench process: the flags and what it measured (seconds; None: the test was not run)."""
+
+    label: str
+    args: list[str]
+    token_s: float | None = None  # per generated token
+    batch_s: float | None = None  # per prompt batch of PROMPT_BATCH tokens
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run": self.label, "args": self.args,
+                "ms_per_token": None if self.token_s is None else round(self.token_s * 1e3, 4),
+                "ms_per_prompt_batch": None if self.batch_s is None else round(self.batch_s * 1e3, 4)}
+
+
+class _BenchFailed(Exception):
+    pass
+
+
+def _run_bench(tool: Path, model: Path, bench: _Bench) -> _Bench:
+    cmd = [str(tool), "-m", str(model), "-o", "json", "-r", str(REPETITIONS), *bench.args]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise _BenchFailed(f"llama-bench ran past {RUN_TIMEOUT_S} s") from None
+    except OSError as exc:
+        raise _BenchFailed(f"llama-bench did not start ({exc.strerror or exc})") from None
+    if r.returncode != 0:
+        last = [line.strip() for line in r.stderr.splitlines() if line.strip()][-1:] or ["no output"]
+        raise _BenchFailed(f"llama-bench exited with {r.returncode}: {last[0][:200]}")
+    try:
+        tests = json.loads(r.stdout)
+        for t in tests:
+            median_s = statistics.median(t["samples_ns"]) / 1e9
+            if t["n_gen"] > 0 and t["n_prompt"] == 0:
+                bench.token_s = median_s / t["n_gen"]
+            elif t["n_prompt"] > 0 and t["n_gen"] == 0:
+                bench.batch_s = median_s
+    except (ValueError, KeyError, TypeError, statistics.StatisticsError) as exc:
+        raise _BenchFailed(f"llama-bench's output unread ({type(exc).__name__}: {exc})") from None
+    return bench
+
+
+def _per_token_bytes(info: ModelInfo) -> tuple[int, int]:
+    """(expert bytes, other weight bytes) one decoded token reads: n_expert_used experts of every MoE
+    layer; every other weight but the token embedding, of which one row (all of it where the output
+    matrix is tied to it)."""
+    experts = sum(info.n_expert_used * layer.bytes_per_expert for layer in info.layers)
+    expert_names = {t.name for layer in info.layers for t in layer.tensors.values()}
+    names = {t.name for t in info.tensors}
+    other = 0
+    for t in info.tensors:
+        if t.name in expert_names:
+            continue
+        if t.name == "token_embd.weight" and "output.weight" in names:
+            other += t.n_bytes // max(1, t.shape[-1])  # one row: get_rows
+        else:
+            other += t.n_bytes
+    return experts, other
+
+
+def _moved_blocks(info: ModelInfo, free_vram: int) -> list[int]:
+    """The last blocks whose experts go to VRAM in the second GPU run: as many MoE layers as fit beside
+    the other weights and VRAM_HEADROOM, at most half of them; [] where none fits."""
+    room = free_vram - info.non_expert_bytes - VRAM_HEADROOM
+    moved: list[int] = []
+    for layer in sorted(info.layers, key=lambda x: -x.block)[: len(info.layers) // 2]:
+        if layer.expert_bytes > room:
+            break
+        room -= layer.expert_bytes
+        moved.append(layer.block)
+    return moved
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def calibrate(build: Any, model: Path | None = None, threads: int | None = None,
+              progress: ProgressFn = silent) -> Calibration:
+    """Measure this machine's costs with `build` (a BuildResult: its llama-bench) on `model` (None: the
+    demo model), at `threads` CPU threads (None: the physical cores this process may use, llama.cpp's
+    default). Reports a Step per llama-bench run and a Note per result. Nothing is written."""
+    notes: list[str] = []
+    if model is None:
+        from moeplug.model.demo import ensure_demo_model
+
+        model = ensure_demo_model(progress)
+        notes.append("measured on the demo model (tiny: what a token costs besides weights weighs more there "
+                     "than on a real model, so the CPU's figure is low); 'moeplug calibrate MODEL' measures "
+                     "with the model you serve")
+    model = Path(model)
+    info = inspect_model(model)
+    if not info.layers:
+        raise NotApplicableError(f"{model}: a dense model: no experts to calibrate with")
+    threads = threads or usable_cores() or 1
+    fingerprint, identity = machine_fingerprint(build.build_id)
+    tool = build.binary("llama-bench")
+    found = gpus()
+    gpu_build = build.manifest.get("backend") == "cuda"
+    use_gpu = bool(found) and gpu_build
+    moved = _moved_blocks(info, found[0].free_bytes) if use_gpu else []
+    dense_fits = use_gpu and found[0].free_bytes > info.non_expert_bytes + VRAM_HEADROOM
+    total = 1 + (1 if found else 0) + (1 if dense_fits else 0) + (1 if dense_fits and moved else 0)
+    done = 0
+    runs: list[_Bench] = []
+
+    def step() -> None:
+        nonlocal done
+        done += 1
+        progress(Step(TASK, done, total, "run", every=0))
+
+    progress(Note(f"calibrating with {model.name} ({len(info.layers)} MoE layers x {info.n_expert} experts, "
+                  f"{info.n_expert_used} used), {threads} threads, build {build.build_id}"))
+    progress(Step(TASK, 0, total, "run", every=0))
+    t0 = time.monotonic()
+
+    # --- the CPU: every weight on it, a few tokens decoded ---
+    cpu = _Bench("cpu: every weight on the CPU, decode", ["-ngl", "0", "-p", "0", "-n", str(GEN_TOKENS),
+                                                           "-t", str(threads)])
+    try:
+        _run_bench(tool, model, cpu)
+    except _BenchFailed as exc:
+        raise MoeplugError(f"calibrate: the CPU run failed: {exc}") from None
+    runs.append(cpu)
+    step()
+    if cpu.token_s is None or cpu.token_s <= 0:
+        raise MoeplugError("calibrate: llama-bench reported no decode time for the CPU run")
+    expert_b, other_b = _per_token_bytes(info)
+    cpu_rate = (expert_b + other_b) / cpu.token_s
+    notes.append(f"CPU: {cpu.token_s * 1e3:.3f} ms a token with every weight on the CPU at {threads} threads, "
+                 f"reading {human_bytes(expert_b)} of experts and {human_bytes(other_b)} of other weights; the "
+                 f"other weights taken at the experts' rate (their {other_b / (expert_b + other_b):.0%} of the time "
+                 f"left out); a token's costs besides weights are in the figure")
+    progress(Note(f"  CPU: {cpu_rate / 1e9:.1f} GB/s of expert weights ({cpu.token_s * 1e3:.2f} ms a token)"))
+
+    # --- the bus: pinned copies to GPU 0 ---
+    h2d = None
+    if found:
+        from moeplug.machine.bus import h2d_bytes_per_s
+
+        h2d, why = h2d_bytes_per_s([build.bin_dir])
+        step()
+        if h2d is None:
+            notes.append(f"host-to-device rate not measured: {why}")
+        else:
+            progress(Note(f"  bus: {h2d / 1e9:.1f} GB/s host to device (pinned, 256 MiB copies)"))
+    else:
+        notes.append("no GPU: the bus is not measured (round trip, uploads and host-to-device rate are None)")
+
+    # --- the GPU build: experts of every layer in RAM, then of fewer ---
+    round_trip = prompt_rate = None
+    if found and not gpu_build:
+        notes.append(f"a {build.manifest.get('backend', 'CPU')} build: the round trip and the prompt uploads "
+                     "need a CUDA build and are not measured")
+    elif use_gpu and not dense_fits:
+        notes.append(f"the weights beside the experts ({human_bytes(info.non_expert_bytes)}) do not fit in GPU 0's "
+                     f"free memory with room to spare: the round trip and the prompt uploads are not measured")
+    elif use_gpu:
+        from moeplug.planner.estimates import choose_load_mode
+
+        load_mode, _ = choose_load_mode(info, available_ram_bytes())
+        lm = ["-lm", "none"] if load_mode == "pinned" else []
+        common = ["-ngl", "999", "-p", str(PROMPT_BATCH), "-ub", str(PROMPT_BATCH), "-n", str(GEN_TOKENS),
+                  "-t", str(threads), *lm]
+        all_ram = _Bench("gpu: every layer's experts in RAM", [*common, "-ncmoe", str(info.n_layer)])
+        try:
+            runs.append(_run_bench(tool, model, all_ram))
+        except _BenchFailed as exc:
+            notes.append(f"the GPU run with every expert in RAM failed ({exc}): round trip and uploads not measured")
+            moved = []
+        step()
+        if not moved and all_ram.token_s is not None:
+            notes.append("no MoE layer's experts fit in GPU 0's free memory beside the other weights: the round "
+                         "trip and the prompt uploads are not measured")
+        if moved and all_ram.token_s is not None:
+            fewer = _Bench(f"gpu: experts of the last {len(moved)} MoE layers in VRAM",
+                           [*common, "-ncmoe", str(min(moved))])
+            try:
+                runs.append(_run_bench(tool, model, fewer))
+            except _BenchFailed as exc:
+                notes.append(f"the GPU run with {len(moved)} layers' experts in VRAM failed ({exc}): round trip and "
+                             "uploads not measured")
+            step()
+            layers = {layer.block: layer for layer in info.layers}
+            moved_used = sum(info.n_expert_used * layers[b].bytes_per_expert for b in moved)
+            moved_all = sum(layers[b].expert_bytes for b in moved)
+            if fewer.token_s is not None and all_ram.token_s is not None:
+                per_layer = (all_ram.token_s - fewer.token_s - moved_used / cpu_rate) / len(moved)
+                if per_layer > 0:
+                    round_trip = per_layer
+                    notes.append(f"round trip: {all_ram.token_s * 1e3:.3f} against {fewer.token_s * 1e3:.3f} ms a "
+                                 f"token with {len(moved)} fewer MoE layers' experts in RAM, less their experts at "
+                                 f"the CPU's rate, per layer")
+                    progress(Note(f"  round trip: {round_trip * 1e6:.0f} us a layer"))
+                else:
+                    notes.append(f"round trip not resolved: {len(moved)} fewer layers in RAM saved "
+                                 f"{(all_ram.token_s - fewer.token_s) * 1e3:.3f} ms a token, no more than their "
+                                 f"experts at the CPU's rate")
+            if fewer.batch_s is not None and all_ram.batch_s is not None:
+                dt = all_ram.batch_s - fewer.batch_s
+                if dt > 0:
+                    prompt_rate = moved_all / dt
+                    notes.append(f"prompt uploads: a {PROMPT_BATCH}-token batch took {dt * 1e3:.2f} ms more with "
+                                 f"{human_bytes(moved_all)} more experts in RAM ({load_mode} memory, stock's path)")
+                    progress(Note(f"  prompt uploads: {prompt_rate / 1e9:.1f} GB/s"))
+                    if h2d and prompt_rate > 1.2 * h2d:
+                        notes.append("the prompt uploads came out above the bus's copy rate: within the noise")
+                else:
+                    notes.append("prompt uploads not resolved: the prompt batch was no slower with more experts in RAM")
+    if found:
+        notes.append("the GPU's rate on misses read from host memory is not measured (llama-bench has no way to "
+                     "run that path): the planner keeps its fitted share")
+    progress(Note(f"  measured in {time.monotonic() - t0:.0f} s"))
+
+    return Calibration(fingerprint=fingerprint, cpu_expert_bytes_per_s=cpu_rate, round_trip_s=round_trip,
+                       h2d_bytes_per_s=h2d, prompt_upload_bytes_per_s=prompt_rate, gpu_miss_bytes_per_s=None,
+                       measured_at=_now(), threads=threads, build_id=build.build_id, model=str(model),
+                       machine=identity, notes=notes, runs=[r.to_json() for r in runs])
+
+
+# ---------------------------------------------------------------------------------------------
+# the command's action
+
+
+def model_and_build(text: str | None, progress: ProgressFn = silent) -> tuple[Path | None, Any]:
+    """The model to measure with and its build: an installed model's own build, or for a model
+    reference or path (None: the demo model) the current patched build (made where missing)."""
+    from moeplug.native.build import build, resolve_options
+    from moeplug.serving.installed import installed_dir, read_installed
+
+    if text and (installed_dir() / f"{text}.json").exists():
+        from moeplug.operations.install import installed_build
+
+        m = read_installed(text)
+        return Path(m.path), installed_build(m)
+    path: Path | None = None
+    if text:
+        from moeplug.operations.install import locate
+
+        path = locate(text, download=False, progress=progress).path
+    return path, build(resolve_options(None, stock=False, jobs=0, cuda_arch=None), progress=progress)
+
+
+def calibrate_model(text: str | None, threads: int | None = None, force: bool = False,
+                    progress: ProgressFn = silent) -> Calibrated:
+    """`moeplug calibrate [MODEL]`: this fingerprint's file where there is one (and it was measured at
+    the threads asked, where asked), else a new measurement written to it; force: measure again."""
+    model, build = model_and_build(text, progress)
+    path = calibration_path(machine_fingerprint(build.build_id)[0])
+    if not force:
+        stored = stored_calibration(build)
+        if stored is not None and (threads is None or stored.threads == threads):
+            progress(Note(f"this machine is calibrated: {path} ('--force' measures again)"))
+            return Calibrated(stored, path, reused=True)
+    cal = calibrate(build, model, threads, progress)
+    return Calibrated(cal, write_calibration(cal, path), reused=False)
