@@ -71,6 +71,7 @@ from moeplug.machine.fingerprint import machine_fingerprint
 from moeplug.machine.gpu import gpus
 from moeplug.machine.probes import available_ram_bytes, usable_cores
 from moeplug.model.inspect import ModelInfo, inspect_model
+from moeplug.planner.costs import DEFAULT_COSTS, CostModel
 
 __all__ = ["Calibrated", "Calibration", "calibrate", "calibrate_model", "calibration_dir", "calibration_path",
            "machine_fingerprint", "read_calibration", "stored_calibration", "write_calibration"]
@@ -496,3 +497,20 @@ def calibrate_model(text: str | None, threads: int | None = None, force: bool = 
             return Calibrated(stored, path, reused=True)
     cal = calibrate(build, model, threads, progress)
     return Calibrated(cal, write_calibration(cal, path), reused=False)
+
+
+def cost_model(cal: Calibration, source: str) -> CostModel:
+    """The planner's cost model from a calibration (CostModel.from_measured: the rest the GPU machine's)."""
+    return CostModel.from_measured(cal.cpu_expert_bytes_per_s, cal.h2d_bytes_per_s, cal.round_trip_s,
+                                   cal.prompt_upload_bytes_per_s, cal.gpu_miss_bytes_per_s, source=source)
+
+
+def costs_for(build: Any, calibration: Path | None = None) -> CostModel:
+    """The costs a plan on this machine uses: a calibration file given by hand, else this machine's
+    own for the build (stored_calibration), else the GPU machine's fitted figures (DEFAULT_COSTS)."""
+    if calibration is not None:
+        return cost_model(read_calibration(calibration), f"the calibration file {calibration}")
+    cal = stored_calibration(build) if build is not None else None
+    if cal is None:
+        return DEFAULT_COSTS
+    return cost_model(cal, f"measured here ({cal.measured_at or 'date unknown'}, moeplug calibrate)")

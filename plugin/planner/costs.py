@@ -85,22 +85,23 @@ class CostModel:
                       gpu_miss_bytes_per_s: float | None = None, source: str = "measured") -> CostModel:
         """The cost model of a machine from what was measured there (operations.calibrate), the GPU
         machine's figures for the rest. What the bus carries scales with the bus: the prompt batches'
-        upload rates (unless the prompt path's own rate was measured) and the GPU's time on streamed
+        upload rates (unless stock's prompt path was measured, prompt_upload_bytes_per_s: the cache's
+        path then in the GPU machine's proportion to it) and the GPU's time on streamed
         misses (unless its rate on misses read from host memory was measured), and the dynamic policy
         starts fewer uploads a batch, none below an eighth of the GPU machine's bus (the slots then
         stay as profiled: the static policy). A figure not measured (None) keeps the default."""
         d = DEFAULT_COSTS
         bus = h2d_bytes_per_s or d.h2d_bytes_per_s
         scale = bus / d.h2d_bytes_per_s
-        upload = prompt_upload_bytes_per_s or d.upload_bytes_per_s * scale
+        stock_upload = prompt_upload_bytes_per_s or d.stock_upload_bytes_per_s * scale
         # the GPU's time per streamed byte, fitted on the GPU machine as a share of its CPU's
         gpu_s_per_byte = (1.0 / gpu_miss_bytes_per_s if gpu_miss_bytes_per_s else
                           d.stream_gpu_ratio * d.stream_cpu_scale / d.cpu_expert_bytes_per_s / scale)
         cpu_s_per_byte = d.stream_cpu_scale / cpu_expert_bytes_per_s
         return replace(d, cpu_expert_bytes_per_s=cpu_expert_bytes_per_s, h2d_bytes_per_s=bus,
                        round_trip_s=round_trip_s if round_trip_s is not None else d.round_trip_s,
-                       upload_bytes_per_s=upload,
-                       stock_upload_bytes_per_s=d.stock_upload_bytes_per_s * upload / d.upload_bytes_per_s,
+                       upload_bytes_per_s=d.upload_bytes_per_s * stock_upload / d.stock_upload_bytes_per_s,
+                       stock_upload_bytes_per_s=stock_upload,
                        long_prompt_upload_bytes_per_s=d.long_prompt_upload_bytes_per_s * scale,
                        stream_gpu_ratio=gpu_s_per_byte / cpu_s_per_byte,
                        dynamic_uploads=uploads_at(d.dynamic_uploads, scale),
