@@ -98,15 +98,17 @@ def installed_up_to_date(progress: ProgressFn = silent) -> list[InstalledModel]:
 
 
 def serve(name: str, *, port: int | None = None, vram_budget: int | list[int] | None = None, ctx: int | None = None,
-          ctx_override: bool = False, allow_fallback: bool = False, metrics: bool = False, record: bool = False,
+          ctx_override: bool = False, allow_fallback: bool = False, metrics: bool = True,
+          record: bool | None = None,
           host: str = HOST, spec: Speculation | KeepInstalled | None = KeepInstalled(),
           prefill_weight: float | None = None, threads: int | None = None, ubatch: int | None = None,
           prompt_tokens: int | None = None, progress: ProgressFn = silent) -> Served:
     """Launch an installed model again (detached) with its build; re-planned when a budget or a
     context is given, or when an older planner made its plan (plan.outdated; not where its profile
     is gone), else with the plan it was installed with. Waits while another moeplug holds
-    the model (an install, a re-profile), then reads the model as that one left it. record: count
-    the router's selections for `moeplug reprofile` (llama-server --moe-cache-record). host: where
+    the model (an install, a re-profile), then reads the model as that one left it. metrics: count
+    slot hits on /metrics (`moeplug status`, the dashboard). record: count the router's selections
+    for `moeplug reprofile` (llama-server --moe-cache-record; None: where the build can). host: where
     it listens (127.0.0.1 unless the user gave another address; then a warning). spec: another
     speculative decoding to re-plan with and keep (None: none; KeepInstalled(): the installed one's).
     prefill_weight: prompt tokens per generated token to re-plan for and keep (None: the installed one's);

@@ -186,7 +186,7 @@ def cmd_install(args: argparse.Namespace) -> int:
                    serve=not args.no_serve, port=args.port, allow_fallback=args.allow_fallback, metrics=args.metrics,
                    ctx_override=args.ctx_override, host=args.host or HOST, spec=spec,
                    prefill_weight=args.prefill_weight, threads=args.threads, ubatch=args.ubatch,
-                   prompt_tokens=args.prompt_tokens, progress=out.progress)
+                   prompt_tokens=args.prompt_tokens, record=args.record, progress=out.progress)
     return out.result(done, install_text)
 
 
@@ -342,8 +342,6 @@ def register(sub: Any) -> None:
     add_plan_options(p, "re-plan for this budget, e.g. 12GiB, or 12GiB,12GiB for two GPUs (kept as the model's plan)",
                      "re-plan for this context size (kept as the model's plan)")
     add_serve_options(p)
-    p.add_argument("--record", action="store_true",
-                   help="count the router's selections (llama-server --moe-cache-record) for 'moeplug reprofile'")
     add_prefill_weight(p, keep=True)
     add_threads(p, keep=True)
     add_ubatch(p, keep=True)
