@@ -151,7 +151,7 @@ class Stopped:
 
 def stop(name: str | None = None, all_served: bool = False, progress: ProgressFn = silent) -> Stopped:
     """Stop one served model, or every one (all_served=True); each may take a few seconds."""
-    from moeplug.serving import read_records
+    from moeplug.serving import find_record, read_records
     from moeplug.serving import stop as stop_served
 
     names = [r.name for r in read_records()] if all_served else [name] if name else []
@@ -159,7 +159,9 @@ def stop(name: str | None = None, all_served: bool = False, progress: ProgressFn
         raise MoeplugError("name a served model, or pass --all")
     stopped = []
     for n in names:
-        progress(Note(f"stopping {n}"))
+        record = find_record(n)
+        if record is not None and record.alive():  # a note only where a stop takes time: "was not running" alone
+            progress(Note(f"stopping {n}"))
         if stop_served(n):
             stopped.append(n)
     return Stopped(names, stopped, all_served)

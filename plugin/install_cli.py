@@ -15,14 +15,16 @@ from typing import Any
 from moeplug.options import (JOBS, TOKENS, Number, add_backend, add_json, add_plan_options, add_prefill_weight, add_serve_options,
                              add_spec_options, add_threads)
 from moeplug.estimates import DEFAULT_UBATCH, MIN_UBATCH
-from moeplug.output import Output, human_bytes, table
+from moeplug.output import Output, fitted_table, human_bytes, shell_lines, table, terminal_width, wrap_lines
 from moeplug.plan import UBATCH_AUTO, Plan, describe_slots
 from moeplug.server import HOST
 from moeplug.serving import cache_summary, slot_range, streamed_text
 from moeplug.sizes import MIB
 
 
-def plan_text(p: Plan) -> str:
+def plan_text(p: Plan, width: int | None = None) -> str:
+    """The plan for people; width: fit that many columns (the terminal's: output.terminal_width), the
+    long values, server args and notes broken over lines; None: one line each."""
     rows = [
         ["VRAM budget", human_bytes(p.vram_budget_bytes) if p.vram_budget_bytes else "no GPU"],
         ["non-expert weights", human_bytes(p.non_expert_vram_bytes)],
@@ -48,11 +50,12 @@ def plan_text(p: Plan) -> str:
                                        + ")") if p.prompt_tokens else "the profile's prompts"],
         ["prompt batch", f"{p.ubatch} tokens (-ub), " + _ubatch_source(p)],
     ]
-    lines = [table(["plan", ""], rows, "lr")] + ([devices_text(p)] if p.devices else [])
-    lines += ["server args: " + shlex.join(p.server_args)]  # quoted: -ot has | ( )
-    lines += ["server environment: " + " ".join(f"{k}={v}" for k, v in sorted(p.server_env().items()))] \
-        if p.server_env() else []
-    lines += [f"note: {n}" for n in p.notes] + [f"WARNING: {w}" for w in p.warnings]
+    lines = [fitted_table(["plan", ""], rows, width)] + ([devices_text(p)] if p.devices else [])
+    lines += [shell_lines("server args: ", p.server_args, width)]  # quoted: -ot has | ( )
+    lines += [wrap_lines("server environment: " + " ".join(f"{k}={v}" for k, v in sorted(p.server_env().items())),
+                         width)] if p.server_env() else []
+    lines += [wrap_lines(f"note: {n}", width) for n in p.notes] + [wrap_lines(f"WARNING: {w}", width)
+                                                                   for w in p.warnings]
     return "\n".join(lines)
 
 
@@ -138,8 +141,8 @@ def served_text(name: str, srv: Any) -> str:
     return "\n".join(lines)
 
 
-def install_text(done: Any) -> str:
-    lines = [f"installed {done.name}: {done.model}", f"profile  {done.profile}", plan_text(done.plan)]
+def install_text(done: Any, width: int | None = None) -> str:
+    lines = [f"installed {done.name}: {done.model}", f"profile  {done.profile}", plan_text(done.plan, width)]
     return "\n".join(lines + ([served_text(done.name, done.server)] if done.server else []))
 
 
@@ -187,7 +190,7 @@ def cmd_install(args: argparse.Namespace) -> int:
                    ctx_override=args.ctx_override, host=args.host or HOST, spec=spec,
                    prefill_weight=args.prefill_weight, threads=args.threads, ubatch=args.ubatch,
                    prompt_tokens=args.prompt_tokens, record=args.record, progress=out.progress)
-    return out.result(done, install_text)
+    return out.result(done, lambda d: install_text(d, terminal_width()))
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -201,7 +204,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       profile=Path(args.profile) if args.profile else None, ctx_override=args.ctx_override,
                       spec=spec, prefill_weight=args.prefill_weight, threads=args.threads, ubatch=args.ubatch,
                       prompt_tokens=args.prompt_tokens, progress=out.progress)
-    return out.result(plan, plan_text)
+    return out.result(plan, lambda p: plan_text(p, terminal_width()))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
