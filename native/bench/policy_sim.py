@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train", type=int, default=400, help="trace prompts the profile is made of (0:N); the "
                     "requests are held-out prompts from N on")
     a = ap.parse_args(argv)
+    if not a.trace.is_file():  # the default lives in the project's shared data, outside the repository
+        ap.error(f"no routing trace at {a.trace}: pass --trace PATH (an npz trace, moeplug.trace's layout)")
     d = np.load(a.trace)
     experts, offsets = d["experts"], d["offsets"]
     train = experts[offsets[0]:offsets[a.train]]
