@@ -46,11 +46,15 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str | No
     return "\n".join(lines)
 
 
-def terminal_width(default: int = 80) -> int:
-    """The terminal's columns (COLUMNS where set; `default` where neither is known, e.g. a pipe)."""
+def terminal_width() -> int | None:
+    """The columns to fit text into: COLUMNS where set, else the terminal's where stdout is one;
+    None for a pipe or a file (lines as long as they come, for whatever reads them)."""
+    import os
     import shutil
 
-    return max(20, shutil.get_terminal_size((default, 24)).columns)
+    if not os.environ.get("COLUMNS") and not sys.stdout.isatty():
+        return None
+    return max(20, shutil.get_terminal_size((80, 24)).columns)
 
 
 def wrap_lines(text: str, width: int | None, indent: str = "  ") -> str:
