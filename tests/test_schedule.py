@@ -169,6 +169,14 @@ def test_installed_demo_is_reprofiled_by_the_schedule_and_a_model_served_without
             done = requests.post(f"{server['url']}/completion", json={"prompt": prompt, "n_predict": 16,
                                                                       "temperature": 0}, timeout=300)
             assert done.status_code == 200
+        # the build that answers, as clients see it: llama.cpp's tag, the source and the patch series
+        from moeplug.native.build import build_info, load_spec
+
+        number, commit = build_info(load_spec(), stock=False)
+        assert (number, commit.split("-moeplug.")[0]) == (11434, f"sdist.{load_spec().lock.sha256[:8]}")
+        chat = requests.post(f"{server['url']}/v1/chat/completions", timeout=300,
+                             json={"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4})
+        assert chat.json()["system_fingerprint"] == f"b11434-{commit}" != "b0-unknown", chat.json()
 
         r = run_cli_process("schedule", "install", "--cron", "--every", "6h", "--args", "--apply never", "--json",
                             env=env)
