@@ -42,7 +42,6 @@ class CacheCounters:
                 "layers": {str(k): v for k, v in sorted(self.layers.items())},
                 "devices": dict(sorted(self.devices.items()))}
 
-
     def since(self, before: dict[str, Any] | None) -> CacheCounters:
         """The counts added after `before` (an earlier reading's to_json(); None: all of them)."""
         if not before:

@@ -132,8 +132,8 @@ class ServerRecord:
     host: str = HOST  # the address it listens on
     traffic_from: int = 0  # where its users' requests start in the log: past the launch's probe (moeplug.traffic)
     # /metrics as the launch's context probe left it ({"cache": CacheCounters JSON, "server": {llama-server's
-    # sample name without "llamacpp:": value}}): moeplug.monitor counts from there, so the probe's random full-context request is not shown
-    # as the users' hit rate or throughput; None: counted from the server's start
+    # sample name less "llamacpp:": value}}): moeplug.monitor counts from there, so the probe's full-context
+    # request is not shown as the users' hit rate or throughput; None: counted from the server's start
     counters_from: dict[str, Any] | None = None
 
     @property

@@ -270,8 +270,9 @@ def test_the_shipped_schema_and_config_agree_with_llama_swaps_own() -> None:
 
     real = json.loads((LLAMA_SWAP / "config-schema.json").read_text())
     jsonschema.Draft7Validator(real).validate(yaml.safe_load(SWAP_CONFIG.read_text()))
-    for bad in ({"models": {"m": {"cmd": ""}}}, {"models": {"m": {"ttl": 5}}}, {"models": {"m": {"cmd": "x", "env": ["a=b"]}}},
-                {"models": {"m": {"cmd": "x", "checkEndpoint": "health"}}}, {}):
+    for bad in ({"models": {"m": {"cmd": ""}}}, {"models": {"m": {"ttl": 5}}},
+                {"models": {"m": {"cmd": "x", "env": ["a=b"]}}}, {"models": {"m": {"cmd": "x", "checkEndpoint": "health"}}},
+                {}):
         assert not jsonschema.Draft7Validator(real).is_valid(bad), bad
         assert not jsonschema.Draft7Validator(OWN_SCHEMA).is_valid(bad), bad
 
