@@ -229,9 +229,10 @@ def cmd_stop(args: argparse.Namespace) -> int:
         f"{n}: {'stopped' if n in r.stopped else 'was not running'}" for n in r.names))
 
 
-def _hit_rate_text(counters: dict[str, Any] | None) -> str:
+def _hit_rate_text(counters: dict[str, Any] | None, counted: bool = True) -> str:
+    """counted: served with the counters (--metrics, the default)."""
     if counters is None:
-        return "- (serve with --metrics)"
+        return "-" if counted else "- (served --no-metrics)"
     if counters["hit_rate"] is None:
         return "no selections yet"
     return f"{counters['hit_rate']:.1%} of {counters['selections']}"
@@ -245,8 +246,8 @@ def status_text(snap: Any) -> str:
         cache = cache_summary(s.record.cache)
         counters = s.cache_counters.to_json() if s.cache_counters else None
         state = s.state if s.model_present else f"{s.state}, model file gone"
-        rows.append([s.name, s.record.url, s.record.pid, state, cache, _hit_rate_text(counters), _vram_text(s),
-                     s.record.log])
+        hit_rate = _hit_rate_text(counters, "--metrics" in s.record.args)
+        rows.append([s.name, s.record.url, s.record.pid, state, cache, hit_rate, _vram_text(s), s.record.log])
     lines = [table(["name", "url", "pid", "state", "expert cache", "measured hit rate", "VRAM of budget", "log"], rows,
                    "llrllrrl")]
     lines += [_traffic_text(s) for s in snap.servers if s.traffic and s.traffic.requests]
