@@ -70,9 +70,52 @@ def test_stop_reports_and_returns_what_it_did(home: Path) -> None:
     events: list[object] = []
     result = stop("nothing", progress=events.append)
     assert (result.names, result.stopped, result.exit_code) == (["nothing"], [], 1)
-    assert events == [Note("stopping nothing")] and result.to_json() == {"stopped": []}
+    assert events == [] and result.to_json() == {"stopped": []}  # nothing to stop: no "stopping" note
     assert stop(all_served=True).exit_code == 0  # nothing served: nothing to stop, not an error
     r = run_cli("stop")
     assert r.returncode == 1 and r.stderr == "moeplug: error: name a served model, or pass --all\n"
     r = run_cli("stop", "nothing", "--json")
-    assert r.returncode == 1 and json.loads(r.stdout) == {"stopped": []} and "stopping nothing" in r.stderr
+    assert r.returncode == 1 and json.loads(r.stdout) == {"stopped": []} and "stopping" not in r.stderr
+
+
+def _unbreakable(line: str) -> bool:
+    """A line that is one word (a long path or pattern) after its indentation, with a shell ' \\' at most."""
+    return len(line.strip().removesuffix(" \\").split()) == 1
+
+
+def test_plan_table_fits_80_columns(fixture_models, home: Path) -> None:
+    """`moeplug plan` as a user runs it on an 80-column terminal (COLUMNS=80): no line is wider, the
+    long values wrap under their own column, and the server args stay one shell command."""
+    import os
+    import shlex
+
+    from helpers import run_cli_process
+
+    model = str(fixture_models["qwen3moe"])
+    env = dict(os.environ, COLUMNS="80")
+    r = run_cli_process("plan", model, "--vram-budget", "2GiB", "--ctx", "1024", env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert [line for line in lines if len(line) > 80 and not _unbreakable(line)] == [], r.stdout
+    assert lines[0] == "plan" and lines[2].startswith("VRAM budget") and "2.00 GiB" in lines[2]
+    batch = lines.index(next(line for line in lines if line.startswith("prompt batch ")))
+    assert lines[batch + 1].startswith(" " * 20), "a long value goes on under its column"
+    start = next(i for i, line in enumerate(lines) if line.startswith("server args: "))
+    end = next(i for i in range(start, len(lines)) if not lines[i].endswith(" \\"))
+    joined = " ".join(line.removesuffix(" \\").strip() for line in lines[start:end + 1]).removeprefix("server args: ")
+    assert shlex.split(joined) == plan_model(model, ctx=1024, vram_budget=2 << 30).server_args
+
+    wide = run_cli_process("plan", model, "--vram-budget", "2GiB", "--ctx", "1024", env=dict(env, COLUMNS="250"),
+                           timeout=300)
+    assert wide.returncode == 0 and len(wide.stdout.splitlines()) < len(lines)  # one line a row where it fits
+
+
+def test_stop_says_was_not_running_alone(home: Path) -> None:
+    """`moeplug stop NAME` for a model not served: its one line, no "stopping" note before or after it."""
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "moeplug", "stop", "demo"], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, env=dict(os.environ), timeout=120)
+    assert r.stdout.splitlines() == ["demo: was not running"], r.stdout

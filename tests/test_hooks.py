@@ -1,5 +1,6 @@
 """`moeplug hook`: llama-server router presets and llama-swap fragments made from the installed
-plans, against the real pinned llama-server in router mode and llama-swap's own schema.
+plans, against the real pinned llama-server in router mode and the llama-swap schema moeplug ships (and
+llama-swap's own config-schema.json where ../shared has it).
 
 Two synthetic models are installed once for the module in temp XDG homes: the demo through the
 real `moeplug install`, and a second model through the same library calls (profile, plan with
@@ -33,7 +34,11 @@ from moeplug.serving.server import free_port
 pytestmark = pytest.mark.native
 
 ROOT = Path(__file__).resolve().parent.parent
+# llama-swap's own schema, where a checkout sits beside the project's shared data (not on a user's machine):
+# the tests below check against it as well when it is there; what they need is in the repository
 LLAMA_SWAP = ROOT.parent / "shared" / "data" / "llama-swap"
+# a user's llama-swap config that moeplug's entries go beside (written for these tests)
+SWAP_CONFIG = ROOT / "tests" / "data" / "llama-swap" / "config.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -229,19 +234,46 @@ def test_a_users_section_named_like_a_model_is_a_clash(home: dict[str, str], tmp
 # llama-swap
 
 
-def swap_schema() -> dict[str, object]:
-    return json.loads((LLAMA_SWAP / "config-schema.json").read_text())
+def swap_schemas() -> list[dict[str, object]]:
+    """The schema moeplug ships (llama_swap.OWN_SCHEMA: what it checks a fragment against without
+    llama-swap's), and llama-swap's own config-schema.json where ../shared has it."""
+    from moeplug.hooks.llama_swap import OWN_SCHEMA
+
+    real = LLAMA_SWAP / "config-schema.json"
+    return [OWN_SCHEMA, *([json.loads(real.read_text())] if real.is_file() else [])]
+
+
+def valid_for_llama_swap(doc: object) -> None:
+    for schema in swap_schemas():
+        jsonschema.Draft7Validator(schema).validate(doc)
+
+
+@pytest.mark.skipif(not (LLAMA_SWAP / "config-schema.json").is_file(),
+                    reason=f"llama-swap's own schema is not here: {LLAMA_SWAP / 'config-schema.json'} is missing "
+                           f"(the fragment is still checked against the schema moeplug ships)")
+def test_the_shipped_schema_and_config_agree_with_llama_swaps_own() -> None:
+    """What the repository ships stands for llama-swap's files: the test config is valid for llama-swap's
+    schema, and whatever that schema refuses in an entry moeplug writes, the shipped one refuses too."""
+    from moeplug.hooks.llama_swap import OWN_SCHEMA
+
+    real = json.loads((LLAMA_SWAP / "config-schema.json").read_text())
+    jsonschema.Draft7Validator(real).validate(yaml.safe_load(SWAP_CONFIG.read_text()))
+    for bad in ({"models": {"m": {"cmd": ""}}}, {"models": {"m": {"ttl": 5}}},
+                {"models": {"m": {"cmd": "x", "env": ["a=b"]}}}, {"models": {"m": {"cmd": "x", "checkEndpoint": "health"}}},
+                {}):
+        assert not jsonschema.Draft7Validator(real).is_valid(bad), bad
+        assert not jsonschema.Draft7Validator(OWN_SCHEMA).is_valid(bad), bad
 
 
 def test_llama_swap_fragment_is_valid_and_runs_the_plans_flags(home: dict[str, str], tmp_path: Path) -> None:
     folder = tmp_path / "swap.d"
     folder.mkdir()
-    (folder / "00-main.yaml").write_text((LLAMA_SWAP / "config.example.yaml").read_text())
+    (folder / "00-main.yaml").write_text(SWAP_CONFIG.read_text())
     r = moeplug(home, "hook", "llama-swap", "--config-dir", str(folder), "--json")
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in folder.iterdir()) == ["00-main.yaml", "moeplug.yaml"]
     fragment = yaml.safe_load((folder / "moeplug.yaml").read_text())
-    jsonschema.Draft7Validator(swap_schema()).validate(fragment)
+    valid_for_llama_swap(fragment)
     assert sorted(fragment) == ["models"] and sorted(fragment["models"]) == ["demo", "other"]
     for name, m in installed().items():
         entry = fragment["models"][name]
@@ -254,9 +286,9 @@ def test_llama_swap_fragment_is_valid_and_runs_the_plans_flags(home: dict[str, s
         assert argv[argv.index("--port") + 1] == "${PORT}" and argv[argv.index("-m") + 1] == m.path
         assert argv[-len(m.plan.server_args):] == m.plan.server_args
     # merged on top of the example config, as llama-swap merges the folder, it is still valid
-    main = yaml.safe_load((LLAMA_SWAP / "config.example.yaml").read_text())
+    main = yaml.safe_load(SWAP_CONFIG.read_text())
     main["models"].update(fragment["models"])
-    jsonschema.Draft7Validator(swap_schema()).validate(main)
+    valid_for_llama_swap(main)
 
 
 def test_llama_swap_clash_with_another_fragment_is_refused(home: dict[str, str], tmp_path: Path) -> None:
@@ -296,13 +328,13 @@ def test_an_interrupted_llama_swap_write_leaves_no_yaml(home: dict[str, str], tm
 
 def test_llama_swap_single_file_keeps_everything_else(home: dict[str, str], tmp_path: Path) -> None:
     config = tmp_path / "config.yaml"
-    example = (LLAMA_SWAP / "config.example.yaml").read_bytes()
+    example = SWAP_CONFIG.read_bytes()
     config.write_bytes(example)
     assert moeplug(home, "hook", "llama-swap", "--file", str(config)).returncode == 0
     text = config.read_text()
     doc = yaml.safe_load(text)
-    jsonschema.Draft7Validator(swap_schema()).validate(doc)
-    assert {"demo", "other", "gpt-oss-120b"} <= set(doc["models"])
+    valid_for_llama_swap(doc)
+    assert {"demo", "other", "qwen-coder", "embedder"} <= set(doc["models"])
     kept = re.sub(r"\n *# >>> moeplug .*?# <<< moeplug", "", text, flags=re.S)
     assert kept.encode() == example and (tmp_path / "config.yaml.moeplug-backup").read_bytes() == example
     assert moeplug(home, "hook", "remove", "--all").returncode == 0

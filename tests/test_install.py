@@ -47,7 +47,10 @@ def test_install_demo_serve_complete_stop(home: dict[str, str]) -> None:
 
         status = json.loads(moeplug(home, "status", "--json").stdout)["servers"]
         assert [(s["name"], s["alive"], s["healthy"]) for s in status] == [("demo", True, True)]
-        assert status[0]["cache_counters"] is None  # served without --metrics
+        # counted by default (--metrics): the request above, not the start-up check's full-context one
+        assert status[0]["cache_counters"]["selections"] > 0 and status[0]["metrics"]["decode_tokens"] == 12
+        assert "--moe-cache-record" in status[0]["args"]  # recording too, for 'moeplug reprofile'
+        assert "of " in moeplug(home, "status").stdout.splitlines()[2]  # "measured hit rate: P% of N", not "-"
         # NVML's per-process figure: a CPU build's server holds nothing on any GPU
         assert status[0]["vram_bytes"] is None and status[0]["vram_budget_bytes"] is None  # a CPU plan
         listed = json.loads(moeplug(home, "list", "--json").stdout)["models"]

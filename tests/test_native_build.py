@@ -259,3 +259,19 @@ def test_prune_removes_only_stale_builds(tmp_path: Path, monkeypatch: pytest.Mon
     assert set(json.loads(r.stdout)["removed"]) == {str(builds / old_id), str(src / "b11434-0123456789abcdef")}
     assert [b.build_id for b in installed_builds()] == [patched_build.build_id]
     assert sorted(p.name for p in src.iterdir()) == sorted([tree_id(load_spec(), True), tree_id(load_spec(), False)])
+
+
+def test_build_number_and_commit_come_from_the_release_source() -> None:
+    """A build from the release sdist (no .git for llama.cpp's build-info.cmake to ask) is told its
+    number and commit, so llama-server's system_fingerprint names it, not "b0-unknown": the tag's
+    number, the sdist's hash and, patched, the patch series' hash. They are part of the build id."""
+    from moeplug.native.build import BuildOptions, build_info, cmake_args
+
+    spec = load_spec()
+    stock, patched = build_info(spec, stock=True), build_info(spec, stock=False)
+    assert stock[0] == patched[0] == int(spec.lock.tag.removeprefix("b")) == 11434
+    assert stock[1] == f"sdist.{spec.lock.sha256[:8]}" and patched[1] == f"{stock[1]}-moeplug.{spec.digest(False)[:8]}"
+    args = cmake_args(BuildOptions(backend="cpu"), Path("/t"), Path("/b"), patched)
+    assert "-DLLAMA_BUILD_NUMBER=11434" in args and f"-DLLAMA_BUILD_COMMIT={patched[1]}" in args
+    plain = cmake_args(BuildOptions(backend="cpu"), Path("/t"), Path("/b"))
+    assert not any(a.startswith(("-DLLAMA_BUILD_NUMBER", "-DLLAMA_BUILD_COMMIT")) for a in plain)

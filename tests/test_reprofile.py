@@ -345,7 +345,7 @@ def test_a_restart_waits_until_no_request_is_in_flight(home: dict[str, str], tmp
     install_demo(home)
     r = moeplug(home, "reprofile", "demo", "--prompt-file", str(numbers_prompts(tmp_path / "n.txt")), "--json")
     assert r.returncode == 0, r.stderr[-3000:]
-    r = moeplug(home, "serve", "demo", "--metrics", "--json")
+    r = moeplug(home, "serve", "demo", "--no-record", "--json")  # the counters on by default, recording off
     assert r.returncode == 0, r.stderr[-3000:]
     first = json.loads(r.stdout)["server"]
     try:
@@ -368,7 +368,7 @@ def test_a_restart_waits_until_no_request_is_in_flight(home: dict[str, str], tmp
 
         r = moeplug(home, "reprofile", "demo", "--rollback", "--apply", "never", "--json")
         assert json.loads(r.stdout)["models"][0]["applied"] == "never"
-        r = moeplug(home, "reprofile", "demo")  # served without --record: its routing is not counted
+        r = moeplug(home, "reprofile", "demo")  # served --no-record: its routing is not counted
         assert r.returncode == 1 and "--moe-cache-record" in r.stderr and r.stderr.count("\n") == 1
     finally:
         moeplug(home, "stop", "--all")
@@ -520,13 +520,13 @@ def test_the_plan_learns_the_prompts_the_server_sees(home: dict[str, str], patch
 
 @pytest_native
 def test_served_without_record_the_workload_alone(home: dict[str, str]) -> None:
-    """Without --record the routing is not counted, but the log still tells the workload: a re-profile
-    plans for it; once it has, there is nothing to learn and the error says to serve with --record."""
+    """With --no-record the routing is not counted, but the log still tells the workload: a re-profile
+    plans for it; once it has, there is nothing to learn and the error says to serve it recording."""
     r = moeplug(home, "install", "demo", "--no-serve", "--ctx", "2048")
     assert r.returncode == 0, r.stderr[-3000:]
     profile = Path(installed(home)["profile"])
     before = profile.read_bytes()
-    r = moeplug(home, "serve", "demo", "--json")
+    r = moeplug(home, "serve", "demo", "--no-record", "--json")
     assert r.returncode == 0, r.stderr[-3000:]
     first = json.loads(r.stdout)["server"]
     try:
@@ -536,7 +536,7 @@ def test_served_without_record_the_workload_alone(home: dict[str, str]) -> None:
         doc = json.loads(r.stdout)["models"][0]
         assert doc["source"] == "log" and doc["layers"] == [] and not doc["written"] and doc["workload_stored"]
         assert doc["traffic"]["requests"] == 8 and doc["workload"]["prompt_tokens"] in (900, 901)
-        assert doc["applied"] == "unchanged" and any("--record" in n for n in doc["notes"])
+        assert doc["applied"] == "unchanged" and any("--no-record" in n for n in doc["notes"])
         assert profile.read_bytes() == before  # the profile is the routing's: untouched
         plan = installed(home)["plan"]
         assert plan["workload"]["requests"] == 8 and plan["prompt_tokens"] == doc["workload"]["prompt_tokens"]

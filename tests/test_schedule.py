@@ -11,6 +11,7 @@ import json
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,70 @@ def test_a_bad_period_is_one_line(env: dict[str, str], every: str) -> None:
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--every" in r.stderr
     r = moeplug(env, "schedule", "install", "--cron", "--every", "7m")  # cron cannot divide the hour by 7
     assert r.returncode == 2 and "--every" in r.stderr and r.stderr.count("\n") == 1
+
+
+@pytest.mark.native
+def test_installed_demo_is_reprofiled_by_the_schedule_and_a_model_served_without_recording_is_skipped(
+        patched_build, tmp_path: Path) -> None:
+    """As a new user: `moeplug install demo` (recording and counters on by default), some traffic,
+    `moeplug schedule install --cron`, and the scheduled command run as cron runs it: it re-profiles
+    from the server's live counts, no error. Served again with --no-record: `schedule install` names
+    it, and the scheduled run reports it skipped, with why, and does not fail. `moeplug stop demo`
+    prints its two lines in order."""
+    import requests
+
+    env = xdg_homes(tmp_path)
+    env["MOEPLUG_CRONTAB_FILE"] = str(tmp_path / "crontab")
+    try:
+        r = run_cli_process("install", "demo", "--ctx", "1024", "--json", env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        server = json.loads(r.stdout)["server"]
+        assert "--moe-cache-record" in server["args"] and "--metrics" in server["args"]
+        # the start-up check's full-context request is neither shown nor learned: nothing counted yet
+        status = json.loads(run_cli_process("status", "--json", env=env).stdout)["servers"][0]
+        assert status["cache_counters"]["selections"] == 0 and status["metrics"]["decode_tokens"] == 0
+        assert requests.get(f"{server['url']}/moe-cache/profile", timeout=30).status_code == 200
+        for prompt in ("def main():", "The weather today", "SELECT * FROM"):
+            done = requests.post(f"{server['url']}/completion", json={"prompt": prompt, "n_predict": 16,
+                                                                      "temperature": 0}, timeout=300)
+            assert done.status_code == 200
+        # the build that answers, as clients see it: llama.cpp's tag, the source and the patch series
+        from moeplug.native.build import build_info, load_spec
+
+        number, commit = build_info(load_spec(), stock=False)
+        assert (number, commit.split("-moeplug.")[0]) == (11434, f"sdist.{load_spec().lock.sha256[:8]}")
+        chat = requests.post(f"{server['url']}/v1/chat/completions", timeout=300,
+                             json={"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4})
+        assert chat.json()["system_fingerprint"] == f"b11434-{commit}" != "b0-unknown", chat.json()
+
+        r = run_cli_process("schedule", "install", "--cron", "--every", "6h", "--args", "--apply never", "--json",
+                            env=env)
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout)
+        assert doc["not_reprofiled"] == []
+        command = doc["cron_line"].split(None, 5)[5]
+        run = subprocess.run(["/bin/sh", "-c", command], env={"PATH": "/usr/bin:/bin"}, capture_output=True,
+                             timeout=900)
+        assert run.returncode in (0, 10), log_lines(env)  # re-planned, or nothing worth it: never an error
+        assert f" exit {run.returncode}: demo: " in log_lines(env)[-1] and "source live" in log_lines(env)[-1]
+
+        # served without recording: named by schedule install, skipped by the scheduled run
+        assert run_cli_process("stop", "demo", env=env).returncode == 0
+        r = run_cli_process("serve", "demo", "--no-record", "--json", env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "--moe-cache-record" not in json.loads(r.stdout)["server"]["args"]
+        r = run_cli_process("schedule", "install", "--cron", "--every", "6h", env=env)
+        assert r.returncode == 0 and "not re-profiled: demo: served without --moe-cache-record" in r.stdout, r.stdout
+        run = subprocess.run(["/bin/sh", "-c", command], env={"PATH": "/usr/bin:/bin"}, capture_output=True,
+                             timeout=900)
+        assert run.returncode == 10, log_lines(env)  # nothing else to do; the skip is no error
+        assert " exit 10: demo: skipped: 'demo' is served without --moe-cache-record" in log_lines(env)[-1]
+        r = run_cli_process("reprofile", "--all", "--json", env=env)
+        assert r.returncode == 10 and json.loads(r.stdout)["models"][0]["skipped"], r.stdout
+        assert run_cli_process("reprofile", "demo", env=env).returncode == 1  # named: still the error, with why
+
+        stop = subprocess.run([sys.executable, "-m", "moeplug", "stop", "demo"], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=120)
+        assert stop.stdout.splitlines() == ["stopping demo", "demo: stopped"], stop.stdout
+    finally:
+        run_cli_process("stop", "--all", env=env)

@@ -1,6 +1,7 @@
 """The dashboard's actions: each one the library call its CLI command makes.
 
-start  = `moeplug serve NAME --metrics`   (moeplug.operations.actions.serve)
+start  = `moeplug serve NAME`              (moeplug.operations.actions.serve; counters and recording on by default)
+restart = `moeplug stop NAME && moeplug serve NAME --port PORT`: a model served without the hit counters
 stop   = `moeplug stop NAME`              (moeplug.operations.actions.stop)
 plan   = `moeplug plan NAME --vram-budget B` for the installed model (moeplug.operations.install.plan_installed)
 replan = `moeplug stop NAME && moeplug serve NAME --vram-budget B --metrics`
@@ -21,6 +22,16 @@ def start(name: str) -> Any:
     from moeplug.operations.actions import serve
 
     return serve(name, metrics=True).server  # the dashboard shows measured hit rates
+
+
+def restart_counted(name: str) -> Any:
+    """Serve a model that runs without the hit counters again with them, on the same port."""
+    from moeplug.operations.actions import serve
+    from moeplug.serving.launch import find_record
+
+    record = find_record(name)
+    stop(name)
+    return serve(name, port=record.port if record else None, metrics=True).server
 
 
 def stop(name: str) -> bool:

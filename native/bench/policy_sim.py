@@ -329,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--sizes: percents above 0 and at most 100; --buses: at least one speed, above 0")
     if not 0 <= a.cpu_share < 1:
         ap.error("--cpu-share: from 0 to below 1")
+    if not a.trace.is_file():  # the default lives in the project's shared data, outside the repository
+        ap.error(f"no routing trace at {a.trace}: pass --trace PATH (an npz trace, moeplug.profile.trace's layout)")
     d = np.load(a.trace)
     experts, offsets = d["experts"], d["offsets"]
     train = experts[offsets[0]:offsets[a.train]]

@@ -15,7 +15,7 @@ from typing import Any
 from moeplug.commands.options import (JOBS, TOKENS, Number, add_backend, add_json, add_plan_options, add_prefill_weight, add_serve_options,
                              add_spec_options, add_threads)
 from moeplug.planner.estimates import DEFAULT_UBATCH, MIN_UBATCH
-from moeplug.core.output import Output, human_bytes, table
+from moeplug.core.output import Output, fitted_table, human_bytes, shell_lines, table, terminal_width, wrap_lines
 from moeplug.planner.record import Plan, describe_slots
 from moeplug.planner.request import UBATCH_AUTO
 from moeplug.serving.server import HOST
@@ -23,7 +23,9 @@ from moeplug.serving.launch import cache_summary, slot_range, streamed_text
 from moeplug.core.sizes import MIB
 
 
-def plan_text(p: Plan) -> str:
+def plan_text(p: Plan, width: int | None = None) -> str:
+    """The plan for people; width: fit that many columns (the terminal's: output.terminal_width), the
+    long values, server args and notes broken over lines; None: one line each."""
     rows = [
         ["VRAM budget", human_bytes(p.vram_budget_bytes) if p.vram_budget_bytes else "no GPU"],
         ["non-expert weights", human_bytes(p.non_expert_vram_bytes)],
@@ -49,11 +51,12 @@ def plan_text(p: Plan) -> str:
                                        + ")") if p.prompt_tokens else "the profile's prompts"],
         ["prompt batch", f"{p.ubatch} tokens (-ub), " + _ubatch_source(p)],
     ]
-    lines = [table(["plan", ""], rows, "lr")] + ([devices_text(p)] if p.devices else [])
-    lines += ["server args: " + shlex.join(p.server_args)]  # quoted: -ot has | ( )
-    lines += ["server environment: " + " ".join(f"{k}={v}" for k, v in sorted(p.server_env().items()))] \
-        if p.server_env() else []
-    lines += [f"note: {n}" for n in p.notes] + [f"WARNING: {w}" for w in p.warnings]
+    lines = [fitted_table(["plan", ""], rows, width)] + ([devices_text(p)] if p.devices else [])
+    lines += [shell_lines("server args: ", p.server_args, width)]  # quoted: -ot has | ( )
+    lines += [wrap_lines("server environment: " + " ".join(f"{k}={v}" for k, v in sorted(p.server_env().items())),
+                         width)] if p.server_env() else []
+    lines += [wrap_lines(f"note: {n}", width) for n in p.notes] + [wrap_lines(f"WARNING: {w}", width)
+                                                                   for w in p.warnings]
     return "\n".join(lines)
 
 
@@ -139,8 +142,8 @@ def served_text(name: str, srv: Any) -> str:
     return "\n".join(lines)
 
 
-def install_text(done: Any) -> str:
-    lines = [f"installed {done.name}: {done.model}", f"profile  {done.profile}", plan_text(done.plan)]
+def install_text(done: Any, width: int | None = None) -> str:
+    lines = [f"installed {done.name}: {done.model}", f"profile  {done.profile}", plan_text(done.plan, width)]
     return "\n".join(lines + ([served_text(done.name, done.server)] if done.server else []))
 
 
@@ -187,8 +190,8 @@ def cmd_install(args: argparse.Namespace) -> int:
                    serve=not args.no_serve, port=args.port, allow_fallback=args.allow_fallback, metrics=args.metrics,
                    ctx_override=args.ctx_override, host=args.host or HOST, spec=spec,
                    prefill_weight=args.prefill_weight, threads=args.threads, ubatch=args.ubatch,
-                   prompt_tokens=args.prompt_tokens, progress=out.progress)
-    return out.result(done, install_text)
+                   prompt_tokens=args.prompt_tokens, record=args.record, progress=out.progress)
+    return out.result(done, lambda d: install_text(d, terminal_width()))
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -202,7 +205,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       profile=Path(args.profile) if args.profile else None, ctx_override=args.ctx_override,
                       spec=spec, prefill_weight=args.prefill_weight, threads=args.threads, ubatch=args.ubatch,
                       prompt_tokens=args.prompt_tokens, progress=out.progress)
-    return out.result(plan, plan_text)
+    return out.result(plan, lambda p: plan_text(p, terminal_width()))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -227,9 +230,10 @@ def cmd_stop(args: argparse.Namespace) -> int:
         f"{n}: {'stopped' if n in r.stopped else 'was not running'}" for n in r.names))
 
 
-def _hit_rate_text(counters: dict[str, Any] | None) -> str:
+def _hit_rate_text(counters: dict[str, Any] | None, counted: bool = True) -> str:
+    """counted: served with the counters (--metrics, the default)."""
     if counters is None:
-        return "- (serve with --metrics)"
+        return "-" if counted else "- (served --no-metrics)"
     if counters["hit_rate"] is None:
         return "no selections yet"
     return f"{counters['hit_rate']:.1%} of {counters['selections']}"
@@ -243,8 +247,8 @@ def status_text(snap: Any) -> str:
         cache = cache_summary(s.record.cache)
         counters = s.cache_counters.to_json() if s.cache_counters else None
         state = s.state if s.model_present else f"{s.state}, model file gone"
-        rows.append([s.name, s.record.url, s.record.pid, state, cache, _hit_rate_text(counters), _vram_text(s),
-                     s.record.log])
+        hit_rate = _hit_rate_text(counters, "--metrics" in s.record.args)
+        rows.append([s.name, s.record.url, s.record.pid, state, cache, hit_rate, _vram_text(s), s.record.log])
     lines = [table(["name", "url", "pid", "state", "expert cache", "measured hit rate", "VRAM of budget", "log"], rows,
                    "llrllrrl")]
     lines += [_traffic_text(s) for s in snap.servers if s.traffic and s.traffic.requests]
@@ -343,8 +347,6 @@ def register(sub: Any) -> None:
     add_plan_options(p, "re-plan for this budget, e.g. 12GiB, or 12GiB,12GiB for two GPUs (kept as the model's plan)",
                      "re-plan for this context size (kept as the model's plan)")
     add_serve_options(p)
-    p.add_argument("--record", action="store_true",
-                   help="count the router's selections (llama-server --moe-cache-record) for 'moeplug reprofile'")
     add_prefill_weight(p, keep=True)
     add_threads(p, keep=True)
     add_ubatch(p, keep=True)

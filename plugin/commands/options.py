@@ -196,9 +196,15 @@ def add_serve_options(p: argparse.ArgumentParser) -> None:
                    help="address llama-server listens on (default 127.0.0.1: this machine only; any other is "
                         "reachable from elsewhere, without an API key: a warning says so)")
     p.add_argument("--allow-fallback", action="store_true", help="serve without the cache when it cannot engage")
-    p.add_argument("--metrics", action="store_true",
-                   help="count slot hits on llama-server's /metrics ('moeplug status' shows the measured hit rate; "
-                        "costs a small read per MoE layer and batch)")
+    p.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
+                   help="count slot hits on llama-server's /metrics ('moeplug status' and the dashboard show the "
+                        "measured hit rate; costs a small read per MoE layer and batch); on by default, "
+                        "--no-metrics turns it off")
+    p.add_argument("--record", action=argparse.BooleanOptionalAction, default=None,
+                   help="count the router's selections (llama-server --moe-cache-record) for 'moeplug reprofile', "
+                        "which learns the served traffic's routing from them (cost within noise on a GPU); on by "
+                        "default where the build has it, --no-record turns it off ('moeplug reprofile --all' then "
+                        "skips the model while it is served)")
 
 
 def add_prefill_weight(p: argparse.ArgumentParser, keep: bool = False) -> None:

@@ -15,6 +15,8 @@ def _pct(x: float | None) -> str:
 
 
 def model_text(r: Any) -> str:
+    if hasattr(r, "skipped"):
+        return f"{r.name}: skipped: {r.skipped}"
     if hasattr(r, "error"):
         return f"{r.name}: error: {r.error}"
     if not hasattr(r, "gain"):  # rolled back
@@ -96,7 +98,8 @@ EPILOG = f"""exit codes:
        re-planned for the workload its traffic showed
   {EXIT_NOTHING_TO_DO}   nothing to do: no model's new plan gains --min-gain, no traffic changes
        a plan; nothing was written
-  1    error (one model failing fails the run; the others still ran)
+  1    error (one model failing fails the run; the others still ran); with --all, a
+       model served without recording (--no-record) is skipped, with why, not an error
   2    usage error
 
 The stored counts are aged by the new tokens T (prompt + generated): multiplied by
@@ -112,13 +115,14 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser(
         "reprofile", help="learn the routing of real traffic, report drift, re-plan and restart when worth it",
-        description="Re-profile an installed model: a served model's live routing counts (served with --record), "
+        description="Re-profile an installed model: a served model's live routing counts (served recording, the "
+        "default; not with --no-record), "
         "or the bundled prompts and the model's prompt files when it is not served; merge them into the stored "
         "profile with a decay, report the drift per layer and the new plan's gain, and when the gain reaches "
         "--min-gain replace the profile (keeping the previous one), re-plan, update the hooks and restart the "
         "server per --apply (a request in flight is never cut). A served model's log also gives its workload "
         "(--workload): prompt lengths and prompt tokens per generated token, which a re-plan follows; served "
-        "without --record, that alone.",
+        "with --no-record, that alone (--all skips such a model when its log has nothing to learn either).",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", metavar="NAME", help="an installed model (see 'moeplug list')")
     p.add_argument("--all", action="store_true", help="every installed model")

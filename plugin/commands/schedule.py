@@ -24,6 +24,7 @@ def schedule_text(s: Any) -> str:
         lines.append(f"{s.kind}: {'enabled' if s.enabled else 'not enabled'}")
     if s.next_step:
         lines.append(f"next: {s.next_step}")
+    lines += [f"not re-profiled: {m['name']}: {m['why']}" for m in s.not_reprofiled]
     lines.append(f"run log: {s.log}")
     lines += [f"  {line}" for line in s.last_runs]
     return "\n".join(lines)
@@ -34,17 +35,24 @@ def cmd_install(args: argparse.Namespace) -> int:
 
     if args.cron and args.user:
         raise MoeplugError("schedule install: --user (a systemd timer) or --cron, not both", EXIT_USAGE)
+    from moeplug.operations.reprofile import not_reprofiled
+
     try:
         done = install_schedule(args.every, cron=args.cron, user=args.user, args=shlex.split(args.args or ""))
     except ValueError as exc:
         raise MoeplugError(f"--every: {exc}", EXIT_USAGE) from None
+    done.not_reprofiled = not_reprofiled()
     return Output.for_args(args).result(done, schedule_text)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from moeplug.operations.reprofile import not_reprofiled
     from moeplug.operations.schedule import schedule_status
 
-    return Output.for_args(args).result(schedule_status(), schedule_text)
+    status = schedule_status()
+    if status.kind != "none":
+        status.not_reprofiled = not_reprofiled()
+    return Output.for_args(args).result(status, schedule_text)
 
 
 def cmd_remove(args: argparse.Namespace) -> int:

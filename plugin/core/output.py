@@ -46,6 +46,70 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str | No
     return "\n".join(lines)
 
 
+def terminal_width() -> int | None:
+    """The columns to fit text into: COLUMNS where set, else the terminal's where stdout is one;
+    None for a pipe or a file (lines as long as they come, for whatever reads them)."""
+    import os
+    import shutil
+
+    if not os.environ.get("COLUMNS") and not sys.stdout.isatty():
+        return None
+    return max(20, shutil.get_terminal_size((80, 24)).columns)
+
+
+def wrap_lines(text: str, width: int | None, indent: str = "  ") -> str:
+    """`text` in lines of at most `width` columns (None: as it is), broken at spaces, the lines
+    after the first indented."""
+    import textwrap
+
+    if width is None or len(text) <= width:
+        return text
+    return "\n".join(textwrap.wrap(text, width, subsequent_indent=indent, break_on_hyphens=False,
+                                   break_long_words=True))
+
+
+def shell_lines(prefix: str, words: Sequence[str], width: int | None, indent: str = "    ") -> str:
+    """`prefix` and a quoted command line, continued with ' \\' past `width` columns (None: one line):
+    still one command when pasted into a shell."""
+    import shlex
+
+    quoted = [shlex.quote(w) for w in words]
+    if width is None or len(prefix) + len(" ".join(quoted)) <= width:
+        return prefix + " ".join(quoted)
+    lines, line = [], prefix
+    for w in quoted:
+        if line.strip() and line not in (prefix, indent) and len(line) + 1 + len(w) + 2 > width:
+            lines.append(line + " \\")
+            line = indent
+        line += ("" if line in (prefix, indent) else " ") + w
+    return "\n".join([*lines, line])
+
+
+def fitted_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], width: int | None) -> str:
+    """A table of labels and values (two columns) in `width` columns: values left-aligned beside the
+    labels, each wrapped at spaces under its own column where it is too long; on a terminal too
+    narrow for that, each value on the lines below its label. width None: one line a row."""
+    import textwrap
+
+    cells = [[str(c) for c in row] for row in rows]
+    label_w = max([len(headers[0])] + [len(r[0]) for r in cells])
+    value_w = max([len(headers[1])] + [len(r[1]) for r in cells])
+    if width is None or label_w + 2 + value_w <= width:
+        return table(headers, cells, "ll")
+    room = width - label_w - 2
+    stacked = room < 24
+    lines = [f"{headers[0].ljust(label_w)}  {headers[1]}".rstrip(), "-" * min(width, label_w + 2 + min(value_w, room))]
+    for label, value in cells:
+        if stacked:
+            lines.append(label)
+            lines += textwrap.wrap(value, width, initial_indent="  ", subsequent_indent="  ") or [""]
+            continue
+        parts = textwrap.wrap(value, room, break_on_hyphens=False) or [""]
+        lines.append(f"{label.ljust(label_w)}  {parts[0]}")
+        lines += [" " * (label_w + 2) + part for part in parts[1:]]
+    return "\n".join(line.rstrip() for line in lines)
+
+
 class ProgressBar:
     """Progress on stderr: a bar on a terminal; elsewhere a line every `every` percent (0: none).
 
@@ -77,7 +141,9 @@ class ProgressBar:
 
 
 def note(message: str) -> None:
-    """A progress note for people, on stderr so that --json output stays clean."""
+    """A progress note for people, on stderr so that --json output stays clean; whatever stdout holds
+    goes out first, so that a terminal or a log of both streams shows them in the order they came."""
+    sys.stdout.flush()
     print(message, file=sys.stderr, flush=True)
 
 
@@ -116,7 +182,7 @@ class Output:
         else:
             lines = text(result)
             if lines:
-                print(lines)
+                print(lines, flush=True)  # before any later note on stderr
         return int(getattr(result, "exit_code", EXIT_OK))
 
 

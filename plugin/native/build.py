@@ -124,8 +124,35 @@ def build_id(spec: NativeSpec, opts: BuildOptions, origin: str | None = None) ->
     h.update(spec.digest(opts.stock).encode())
     h.update(json.dumps(opts.identity(), sort_keys=True).encode())
     h.update((origin or source_origin()).encode())
+    # the build number and commit compiled in (a build made before they were set says b0-unknown: made again)
+    h.update(json.dumps(build_info(spec, opts.stock, origin)).encode())
     kind = "stock" if opts.stock else "moeplug"
     return f"{spec.lock.tag}-{opts.backend}-{kind}-{h.hexdigest()[:12]}{SANITIZE_SUFFIX if opts.sanitize else ''}"
+
+
+def build_info(spec: NativeSpec, stock: bool, origin: str | None = None) -> tuple[int, str]:
+    """llama.cpp's build number and commit for a build from `spec` (LLAMA_BUILD_NUMBER and
+    LLAMA_BUILD_COMMIT: llama.cpp's cmake/build-info.cmake asks git for them, and a release source
+    without .git gives 0 and "unknown"). What llama-server reports as `system_fingerprint`,
+    "b{number}-{commit}", then names the build: the tag's number (b11434: 11434), and for the commit
+    the source (the locked sdist: "sdist.SHA8" of its SHA-256, as no upstream commit comes with it; a
+    local tree: its git HEAD, or "local") and, for a patched build, "-moeplug.DIGEST8", the patch
+    series' and overlay's hash (the same as tree_id's)."""
+    m = re.fullmatch(r"b(\d+)", spec.lock.tag)
+    number = int(m[1]) if m else 0
+    origin = origin or source_origin()
+    if origin == "sdist":
+        source = f"sdist.{spec.lock.sha256[:8]}"
+    else:
+        source = "local"
+        local = Path(origin.removeprefix("local:"))
+        if (local / ".git").exists() and shutil.which("git"):
+            import subprocess
+
+            r = subprocess.run(["git", "-C", str(local), "rev-parse", "--short=8", "HEAD"], capture_output=True,
+                               text=True, timeout=30)
+            source = r.stdout.strip() if r.returncode == 0 and r.stdout.strip() else source
+    return number, source if stock else f"{source}-moeplug.{spec.digest(stock)[:8]}"
 
 
 def tree_id(spec: NativeSpec, stock: bool, origin: str | None = None) -> str:
@@ -172,8 +199,11 @@ def resolve_options(backend: str | None, stock: bool, jobs: int, cuda_arch: str 
                         sanitize=sanitize)
 
 
-def cmake_args(opts: BuildOptions, tree: Path, build_dir: Path) -> list[str]:
+def cmake_args(opts: BuildOptions, tree: Path, build_dir: Path, info: tuple[int, str] | None = None) -> list[str]:
+    """The configure command; info: the build number and commit to compile in (build_info)."""
     args = ["cmake", "-S", str(tree), "-B", str(build_dir), *OFFLINE_CMAKE_FLAGS]
+    if info is not None:
+        args += [f"-DLLAMA_BUILD_NUMBER={info[0]}", f"-DLLAMA_BUILD_COMMIT={info[1]}"]
     if shutil.which("ninja"):
         args += ["-G", "Ninja"]
     if opts.cpu_flags:
@@ -252,7 +282,7 @@ def build(opts: BuildOptions, spec: NativeSpec | None = None, progress: Progress
         progress(Note(f"native build {bid}: llama.cpp {spec.lock.tag}, {opts.backend}, {kind}; log: {log}"))
         tree = prepare_tree(spec, opts.stock, tree_id(spec, opts.stock), log)
         build_dir = cache_dir() / "build" / bid
-        _run_step(cmake_args(opts, tree, build_dir), log, "configure", progress)
+        _run_step(cmake_args(opts, tree, build_dir, build_info(spec, opts.stock)), log, "configure", progress)
         jobs = opts.jobs or os.cpu_count() or 2
         _run_step(["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *opts.targets], log, "build",
                   progress)
@@ -261,6 +291,7 @@ def build(opts: BuildOptions, spec: NativeSpec | None = None, progress: Progress
             manifest = {
                 "build_id": bid,
                 "llama_cpp_tag": spec.lock.tag,
+                "build_info": "b{}-{}".format(*build_info(spec, opts.stock)),  # llama-server's system_fingerprint
                 "backend": opts.backend,
                 "stock": opts.stock,
                 "cuda_arch": opts.cuda_arch,

@@ -79,15 +79,17 @@ def installed_up_to_date(progress: ProgressFn = silent) -> list[InstalledModel]:
 
 
 def serve(name: str, *, port: int | None = None, vram_budget: int | list[int] | None = None, ctx: int | None = None,
-          ctx_override: bool = False, allow_fallback: bool = False, metrics: bool = False, record: bool = False,
+          ctx_override: bool = False, allow_fallback: bool = False, metrics: bool = True,
+          record: bool | None = None,
           host: str = HOST, spec: Speculation | KeepInstalled | None = KeepInstalled(),
           prefill_weight: float | None = None, threads: int | None = None, ubatch: int | None = None,
           prompt_tokens: int | None = None, progress: ProgressFn = silent) -> Served:
     """Launch an installed model again (detached) with its build; re-planned when a budget or a
     context is given, or when an older planner made its plan (plan.outdated; not where its profile
     is gone), else with the plan it was installed with. Waits while another moeplug holds
-    the model (an install, a re-profile), then reads the model as that one left it. record: count
-    the router's selections for `moeplug reprofile` (llama-server --moe-cache-record). host: where
+    the model (an install, a re-profile), then reads the model as that one left it. metrics: count
+    slot hits on /metrics (`moeplug status`, the dashboard). record: count the router's selections
+    for `moeplug reprofile` (llama-server --moe-cache-record; None: where the build can). host: where
     it listens (127.0.0.1 unless the user gave another address; then a warning). spec: another
     speculative decoding to re-plan with and keep (None: none; KeepInstalled(): the installed one's).
     prefill_weight: prompt tokens per generated token to re-plan for and keep (None: the installed one's);
@@ -131,7 +133,7 @@ class Stopped:
 
 def stop(name: str | None = None, all_served: bool = False, progress: ProgressFn = silent) -> Stopped:
     """Stop one served model, or every one (all_served=True); each may take a few seconds."""
-    from moeplug.serving.launch import read_records
+    from moeplug.serving.launch import find_record, read_records
     from moeplug.serving.launch import stop as stop_served
 
     names = [r.name for r in read_records()] if all_served else [name] if name else []
@@ -139,7 +141,9 @@ def stop(name: str | None = None, all_served: bool = False, progress: ProgressFn
         raise MoeplugError("name a served model, or pass --all")
     stopped = []
     for n in names:
-        progress(Note(f"stopping {n}"))
+        record = find_record(n)
+        if record is not None and record.alive():  # a note only where a stop takes time: "was not running" alone
+            progress(Note(f"stopping {n}"))
         if stop_served(n):
             stopped.append(n)
     return Stopped(names, stopped, all_served)

@@ -172,17 +172,19 @@ def installed_build(m: InstalledModel) -> Any:
 def install(text: str, *, ctx: int | None = None, vram_budget: int | list[int] | None = None,
             backend: str | None = None,
             jobs: int = 0, profile_tokens: int | None = None, prompt_sets: list[str] | None = None, serve: bool = True,
-            port: int | None = None, allow_fallback: bool = False, metrics: bool = False, ctx_override: bool = False,
+            port: int | None = None, allow_fallback: bool = False, metrics: bool = True, ctx_override: bool = False,
             host: str = HOST, spec: Speculation | None = None, prefill_weight: float | None = None,
             threads: int | None = None, ubatch: int | None = None, prompt_tokens: int | None = None,
-            progress: ProgressFn = silent) -> Installed:
+            record: bool | None = None, progress: ProgressFn = silent) -> Installed:
     """Install (and unless serve=False, serve) a model. ctx None: 4096, or less for a model trained
     with less; above the training context only with ctx_override. host: where the server listens.
     spec: speculative decoding, planned for and kept in the installed plan (serve reuses it).
     prefill_weight: prompt tokens per generated token to plan for (None: the planner's default),
     kept in the installed plan as well, as threads is (the server's CPU threads; None: the planner's),
     ubatch (the server's physical batch, -ub; None or UBATCH_AUTO: the planner's choice) and prompt_tokens
-    (the prompt length to plan prompt batches for; None: the profile's prompts)."""
+    (the prompt length to plan prompt batches for; None: the profile's prompts).
+    metrics: the server counts slot hits on /metrics; record: it counts the router's selections for
+    `moeplug reprofile` (None: where the build can; serving.launch_verified)."""
     from moeplug.native.build import build, resolve_options
     from moeplug.serving.launch import launch_verified, model_lock
 
@@ -219,7 +221,8 @@ def install(text: str, *, ctx: int | None = None, vram_budget: int | list[int] |
         if serve:
             done.server = launch_verified(name, resolved.path, result.binary("llama-server"), result.build_id,
                                           plan.server_args, ctx, port=port, allow_fallback=allow_fallback,
-                                          env=record.server_env(), metrics=metrics, plan=plan, host=host)
+                                          env=record.server_env(), metrics=metrics, plan=plan, host=host,
+                                          record=record)
     return done
 
 

@@ -2,13 +2,15 @@
 
 For each model (one name, or every installed one):
 
-1. New counts. A model served with `--record` (llama-server `--moe-cache-record`): the counts the
+1. New counts. A model served recording (llama-server `--moe-cache-record`, which `moeplug serve`
+   and `install` pass unless told `--no-record`): the counts the
    server has gathered since its start or the last re-profile that stored them, from
    `GET /moe-cache/profile`. A model not served: the profiler run again on the bundled prompt
    sets plus the model's `prompt_files` (its installed record; `--prompt-file` adds one). A model
-   served without `--record`: its routing is not counted (and a second copy of a big model for the
+   served with `--no-record`: its routing is not counted (and a second copy of a big model for the
    profiler is not what a scheduled job should load), so only its workload (step 4) is learned;
-   where that has not moved either, it is an error that says to serve it with `--record`.
+   where that has not moved either, it is an error that says to serve it recording (with `--all`,
+   the model is skipped, with why: Skipped).
 2. Decay. The stored profile, aged by the new counts' tokens, plus the new counts
    (moeplug.profile.format.merge_decayed): with T the prompt + generated tokens the new counts
    cover and H the half-life (`--half-life`, tokens), the stored counts and the weights of its
@@ -213,9 +215,27 @@ class Failed:
 
 
 @dataclass
+class Skipped:
+    """A model `reprofile --all` left alone, and why (served without recording): not a failure."""
+
+    name: str
+    skipped: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "skipped": self.skipped}
+
+    def log_line(self) -> str:
+        return f"{self.name}: skipped: {self.skipped}"
+
+
+class NotRecorded(MoeplugError):
+    """A served model whose routing is not counted (served without RECORD_FLAG), with nothing else to learn."""
+
+
+@dataclass
 class Run:
     """Every model of one `moeplug reprofile`: 0 when one was re-planned or rolled back (and none
-    failed), 10 when none needed it, 1 when one failed."""
+    failed), 10 when none needed it, 1 when one failed (a Skipped model is neither)."""
 
     results: list[Any]
 
@@ -278,9 +298,9 @@ def swap_previous(dest: Path) -> Path:
 
 def _require_recording(record: ServerRecord) -> None:
     if RECORD_FLAG not in record.args:
-        raise MoeplugError(f"'{record.name}' is served without {RECORD_FLAG}, so its routing is not counted: "
-                           f"serve it with 'moeplug serve {record.name} --record' (or stop it to re-profile "
-                           f"with the prompts)")
+        raise NotRecorded(f"'{record.name}' is served without {RECORD_FLAG} (--no-record), so its routing is not "
+                          f"counted: 'moeplug stop {record.name}' and 'moeplug serve {record.name}' serve it "
+                          f"recording (the default), or stop it to re-profile with the prompts")
 
 
 def fetch_live_profile(record: ServerRecord, reset: bool = False, timeout: float = 60) -> Profile:
@@ -503,7 +523,7 @@ def _workload_only(m: InstalledModel, served: ServerRecord, opts: Options, progr
     if not workload:
         _require_recording(served)  # nothing to learn either: say what would
     result.notes.append(f"its routing is not counted (served without {RECORD_FLAG}): the workload alone; "
-                        f"'moeplug serve {m.name} --record' counts the routing as well")
+                        f"serving it again without --no-record counts the routing as well")
     with model_lock(m.name, progress):
         m = read_installed(m.name)
         before = m.plan
@@ -583,15 +603,29 @@ def rollback(name: str, opts: Options, progress: ProgressFn = silent) -> RolledB
                       after.plan.to_json() != m.plan.to_json(), applied, server)
 
 
+def not_reprofiled() -> list[dict[str, str]]:
+    """The installed models a `reprofile --all` run now would skip, and why: those served without
+    recording (--no-record), whose routing is not counted (Skipped)."""
+    out = []
+    for m in list_installed():
+        record = find_record(m.name)
+        if record is not None and record.alive() and RECORD_FLAG not in record.args:
+            out.append({"name": m.name, "why": f"served without {RECORD_FLAG} (--no-record): its routing is not "
+                                               f"counted; 'moeplug stop {m.name}' and 'moeplug serve {m.name}' "
+                                               f"serve it recording (the default)"})
+    return out
+
 def reprofile(names: list[str] | None, opts: Options, roll_back: bool = False,
               progress: ProgressFn = silent) -> Run:
     """Re-profile (or roll back) the named models, or every installed one (names None); a model
     that fails is reported with its error and the others go on. One line per run goes to the run
-    log (moeplug.operations.schedule.run_log_path)."""
+    log (moeplug.operations.schedule.run_log_path). With every installed model (names None), one served without
+    recording and nothing else to learn is Skipped, with why, not a failure of the run."""
     if opts.apply not in APPLY_MODES:
         raise MoeplugError(f"--apply {opts.apply}: expected one of {', '.join(APPLY_MODES)}")
     if opts.workload not in WORKLOAD_MODES:
         raise MoeplugError(f"--workload {opts.workload}: expected one of {', '.join(WORKLOAD_MODES)}")
+    every = names is None
     if names is None:
         names = [m.name for m in list_installed()]
     else:
@@ -601,6 +635,11 @@ def reprofile(names: list[str] | None, opts: Options, roll_back: bool = False,
     for n in names:
         try:
             results.append(rollback(n, opts, progress) if roll_back else reprofile_model(n, opts, progress))
+        except NotRecorded as exc:
+            if not every:
+                append_run_log(f"exit {EXIT_ERROR}: {n}: error: {exc}")
+                raise
+            results.append(Skipped(n, str(exc)))
         except (MoeplugError, ProfileError, OSError) as exc:
             if len(names) == 1:
                 append_run_log(f"exit {EXIT_ERROR}: {n}: error: {exc}")

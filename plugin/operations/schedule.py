@@ -191,10 +191,15 @@ class Schedule:
     next_step: str | None = None  # what the user still has to run, if anything
     log: str = ""
     last_runs: list[str] = field(default_factory=list)
+    # installed models the scheduled `reprofile --all` will skip as they are served now: {"name", "why"}
+    # (moeplug.operations.reprofile.not_reprofiled; the commands fill it in)
+    not_reprofiled: list[dict[str, str]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "every_s": self.every_s, "files": self.files, "cron_line": self.cron_line,
-                "enabled": self.enabled, "next_step": self.next_step, "log": self.log, "last_runs": self.last_runs}
+                "enabled": self.enabled, "next_step": self.next_step, "log": self.log, "last_runs": self.last_runs,
+                "not_reprofiled": self.not_reprofiled}
+
 
 
 def install_schedule(every: str = DEFAULT_EVERY, cron: bool = False, user: bool = False,
@@ -249,7 +254,7 @@ def schedule_status(lines: int = 5) -> Schedule:
                            timeout=10)
         enabled = r.stdout.strip() == "enabled"
     return Schedule(kind, None, files, cron_line=line, enabled=enabled, log=str(run_log_path()),
-                    last_runs=read_run_log(lines))
+                    last_runs=read_run_log(lines) if kind != "none" else [])
 
 
 def remove_schedule() -> Schedule:

@@ -131,6 +131,10 @@ class ServerRecord:
     launcher: int | None = None  # pid of the moeplug still verifying it; None once verified
     host: str = HOST  # the address it listens on
     traffic_from: int = 0  # where its users' requests start in the log: past the launch's probe (moeplug.serving.traffic)
+    # /metrics as the launch's context probe left it ({"cache": CacheCounters JSON, "server": {llama-server's
+    # sample name less "llamacpp:": value}}): moeplug.serving.monitor counts from there, so the probe's full-context
+    # request is not shown as the users' hit rate or throughput; None: counted from the server's start
+    counters_from: dict[str, Any] | None = None
 
     @property
     def url(self) -> str:
@@ -230,12 +234,15 @@ def served_argv(binary: Path, model: Path, port: int | str, server_args: list[st
 def launch_verified(name: str, model: Path, binary: Path, build_id: str, server_args: list[str], ctx: int,
                     port: int | None = None, allow_fallback: bool = False, env: dict[str, str] | None = None,
                     timeout: float = 300, metrics: bool = False, plan: Any = None,
-                    record: bool = False, host: str = HOST) -> ServerRecord:
+                    record: bool | None = False, host: str = HOST) -> ServerRecord:
     """Start a served model's llama-server detached (server.start_server), wait for /health, check
     the cache engaged, probe the context, and record it for `status` and `stop`.
     metrics: serve /metrics, with the cache's slot-hit counters (moeplug.serving.metrics). plan: the plan
     server_args come from (a Plan or its JSON), kept in the record (moeplug.serving.monitor shows its slots).
-    record: count the router's selections (RECORD_FLAG; the build must have it).
+    record: count the router's selections (RECORD_FLAG; the build must have it); None: where the build
+    has it (what `moeplug serve` and `install` do unless told --no-record).
+    The probe's own routing counts are zeroed once it passed, and /metrics as it left them is kept in
+    the record (counters_from), so that what is counted and shown is the users' traffic alone.
     host: where it listens (127.0.0.1 unless the user asked; server.exposure_warning says what else means)."""
     existing = find_record(name)
     if existing and existing.alive():
@@ -243,12 +250,12 @@ def launch_verified(name: str, model: Path, binary: Path, build_id: str, server_
             raise MoeplugError(f"'{name}' is already served at {existing.url} (pid {existing.pid}); "
                                f"'moeplug stop {name}' first")
         stop(name)  # left running, unverified, by a moeplug that was killed: replaced
+    if record is None:
+        record = can_record(binary)
     if record:
-        from moeplug.native.features import detect_features
-
-        if not detect_features(binary).get("moe_cache_record"):
+        if not can_record(binary):
             raise MoeplugError(f"{binary} has no {RECORD_FLAG}: this build cannot count routing for 'moeplug "
-                               f"reprofile'; serve without --record, or rebuild ('moeplug native build')")
+                               f"reprofile'; serve with --no-record, or rebuild ('moeplug native build')")
     log_path = logs_dir() / f"server-{name}.log"
     server = start_server(binary, model, log_path, served_args(server_args, metrics, record), port=port, ctx=None,
                           detached=True, env=env, host=host)
@@ -270,14 +277,51 @@ def launch_verified(name: str, model: Path, binary: Path, build_id: str, server_
                                      f"or --ctx, or pass --allow-fallback to serve without it (log: {log_path})")
         _probe_context(server, ctx)
         traffic_from = probe_end(log_path)
+        counters_from = _after_probe(server.url, metrics, record)
     except BaseException:
         server.stop()
         record_path(name).unlink(missing_ok=True)
         raise
     verified = replace(pending, cache=asdict(cache) if cache else None, buffers=parse_buffers(text), launcher=None,
-                       traffic_from=traffic_from)
+                       traffic_from=traffic_from, counters_from=counters_from)
     _write_record(verified)
     return verified
+
+
+def can_record(binary: Path) -> bool:
+    """Whether a llama-server build has RECORD_FLAG (every patched build of this series does)."""
+    from moeplug.native.features import detect_features
+
+    return bool(detect_features(binary).get("moe_cache_record"))
+
+
+RECORD_ENDPOINT = "/moe-cache/profile"  # what a server run with RECORD_FLAG counted; ?reset=1 zeroes it
+
+
+def _after_probe(url: str, metrics: bool, record: bool) -> dict[str, Any] | None:
+    """After the launch's context probe: zero the routing it recorded (record), and return /metrics'
+    counters as it left them (metrics; None without), so neither counts the probe as traffic."""
+    import requests
+
+    if record:
+        try:
+            requests.get(f"{url}{RECORD_ENDPOINT}", params={"reset": 1}, timeout=60)
+        except requests.RequestException as exc:
+            raise MoeplugError(f"the server did not answer {RECORD_ENDPOINT} after its context probe: {exc}") from None
+    if not metrics:
+        return None
+    from moeplug.serving.metrics import parse_cache_counters
+
+    try:
+        page = requests.get(f"{url}/metrics", timeout=10).text
+    except requests.RequestException:
+        return None  # counted from the start, as before
+    cache = parse_cache_counters(page)
+    server = {m[1]: float(m[2]) for m in map(_PLAIN_SAMPLE_RE.match, page.splitlines()) if m}
+    return {"cache": cache.to_json() if cache else None, "server": server}
+
+
+_PLAIN_SAMPLE_RE = re.compile(r"^llamacpp:(\w+) ([-+\d.eE]+)$")  # llama-server's own counters: name value
 
 
 def _write_record(record: ServerRecord) -> None:

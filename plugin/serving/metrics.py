@@ -42,6 +42,18 @@ class CacheCounters:
                 "layers": {str(k): v for k, v in sorted(self.layers.items())},
                 "devices": dict(sorted(self.devices.items()))}
 
+    def since(self, before: dict[str, Any] | None) -> CacheCounters:
+        """The counts added after `before` (an earlier reading's to_json(); None: all of them)."""
+        if not before:
+            return self
+        layers = {block: {k: v - int(before.get("layers", {}).get(str(block), {}).get(k, 0)) for k, v in counts.items()}
+                  for block, counts in self.layers.items()}
+        devices = {d: {k: v - int(before.get("devices", {}).get(d, {}).get(k, 0)) for k, v in counts.items()}
+                   for d, counts in self.devices.items()}
+        return CacheCounters(*(getattr(self, k) - int(before.get(k) or 0) for k in
+                               ("selections", "hits", "cpu_experts", "cpu_bytes", "swaps", "upload_bytes")),
+                             layers=layers, devices=devices)
+
 
 def parse_cache_counters(text: str) -> CacheCounters | None:
     """The moe_cache samples of a Prometheus text page, or None when it has none."""

@@ -294,6 +294,22 @@ def log_traffic(record: ServerRecord) -> Traffic | None:
     return _LOGS[key].read()
 
 
+def past_probe(record: ServerRecord, counters: CacheCounters | None,
+               metrics: ServerMetrics | None) -> tuple[CacheCounters | None, ServerMetrics | None]:
+    """The counters less what the launch's context probe added (record.counters_from): the users'
+    traffic alone. A server whose counters went below that reading was not this one: taken whole."""
+    base = record.counters_from or {}
+    cache_base, server_base = base.get("cache"), base.get("server")
+    if counters is not None and cache_base and counters.selections >= int(cache_base.get("selections") or 0):
+        counters = counters.since(cache_base)
+    if metrics is not None and server_base:
+        before = ServerMetrics(**{field: int(server_base[name]) if not field.endswith("_seconds") else server_base[name]
+                                  for name, field in _SERVER_FIELDS.items() if name in server_base})
+        if metrics.prompt_tokens >= before.prompt_tokens and metrics.decode_tokens >= before.decode_tokens:
+            metrics = metrics.since(before)
+    return counters, metrics
+
+
 def server_snapshot(record: ServerRecord, installed: dict[str, InstalledModel] | None = None,
                     now: float | None = None, with_profile: bool = False) -> ServerSnapshot:
     """Everything about one served model; a server that does not answer is down, never an error.
@@ -307,6 +323,7 @@ def server_snapshot(record: ServerRecord, installed: dict[str, InstalledModel] |
             page = fetch_metrics_page(record.port, timeout=HTTP_TIMEOUT_S, host=record.host)
             if page is not None:
                 counters, metrics = parse_cache_counters(page), parse_server_metrics(page)
+                counters, metrics = past_probe(record, counters, metrics)
         ctx_used, n_ctx = _slots_info(record.url)
     model = (installed or {}).get(record.name)
     plan = _plan_of(record, model)

@@ -37,7 +37,7 @@ INTERVAL = 0.5
 @pytest.fixture(scope="module")
 def home(patched_build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """Fresh XDG homes sharing the built binaries, set in this process too (the app runs here),
-    with the demo installed and served with --metrics."""
+    with the demo installed and served as a user gets it (the hit counters and recording on by default)."""
     root = tmp_path_factory.mktemp("tui-home")
     env = dict(os.environ)
     real_builds = builds_dir()
@@ -48,7 +48,7 @@ def home(patched_build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[di
         shared = Path(env["XDG_DATA_HOME"]) / "moeplug" / "builds"
         shared.parent.mkdir(parents=True)
         shared.symlink_to(real_builds)
-        r = moeplug(env, "install", "demo", "--ctx", "1024", "--metrics", "--json")
+        r = moeplug(env, "install", "demo", "--ctx", "1024", "--json")
         assert r.returncode == 0, r.stderr[-3000:]
         try:
             yield env
@@ -67,7 +67,7 @@ def served(env: dict[str, str]) -> dict[str, Any]:
     servers = status(env)["servers"]
     if not servers or not servers[0]["alive"]:
         moeplug(env, "stop", "--all")
-        r = moeplug(env, "serve", "demo", "--metrics", "--json")
+        r = moeplug(env, "serve", "demo", "--json")
         assert r.returncode == 0, r.stderr[-3000:]
         servers = status(env)["servers"]
     return dict(servers[0])
@@ -81,10 +81,10 @@ def gone(pid: int) -> bool:
         return True
 
 
-def run_app(test: Callable[[Pilot[None], MainScreen], Awaitable[None]]) -> None:
+def run_app(test: Callable[[Pilot[None], MainScreen], Awaitable[None]], size: tuple[int, int] = (100, 30)) -> None:
     async def main() -> None:
         app = make_app(interval=INTERVAL)
-        async with app.run_test(size=(100, 30)) as pilot:
+        async with app.run_test(size=size) as pilot:
             await until(pilot, lambda: isinstance(app.screen, MainScreen) and app.screen.refreshes >= 1)
             await test(pilot, app.screen)  # type: ignore[arg-type]
 
@@ -114,12 +114,13 @@ def test_healthy_row_and_slots_as_status_says(home: dict[str, str]) -> None:
         assert row[0] == "demo" and row[1] == "healthy" and row[-1] == srv["url"]
         assert row[7] == "4x8 on CPU"  # the cache line: 4 layers x 8 slots, in RAM
         doc = status(home)["servers"][0]  # nothing ran since the app's snapshot: same counters
-        assert doc["metrics"]["prompt_tokens"] > 1000  # launch's context probe: a full 1024-token context
+        # the launch's context probe (a full 1024-token context of one token) is not the users' traffic: not counted
+        assert doc["metrics"]["prompt_tokens"] == 0 and doc["cache_counters"]["selections"] == 0
         assert row[6] == f"{doc['ctx_used']}/{doc['n_ctx']}" and doc["n_ctx"] > 0
         assert [layer["block"] for layer in doc["layers"]] == [0, 1, 2, 3]
         for layer in doc["layers"]:
             assert layer["slots"] == 8 and layer["n_expert"] == 32 and layer["kind"] == "partial"
-            assert layer["selections"] > 0 and layer["predicted_hit_rate"] is not None
+            assert layer["selections"] == 0 and layer["predicted_hit_rate"] is not None
             assert cells(screen, "#layers", str(layer["block"])) == [
                 str(layer["block"]), "8/32", "partly", percent(layer["predicted_hit_rate"]),
                 percent(layer["measured_hit_rate"])]
@@ -137,8 +138,90 @@ def test_healthy_row_and_slots_as_status_says(home: dict[str, str]) -> None:
         shown = screen.refreshes
         await until(pilot, lambda: screen.refreshes >= shown + 2)
         assert float(cells(screen, "#servers", "demo")[4]) > 0
+        # that request is what the counters hold now: the measured hit rate is the users' traffic's
+        doc = status(home)["servers"][0]
+        assert all(layer["selections"] > 0 for layer in doc["layers"]) and doc["metrics"]["decode_tokens"] == 24
+        await until(pilot, lambda: f"meas {percent(doc['cache_counters']['hit_rate'])}" in
+                    str(screen.query_one("#slots-summary", Static).render()))
 
     run_app(check)
+
+
+def served_afresh(home: dict[str, str], *flags: str) -> dict[str, Any]:
+    """The demo served anew (with `flags`): a server that has answered nothing but its start-up check."""
+    moeplug(home, "stop", "--all")
+    r = moeplug(home, "serve", "demo", *flags, "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return dict(status(home)["servers"][0])
+
+
+def whole_cells(screen: MainScreen) -> None:
+    """Every cell of the servers table fits its column (DataTable cuts what does not)."""
+    table = screen.query_one("#servers", DataTable)
+    for key, column in table.columns.items():
+        width = column.get_render_width(table) - 2 * table.cell_padding
+        for row in table.rows:
+            value = str(table.get_cell(row, key))
+            assert len(value) <= width, (str(key.value), value, width)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (160, 45)])
+def test_a_fresh_server_row_whole_and_without_the_start_up_check(home: dict[str, str],
+                                                                 size: tuple[int, int]) -> None:
+    """At 80x24 and 160x45: right after a start the row shows no decode rate (the start-up check's
+    one-token request is not one: it used to read 100000) and no measured hit rate; cells that grow
+    (uptime "9s" -> "1h02m", a throughput) stay whole; the context cell shows both numbers."""
+    srv = served_afresh(home)
+    record_file = Path(home["XDG_STATE_HOME"]) / "moeplug" / "servers" / "demo.json"
+
+    async def check(pilot: Pilot[None], screen: MainScreen) -> None:
+        row = cells(screen, "#servers", "demo")
+        assert row[1] == "healthy" and row[3] == "-" and row[4] == "-", row
+        assert row[6] == f"{srv['ctx_used']}/{srv['n_ctx']}" and srv["ctx_used"] > 1000  # the check's context
+        assert "meas -" in str(screen.query_one("#slots-summary", Static).render())
+        whole_cells(screen)
+        # the server has been up an hour: its record says it started then (what `moeplug status` reads too)
+        doc = json.loads(record_file.read_text())
+        record_file.write_text(json.dumps(doc | {"started": doc["started"] - 3720}))
+        await until(pilot, lambda: cells(screen, "#servers", "demo")[2].startswith("1h0"))
+        r = requests.post(f"{srv['url']}/completion", json={"prompt": "def main():", "n_predict": 16,
+                                                              "temperature": 0, "cache_prompt": False}, timeout=120)
+        assert r.status_code == 200
+        await until(pilot, lambda: cells(screen, "#servers", "demo")[4] != "-")
+        whole_cells(screen)
+        shot = pilot.app.export_screenshot()
+        for cell in cells(screen, "#servers", "demo")[:7]:  # name to ctx: on screen at 80 columns too
+            assert cell.replace(" ", "&#160;") in shot, cell
+        if size[0] >= 160:
+            assert srv["url"] in shot  # the whole row
+
+    run_app(check, size)
+
+
+def test_start_offers_to_restart_a_model_served_without_counters(home: dict[str, str]) -> None:
+    """`s` on a model served --no-metrics: a restart with the hit counters, on its port; `s` again: it
+    says the model is served already."""
+    srv = served_afresh(home, "--no-metrics")
+    assert "--metrics" not in srv["args"] and srv["cache_counters"] is None
+
+    async def check(pilot: Pilot[None], screen: MainScreen) -> None:
+        summary = str(screen.query_one("#slots-summary", Static).render())
+        assert "served --no-metrics; s restarts it with counters" in summary, summary
+        await pilot.press("s")
+        await until(pilot, lambda: pilot.app.screen is not screen)
+        question = str(pilot.app.screen.query_one(Label).render())
+        assert question == "demo runs without the hit counters: restart it with them?", question
+        await pilot.press("y")
+        await until(pilot, lambda: activity(screen).startswith(("demo serving at", "error:")), timeout=300)
+        assert activity(screen) == f"demo serving at {srv['url']} with the hit counters", activity(screen)
+        await until(pilot, lambda: "meas -" in str(screen.query_one("#slots-summary", Static).render()))
+        await pilot.press("s")
+        await until(pilot, lambda: activity(screen).startswith("demo is already served"))
+
+    run_app(check)
+    now = status(home)["servers"][0]
+    assert now["pid"] != srv["pid"] and now["port"] == srv["port"] and "--metrics" in now["args"]
+    assert now["cache_counters"]["selections"] == 0  # the restart's start-up check not counted either
 
 
 def test_no_gpu_shown_as_such(home: dict[str, str]) -> None:

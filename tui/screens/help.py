@@ -9,7 +9,7 @@ from textual.widgets import Label, Static
 
 KEYS = [
     ("up/down", "pick a model (the panels follow it)"),
-    ("s", "start the model (moeplug serve NAME --metrics)"),
+    ("s", "start the model (moeplug serve NAME); served without counters: restart it with them"),
     ("x", "stop the model (moeplug stop NAME)"),
     ("p", "re-plan for a VRAM budget you type, then restart with it"),
     ("r", "re-profile the model (bundled prompts, progress below)"),

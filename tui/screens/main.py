@@ -143,6 +143,17 @@ class MainScreen(Screen[None]):
 
     def action_start(self) -> None:
         name = self._ready("start")
+        s = self.snap.server(name or "") if self.snap else None
+        if name and s is not None and s.alive:
+            if "--metrics" in s.record.args:
+                self._say(f"{name} is already served at {s.record.url} (x stops it)")
+                return
+            self.app.push_screen(ConfirmScreen(f"{name} runs without the hit counters: restart it with them?"),
+                                 lambda yes: self._run(
+                                     f"restarting {name} with the hit counters",
+                                     lambda: f"{name} serving at {actions.restart_counted(name).url} with the "
+                                             f"hit counters") if yes else None)
+            return
         if name:
             self.app.push_screen(ConfirmScreen(f"start {name}?"), lambda yes: self._run(
                 f"starting {name} (loads, checks the cache, probes the context)",

@@ -52,7 +52,7 @@ class ServersTable(DataTable):
             return
         for key, cells in rows:
             for (col, _), value in zip(COLUMNS, cells):
-                self.update_cell(key, col, value)
+                self.update_cell(key, col, value, update_width=True)  # "59s" -> "1m02s": widen, never cut
 
     @property
     def selected_name(self) -> str | None:

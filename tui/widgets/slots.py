@@ -27,12 +27,20 @@ def summary_lines(s: ServerSnapshot | None) -> list[str]:
     p = s.plan
     c = s.cache_counters
     lines = [f"fit {p['fit_fraction']:.0%} · hit pred {percent(p['predicted_hit_rate'])} "
-             f"meas {percent(c.hit_rate) if c else '-'}",
-             f"CPU read {size(s.cpu_bytes_per_token)}/token" if c else "measured: serve with --metrics (s does)"]
+             f"meas {percent(c.hit_rate) if c else '-'}",  # counted past the start-up check (monitor.past_probe)
+             f"CPU read {size(s.cpu_bytes_per_token)}/token" if c else _uncounted(s)]
     hits = [x.measured_hit_rate if x.measured_hit_rate is not None else x.predicted_hit_rate for x in s.layers]
     lines.append(f"hit/layer {strip(hits)}")
     lines += [f"⚠ {w}" for w in p.get("warnings") or []]
     return lines
+
+
+def _uncounted(s: ServerSnapshot) -> str:
+    """Why there is no measured hit rate: served without the counters (s restarts it with them), or
+    not answering /metrics now."""
+    if "--metrics" not in s.record.args:
+        return "measured: not counted (served --no-metrics; s restarts it with counters)"
+    return "measured: /metrics did not answer"
 
 
 class SlotsPanel(Vertical):
