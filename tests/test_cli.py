@@ -10,6 +10,7 @@ import pytest
 from helpers import run_cli
 
 from moeplug.operations.actions import plan_model
+from moeplug.planner.request import PlanChoices
 from moeplug.commands.main import default_subcommands
 from moeplug.core.progress import Note
 
@@ -25,7 +26,7 @@ def test_plan_json_is_the_library_plan(fixture_models, home: Path) -> None:
     model = str(fixture_models["gpt-oss"])
     r = run_cli("plan", model, "--vram-budget", "1GiB", "--ctx", "1024", "--json")
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout) == plan_model(model, ctx=1024, vram_budget=1 << 30).to_json()
+    assert json.loads(r.stdout) == plan_model(model, PlanChoices(ctx=1024, vram_budget=1 << 30)).to_json()
 
 
 def test_plan_for_people(fixture_models, home: Path) -> None:
@@ -103,7 +104,7 @@ def test_plan_table_fits_80_columns(fixture_models, home: Path) -> None:
     start = next(i for i, line in enumerate(lines) if line.startswith("server args: "))
     end = next(i for i in range(start, len(lines)) if not lines[i].endswith(" \\"))
     joined = " ".join(line.removesuffix(" \\").strip() for line in lines[start:end + 1]).removeprefix("server args: ")
-    assert shlex.split(joined) == plan_model(model, ctx=1024, vram_budget=2 << 30).server_args
+    assert shlex.split(joined) == plan_model(model, PlanChoices(ctx=1024, vram_budget=2 << 30)).server_args
 
     wide = run_cli_process("plan", model, "--vram-budget", "2GiB", "--ctx", "1024", env=dict(env, COLUMNS="250"),
                            timeout=300)

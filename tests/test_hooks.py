@@ -169,6 +169,7 @@ USER_PRESET = (
 def test_preset_update_keeps_the_users_sections_and_comments_byte_for_byte(home: dict[str, str],
                                                                           tmp_path: Path) -> None:
     from moeplug.operations.install import replan
+    from moeplug.planner.request import PlanChoices
 
     preset = tmp_path / "router.ini"
     preset.write_bytes(USER_PRESET.encode())
@@ -183,13 +184,13 @@ def test_preset_update_keeps_the_users_sections_and_comments_byte_for_byte(home:
     # the user edits their part; a re-plan (as `serve --ctx` makes) updates moeplug's section in place
     edited = text.replace("# mine stays mine\r\n", "# mine stays mine\r\nctx-size = 512\r\n")
     preset.write_bytes(edited.encode())
-    replan(installed()["demo"], ctx=2048)
+    replan(installed()["demo"], PlanChoices(ctx=2048))
     after = preset.read_bytes().decode()
     assert without_moeplug_blocks(after) == without_moeplug_blocks(edited)
     demo = re.search(r"\[demo\]\n(.*?); <<<", after, re.S)[1]
     assert "c = 2048\n" in demo
     assert (tmp_path / "router.ini.moeplug-backup").read_bytes() == USER_PRESET.encode()  # the first version
-    replan(installed()["demo"], ctx=1024)
+    replan(installed()["demo"], PlanChoices(ctx=1024))
 
     # the hook is listed, and removing it gives the user's file back, byte for byte
     listed = json.loads(moeplug(home, "hook", "list", "--json").stdout)["hooks"]

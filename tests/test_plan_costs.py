@@ -96,3 +96,20 @@ def test_measured_figures_map_onto_the_cost_model() -> None:
     assert stock_path.upload_bytes_per_s == pytest.approx(24e9 * DEFAULT_COSTS.upload_bytes_per_s
                                                           / DEFAULT_COSTS.stock_upload_bytes_per_s)
     assert CostModel.from_json(half.to_json()) == half
+
+
+def test_plan_takes_a_calibration_file_and_says_what_it_planned_with(gpt_oss, tmp_path: Path) -> None:
+    """`moeplug plan MODEL --calibration FILE`: the file's costs in the plan and named in its table;
+    a damaged file is one line and exit 1."""
+    from helpers import one_line_error, run_cli
+
+    model, profile = gpt_oss
+    slow = calibration_file(tmp_path / "slow.json", 6e9)
+    args = ["plan", str(model), "--vram-budget", "7GiB", "--profile", str(profile)]
+    doc = json.loads(run_cli(*args, "--calibration", str(slow), "--json").stdout)
+    assert doc["stream_share"] == 0 and doc["cost_model"]["h2d_bytes_per_s"] == 6e9
+    assert json.loads(run_cli(*args, "--json").stdout)["stream_share"] > 0  # the GPU machine's figures
+    text = run_cli(*args, "--calibration", str(slow)).stdout
+    assert "costs (CPU, bus)" in text and "bus 6 GB/s" in text and "slow.json" in text
+    (tmp_path / "bad.json").write_text('{"cpu_expert_bytes_per_s": -1}')
+    one_line_error(run_cli(*args, "--calibration", str(tmp_path / "bad.json")), 1, "bad.json", "cpu_expert_bytes_per_s")

@@ -27,11 +27,12 @@ def start(name: str) -> Any:
 def restart_counted(name: str) -> Any:
     """Serve a model that runs without the hit counters again with them, on the same port."""
     from moeplug.operations.actions import serve
-    from moeplug.serving.launch import find_record
+    from moeplug.planner.request import PlanChoices
+    from moeplug.serving.launch import ServeOptions, find_record
 
     record = find_record(name)
     stop(name)
-    return serve(name, port=record.port if record else None, metrics=True).server
+    return serve(name, PlanChoices(), ServeOptions(port=record.port if record else None, metrics=True)).server
 
 
 def stop(name: str) -> bool:
@@ -44,14 +45,18 @@ def plan(name: str, vram_budget: int | None) -> dict[str, Any]:
     from moeplug.serving.installed import read_installed
     from moeplug.operations.install import plan_installed
 
-    return plan_installed(read_installed(name), vram_budget=vram_budget).to_json()
+    from moeplug.planner.request import PlanChoices
+
+    return plan_installed(read_installed(name), PlanChoices(vram_budget=vram_budget)).to_json()
 
 
 def replan(name: str, vram_budget: int | None) -> Any:
     from moeplug.operations.actions import serve
+    from moeplug.planner.request import PlanChoices
+    from moeplug.serving.launch import ServeOptions
 
     stop(name)
-    return serve(name, vram_budget=vram_budget, metrics=True).server
+    return serve(name, PlanChoices(vram_budget=vram_budget), ServeOptions(metrics=True)).server
 
 
 def reprofile(name: str, progress: Callable[[int, int], None]) -> Path:

@@ -1119,7 +1119,7 @@ def main(argv: list[str] | None = None) -> int:
                         for c in aheads for x in extras for u in ubatches for n in lengths]
             plans = [plan_for(info, PlanRequest(a.ctx, budget, policy=p.removesuffix("+record"), spec=spec,
                                                 prefill_weight=w, copy_ahead=c, ubatch=u, prompt_tokens=n),
-                              profile, fit_tool=fit_tool)
+                              profile, build=patched)
                      for p, w, _, _, c, _, u, n in variants]
             load = ["-lm", "none"] if plans[0].load_mode == "pinned" else []
             stock_args = ["-c", str(a.ctx), "--fit", "on", "-fitt", fitt, *load, *common, *extra]

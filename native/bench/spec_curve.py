@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         label = label if not fraction else f"{label} ({budget / GIB:.2f} GiB)"
         fitt = fit_targets(budget, free)
         plan = plan_for(info, PlanRequest(ctx, budget, policy=a.policy), profile_path,
-                        fit_tool=patched.binary("llama-fit-params"))
+                        build=patched)
         args = ["-ngl", "99", *load, *placement_args(info, plan.slots_per_layer, profile, profile_path,
                                                      plan.cache_policy)]
         stock = Row(label, "stock", ["-fitt", fitt, *load], desc="--fit")

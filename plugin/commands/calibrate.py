@@ -31,7 +31,7 @@ def calibrated_text(done: Any) -> str:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from moeplug.operations.calibrate import calibrate_model
+    from moeplug.operations.actions import calibrate_model
 
     out = Output.for_args(args)
     return out.result(calibrate_model(args.model, threads=args.threads, force=args.force, progress=out.progress),

@@ -23,6 +23,14 @@ from moeplug.serving.launch import cache_summary, slot_range, streamed_text
 from moeplug.core.sizes import MIB
 
 
+def _costs(p: Plan) -> str:
+    """Where the plan's costs come from, and the figures a machine changes most."""
+    from moeplug.planner.costs import DEFAULT_COSTS, CostModel
+
+    return CostModel.from_json(p.cost_model).describe() if p.cost_model else DEFAULT_COSTS.describe() + \
+        " ('moeplug calibrate' measures this machine's)"
+
+
 def plan_text(p: Plan, width: int | None = None) -> str:
     """The plan for people; width: fit that many columns (the terminal's: output.terminal_width), the
     long values, server args and notes broken over lines; None: one line each."""
@@ -50,6 +58,7 @@ def plan_text(p: Plan, width: int | None = None) -> str:
         ["prompt length planned for", (f"{p.prompt_tokens} tokens (" + ("learned" if p.workload else "--prompt-tokens")
                                        + ")") if p.prompt_tokens else "the profile's prompts"],
         ["prompt batch", f"{p.ubatch} tokens (-ub), " + _ubatch_source(p)],
+        *([["costs (CPU, bus)", _costs(p)]] if p.backend == "cuda" else []),
     ]
     lines = [fitted_table(["plan", ""], rows, width)] + ([devices_text(p)] if p.devices else [])
     lines += [shell_lines("server args: ", p.server_args, width)]  # quoted: -ot has | ( )
@@ -179,18 +188,32 @@ def add_ubatch(p: argparse.ArgumentParser, keep: bool = False) -> None:
                         f"(default: {default}; 0: the profile's prompts)")
 
 
+def plan_choices(args: argparse.Namespace, spec: Any) -> Any:
+    """The plan choices a command line gave (PlanChoices: None where not given)."""
+    from moeplug.planner.request import PlanChoices
+
+    return PlanChoices(vram_budget=args.vram_budget, ctx=args.ctx, ctx_override=args.ctx_override, spec=spec,
+                       prefill_weight=args.prefill_weight, threads=args.threads, ubatch=args.ubatch,
+                       prompt_tokens=args.prompt_tokens,
+                       calibration=str(Path(args.calibration).resolve()) if args.calibration else None)
+
+
+def serve_options(args: argparse.Namespace) -> Any:
+    from moeplug.serving.launch import ServeOptions
+
+    return ServeOptions(port=args.port, host=args.host or HOST, allow_fallback=args.allow_fallback,
+                        metrics=args.metrics, record=args.record)
+
+
 def cmd_install(args: argparse.Namespace) -> int:
     from moeplug.operations.install import install
     from moeplug.planner.speculation import parse_spec
 
-    spec = parse_spec(args.spec, args.spec_draft_max)
     out = Output.for_args(args)
-    done = install(args.model, ctx=args.ctx, vram_budget=args.vram_budget, backend=args.backend, jobs=args.jobs,
+    done = install(args.model, plan_choices(args, parse_spec(args.spec, args.spec_draft_max)),
+                   None if args.no_serve else serve_options(args), backend=args.backend, jobs=args.jobs,
                    profile_tokens=args.profile_tokens, prompt_sets=[s for s in args.prompts.split(",") if s],
-                   serve=not args.no_serve, port=args.port, allow_fallback=args.allow_fallback, metrics=args.metrics,
-                   ctx_override=args.ctx_override, host=args.host or HOST, spec=spec,
-                   prefill_weight=args.prefill_weight, threads=args.threads, ubatch=args.ubatch,
-                   prompt_tokens=args.prompt_tokens, record=args.record, progress=out.progress)
+                   progress=out.progress)
     return out.result(done, lambda d: install_text(d, terminal_width()))
 
 
@@ -199,12 +222,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from moeplug.planner.speculation import parse_spec
 
     text = f"draft:{args.draft}" if args.draft is not None else "mtp" if args.mtp else args.spec
-    spec = parse_spec(text, args.spec_draft_max, keep=True)
     out = Output.for_args(args)
-    plan = plan_model(args.model, ctx=args.ctx, vram_budget=args.vram_budget,
-                      profile=Path(args.profile) if args.profile else None, ctx_override=args.ctx_override,
-                      spec=spec, prefill_weight=args.prefill_weight, threads=args.threads, ubatch=args.ubatch,
-                      prompt_tokens=args.prompt_tokens, progress=out.progress)
+    plan = plan_model(args.model, plan_choices(args, parse_spec(text, args.spec_draft_max, keep=True)),
+                      profile=Path(args.profile) if args.profile else None, progress=out.progress)
     return out.result(plan, lambda p: plan_text(p, terminal_width()))
 
 
@@ -212,12 +232,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from moeplug.operations.actions import serve
     from moeplug.planner.speculation import parse_spec
 
-    spec = parse_spec(args.spec, args.spec_draft_max, keep=True)
     out = Output.for_args(args)
-    served = serve(args.model, port=args.port, vram_budget=args.vram_budget, ctx=args.ctx,
-                   ctx_override=args.ctx_override, allow_fallback=args.allow_fallback, metrics=args.metrics,
-                   record=args.record, host=args.host or HOST, spec=spec, prefill_weight=args.prefill_weight,
-                   threads=args.threads, ubatch=args.ubatch, prompt_tokens=args.prompt_tokens, progress=out.progress)
+    served = serve(args.model, plan_choices(args, parse_spec(args.spec, args.spec_draft_max, keep=True)),
+                   serve_options(args), progress=out.progress)
     return out.result(served, lambda s: served_text(s.name, s.server))
 
 

@@ -178,6 +178,10 @@ def add_ctx(p: argparse.ArgumentParser, help: str) -> None:
 def add_plan_options(p: argparse.ArgumentParser, budget_help: str, ctx_help: str) -> None:
     p.add_argument("--vram-budget", type=BUDGET, help=budget_help)
     add_ctx(p, ctx_help)
+    p.add_argument("--calibration", metavar="FILE", default=None,
+                   help="plan with the costs in this calibration file (what 'moeplug calibrate' writes, or one "
+                        "written by hand to plan for another machine; default: this machine's own calibration, "
+                        "else the GPU machine's fitted figures); kept with an installed model's plan")
 
 
 def listen_address(text: str) -> str:

@@ -17,42 +17,29 @@ from moeplug.serving.installed import InstalledModel, list_installed, read_insta
 from moeplug.operations.install import warn_exposure, installed_build, locate, plan_for, replan, replan_profile_users, up_to_date, require_moe
 from moeplug.model.inspect import inspect_model
 from moeplug.planner.record import Plan, outdated
-from moeplug.planner.request import PlanRequest
+from moeplug.planner.request import PlanChoices, PlanRequest
 from moeplug.core.progress import Note, ProgressFn, silent
-from moeplug.serving.server import HOST
-from moeplug.serving.launch import ServerRecord
-from moeplug.planner.speculation import KeepInstalled, Speculation
+from moeplug.serving.launch import ServeOptions, ServerRecord
 
 
-def plan_model(model: str, *, ctx: int | None = None, vram_budget: int | list[int] | None = None,
-               profile: Path | None = None, ctx_override: bool = False,
-               spec: Speculation | KeepInstalled | None = KeepInstalled(), prefill_weight: float | None = None,
-               threads: int | None = None, ubatch: int | None = None, prompt_tokens: int | None = None,
+def plan_model(model: str, choices: PlanChoices = PlanChoices(), profile: Path | None = None,
                progress: ProgressFn = silent) -> Plan:
-    """Plan an installed model (by name) or any model reference, for a budget (None: free VRAM; a
-    list: one per GPU) and a context (None: 4096, or the training context when smaller); profile
-    None: the stored one. spec: speculative decoding (None: none; KeepInstalled: an installed
-    model's own). prefill_weight: prompt tokens per generated token (None: an installed model's own,
-    else the planner's default); threads: the server's CPU threads (None: as an installed model's
-    user asked, else the planner's choice; 0: llama.cpp's default); ubatch: the server's physical batch
-    (None: as an installed model's user asked, else the planner's choice, UBATCH_AUTO); prompt_tokens: the
-    prompt length to plan prompt batches for (None: an installed model's own; 0: the profile's prompts)."""
+    """Plan an installed model (by name) or any model reference with the choices given (PlanChoices:
+    None where not given, then an installed model's own, else the planner's defaults; a budget not
+    given is each GPU's free VRAM); profile None: the stored one. Nothing is stored."""
     from moeplug.profile.format import model_fingerprint
     from moeplug.profile.runner import default_profile_path
 
     installed = {m.name: m for m in list_installed()}
     path = Path(installed[model].path) if model in installed else locate(model, download=False, progress=progress).path
-    # an installed model's choices (its workload too, unless one is given), else the planner's defaults
-    asked = installed[model].asked() if model in installed else PlanRequest(0)
-    if isinstance(spec, KeepInstalled):
-        spec = spec.resolve(asked.spec.to_json() if asked.spec else None)
-    asked = asked.given(prefill_weight=prefill_weight, threads=threads, ubatch=ubatch, prompt_tokens=prompt_tokens)
     info = inspect_model(path)
     require_moe(info)
-    profile = profile or default_profile_path(model_fingerprint(path))
-    request = replace(asked, ctx=context_size(info, ctx, ctx_override), vram_budget=vram_budget, spec=spec,
+    asked = installed[model].asked() if model in installed else PlanRequest(0)
+    request = replace(choices.over(asked, context_size(info, choices.ctx, choices.ctx_override), budget_kept=False),
                       slots_in_ram=0)
-    return plan_for(info, request, profile if profile.exists() else None)
+    profile = profile or default_profile_path(model_fingerprint(path))
+    build = installed_build(installed[model]) if model in installed else None
+    return plan_for(info, request, profile if profile.exists() else None, build=build, progress=progress)
 
 
 @dataclass
@@ -78,42 +65,29 @@ def installed_up_to_date(progress: ProgressFn = silent) -> list[InstalledModel]:
     return models
 
 
-def serve(name: str, *, port: int | None = None, vram_budget: int | list[int] | None = None, ctx: int | None = None,
-          ctx_override: bool = False, allow_fallback: bool = False, metrics: bool = True,
-          record: bool | None = None,
-          host: str = HOST, spec: Speculation | KeepInstalled | None = KeepInstalled(),
-          prefill_weight: float | None = None, threads: int | None = None, ubatch: int | None = None,
-          prompt_tokens: int | None = None, progress: ProgressFn = silent) -> Served:
-    """Launch an installed model again (detached) with its build; re-planned when a budget or a
-    context is given, or when an older planner made its plan (plan.outdated; not where its profile
-    is gone), else with the plan it was installed with. Waits while another moeplug holds
-    the model (an install, a re-profile), then reads the model as that one left it. metrics: count
-    slot hits on /metrics (`moeplug status`, the dashboard). record: count the router's selections
-    for `moeplug reprofile` (llama-server --moe-cache-record; None: where the build can). host: where
-    it listens (127.0.0.1 unless the user gave another address; then a warning). spec: another
-    speculative decoding to re-plan with and keep (None: none; KeepInstalled(): the installed one's).
-    prefill_weight: prompt tokens per generated token to re-plan for and keep (None: the installed one's);
-    threads likewise, the server's CPU threads (0: llama.cpp's default), ubatch, its physical batch
-    (UBATCH_AUTO: the planner's choice), and prompt_tokens, the prompt length planned for (0: the profile's)."""
+def serve(name: str, choices: PlanChoices = PlanChoices(), serving: ServeOptions = ServeOptions(),
+          progress: ProgressFn = silent) -> Served:
+    """Launch an installed model again (detached) with its build: re-planned where choices are given
+    (the new plan and choices become the model's own; the hooks follow) or where an older planner made
+    its plan (plan.outdated; not where its profile is gone), else with the plan it was installed with.
+    Waits while another moeplug holds the model (an install, a re-profile), then reads the model as
+    that one left it."""
     from moeplug.serving.launch import launch_verified, model_lock
 
-    warn_exposure(host, progress)
+    warn_exposure(serving.host, progress)
     read_installed(name)  # an unknown name fails now, not after a wait
     with model_lock(name, progress):
         m = read_installed(name)
-        if (vram_budget is not None or ctx is not None or spec != KeepInstalled() or prefill_weight is not None
-                or threads is not None or ubatch is not None or prompt_tokens is not None):
-            if ctx is not None:
-                ctx = context_size(inspect_model(m.path), ctx, ctx_override)
-            # the new plan becomes the model's own; the hooks follow
-            m = replan(m, ctx, vram_budget, spec, prefill_weight=prefill_weight, threads=threads, ubatch=ubatch,
-                       prompt_tokens=prompt_tokens)
+        if choices.changes_plan:
+            if choices.ctx is not None:
+                choices = replace(choices, ctx=context_size(inspect_model(m.path), choices.ctx, choices.ctx_override))
+            m = replan(m, choices)
         else:
             m = up_to_date(m, progress)
         plan = m.plan
         served = launch_verified(m.name, Path(m.path), installed_build(m).binary("llama-server"), m.build_id,
-                                 plan.server_args, plan.ctx, port=port, allow_fallback=allow_fallback,
-                                 env=m.server_env(), metrics=metrics, plan=plan, record=record, host=host)
+                                 plan.server_args, plan.ctx, env=m.server_env(), plan=plan,
+                                 **serving.launch_options())
     return Served(m.name, served)
 
 
@@ -208,3 +182,48 @@ def profile_from_trace(trace: Path | str, model: Path | str, prompts: str | None
     write_profile(made, dest)
     replan_profile_users(dest)
     return ProfiledFromTrace(dest, analyze(made, slots, repick_every), made.sources[0].label)
+
+
+@dataclass
+class Calibrated:
+    """What `moeplug calibrate` did: the calibration, its file, and whether the file was reused."""
+
+    calibration: Any  # operations.calibrate.Calibration
+    path: Path
+    reused: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.calibration.to_json(), "path": str(self.path), "reused": self.reused}
+
+
+def model_and_build(text: str | None, progress: ProgressFn = silent) -> tuple[Path | None, Any]:
+    """The model to measure with and its build: an installed model's own build, or for a model
+    reference or path (None: the demo model) the current patched build (made where missing)."""
+    from moeplug.native.build import build, resolve_options
+    from moeplug.serving.installed import installed_dir
+
+    if text and (installed_dir() / f"{text}.json").exists():
+        m = read_installed(text)
+        return Path(m.path), installed_build(m)
+    path: Path | None = None
+    if text:
+        path = locate(text, download=False, progress=progress).path
+    return path, build(resolve_options(None, stock=False, jobs=0, cuda_arch=None), progress=progress)
+
+
+def calibrate_model(text: str | None, threads: int | None = None, force: bool = False,
+                    progress: ProgressFn = silent) -> Calibrated:
+    """`moeplug calibrate [MODEL]`: this fingerprint's file where there is one (and it was measured at
+    the threads asked, where asked), else a new measurement written to it; force: measure again."""
+    from moeplug.operations.calibrate import (calibrate, calibration_path, machine_fingerprint, stored_calibration,
+                                              write_calibration)
+
+    model, build = model_and_build(text, progress)
+    path = calibration_path(machine_fingerprint(build.build_id)[0])
+    if not force:
+        stored = stored_calibration(build)
+        if stored is not None and (threads is None or stored.threads == threads):
+            progress(Note(f"this machine is calibrated: {path} ('--force' measures again)"))
+            return Calibrated(stored, path, reused=True)
+    cal = calibrate(build, model, threads, progress)
+    return Calibrated(cal, write_calibration(cal, path), reused=False)

@@ -117,18 +117,6 @@ class Calibration:
         return cls(**_checked(doc, source))
 
 
-@dataclass
-class Calibrated:
-    """What `moeplug calibrate` did: the calibration, its file, and whether the file was reused."""
-
-    calibration: Calibration
-    path: Path
-    reused: bool
-
-    def to_json(self) -> dict[str, Any]:
-        return {**self.calibration.to_json(), "path": str(self.path), "reused": self.reused}
-
-
 # ---------------------------------------------------------------------------------------------
 # the file
 
@@ -459,44 +447,6 @@ def calibrate(build: Any, model: Path | None = None, threads: int | None = None,
                        h2d_bytes_per_s=h2d, prompt_upload_bytes_per_s=prompt_rate, gpu_miss_bytes_per_s=None,
                        measured_at=_now(), threads=threads, build_id=build.build_id, model=str(model),
                        machine=identity, notes=notes, runs=[r.to_json() for r in runs])
-
-
-# ---------------------------------------------------------------------------------------------
-# the command's action
-
-
-def model_and_build(text: str | None, progress: ProgressFn = silent) -> tuple[Path | None, Any]:
-    """The model to measure with and its build: an installed model's own build, or for a model
-    reference or path (None: the demo model) the current patched build (made where missing)."""
-    from moeplug.native.build import build, resolve_options
-    from moeplug.serving.installed import installed_dir, read_installed
-
-    if text and (installed_dir() / f"{text}.json").exists():
-        from moeplug.operations.install import installed_build
-
-        m = read_installed(text)
-        return Path(m.path), installed_build(m)
-    path: Path | None = None
-    if text:
-        from moeplug.operations.install import locate
-
-        path = locate(text, download=False, progress=progress).path
-    return path, build(resolve_options(None, stock=False, jobs=0, cuda_arch=None), progress=progress)
-
-
-def calibrate_model(text: str | None, threads: int | None = None, force: bool = False,
-                    progress: ProgressFn = silent) -> Calibrated:
-    """`moeplug calibrate [MODEL]`: this fingerprint's file where there is one (and it was measured at
-    the threads asked, where asked), else a new measurement written to it; force: measure again."""
-    model, build = model_and_build(text, progress)
-    path = calibration_path(machine_fingerprint(build.build_id)[0])
-    if not force:
-        stored = stored_calibration(build)
-        if stored is not None and (threads is None or stored.threads == threads):
-            progress(Note(f"this machine is calibrated: {path} ('--force' measures again)"))
-            return Calibrated(stored, path, reused=True)
-    cal = calibrate(build, model, threads, progress)
-    return Calibrated(cal, write_calibration(cal, path), reused=False)
 
 
 def cost_model(cal: Calibration, source: str) -> CostModel:

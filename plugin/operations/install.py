@@ -23,7 +23,8 @@ from moeplug.core.output import human_bytes
 from moeplug.core.paths import data_dir
 from moeplug.planner.plan import make_plan
 from moeplug.planner.record import Plan, outdated
-from moeplug.planner.request import UBATCH_AUTO, MachineFacts, PlanRequest
+from moeplug.planner.costs import CostModel
+from moeplug.planner.request import MachineFacts, PlanChoices, PlanRequest
 from moeplug.profile.format import Profile
 from moeplug.machine.probes import available_ram_bytes, usable_cores
 from moeplug.profile.runner import DEFAULT_PROMPT_SETS
@@ -31,8 +32,9 @@ from moeplug.core.progress import Note, ProgressFn, silent
 from moeplug.model.refs import ModelRef, ResolvedModel, parse_ref, resolve_ref
 from moeplug.serving.installed import (InstalledModel, installed_dir, list_installed, model_name, read_installed,
                                        write_installed)
-from moeplug.serving.server import HOST, exposure_warning
-from moeplug.planner.speculation import KeepInstalled, Speculation
+from moeplug.serving.launch import ServeOptions
+from moeplug.serving.server import exposure_warning
+from moeplug.planner.speculation import Speculation
 
 DEMO_PROFILE_TOKENS = 32
 PROFILE_CTX = 2048  # the profiler's context: each prompt is one sequence, far shorter than this
@@ -117,29 +119,47 @@ def remake_profile(name: str, prompt_sets: list[str] | None = None, progress: Pr
                           list(prompt_sets or DEFAULT_PROMPT_SETS), remake=True, progress=progress)
 
 
-def probe_machine(info: ModelInfo, request: PlanRequest, fit_tool: Path | None) -> tuple[PlanRequest, MachineFacts]:
-    """This machine's facts for a plan, probed once: free RAM, usable cores, and where it plans for one
-    GPU, llama.cpp's own figure for what that GPU holds beside the experts (fit_tool: the build's
-    llama-fit-params; None: moeplug's estimate). The request comes back with its budget resolved (None:
-    each GPU's free VRAM; still None without a GPU: a CPU plan)."""
+def probe_machine(info: ModelInfo, request: PlanRequest, build: Any = None,
+                  progress: ProgressFn = silent) -> tuple[PlanRequest, MachineFacts]:
+    """This machine's facts for a plan, probed once: free RAM, usable cores, the costs (a calibration
+    file the request names, else this machine's own calibration for the build, made now where it has
+    a GPU and none yet, else the GPU machine's figures), and where it plans for one GPU, llama.cpp's own
+    figure for what that GPU holds beside the experts (the build's llama-fit-params; without a build,
+    moeplug's estimate). The request comes back with its budget resolved (None: each GPU's free VRAM;
+    still None without a GPU: a CPU plan)."""
     from moeplug.planner.fit_estimate import gpu_need
 
     found = gpus()
     budget = vram_budgets(request.vram_budget, found)
     one_gpu = budget is not None and not isinstance(budget, list)
+    fit_tool = build.binary("llama-fit-params") if build is not None else None
     need = gpu_need(fit_tool, info.path, request.ctx) if fit_tool is not None and one_gpu else None
     note = one_budget_note(budget, found)
     facts = MachineFacts(ram_available=available_ram_bytes(), cpu_cores=usable_cores(), need=need,
                          draft_need=draft_need_for(request.spec, request.ctx, fit_tool if one_gpu else None),
-                         notes=(note,) if note else ())
+                         costs=machine_costs(request, build, bool(found), progress), notes=(note,) if note else ())
     return replace(request, vram_budget=budget), facts
 
 
+def machine_costs(request: PlanRequest, build: Any, has_gpu: bool, progress: ProgressFn = silent) -> CostModel:
+    """The costs a plan uses (operations.calibrate.costs_for); on a machine with a GPU and no calibration
+    for this build yet, calibrated now, once (the GPU's figures are what a plan's choices turn on)."""
+    from moeplug.operations.calibrate import calibrate, costs_for, stored_calibration, write_calibration
+
+    path = Path(request.calibration) if request.calibration else None
+    build = build if getattr(build, "build_id", None) else None  # a build given by its folder alone: no calibration
+    if path is None and has_gpu and build is not None and stored_calibration(build) is None:
+        progress(Note("calibrating this machine once: what its CPU and bus cost ('moeplug calibrate' to see it)"))
+        write_calibration(calibrate(build, progress=progress))
+    return costs_for(build, path)
+
+
 def plan_for(info: ModelInfo, request: PlanRequest, profile: Path | None, loaded: Profile | None = None,
-             fit_tool: Path | None = None) -> Plan:
+             build: Any = None, progress: ProgressFn = silent) -> Plan:
     """The plan for a request on this machine (probe_machine). profile: the profile file the server
-    reads; loaded: the profile to plan from when it is not (yet) that file."""
-    request, machine = probe_machine(info, request, fit_tool)
+    reads; loaded: the profile to plan from when it is not (yet) that file; build: the native build
+    it will run on (its llama-fit-params and calibration; None: moeplug's own estimates)."""
+    request, machine = probe_machine(info, request, build, progress)
     return make_plan(info, request, machine, loaded, profile)
 
 
@@ -169,47 +189,34 @@ def installed_build(m: InstalledModel) -> Any:
     return builds[m.build_id]
 
 
-def install(text: str, *, ctx: int | None = None, vram_budget: int | list[int] | None = None,
-            backend: str | None = None,
-            jobs: int = 0, profile_tokens: int | None = None, prompt_sets: list[str] | None = None, serve: bool = True,
-            port: int | None = None, allow_fallback: bool = False, metrics: bool = True, ctx_override: bool = False,
-            host: str = HOST, spec: Speculation | None = None, prefill_weight: float | None = None,
-            threads: int | None = None, ubatch: int | None = None, prompt_tokens: int | None = None,
-            record: bool | None = None, progress: ProgressFn = silent) -> Installed:
-    """Install (and unless serve=False, serve) a model. ctx None: 4096, or less for a model trained
-    with less; above the training context only with ctx_override. host: where the server listens.
-    spec: speculative decoding, planned for and kept in the installed plan (serve reuses it).
-    prefill_weight: prompt tokens per generated token to plan for (None: the planner's default),
-    kept in the installed plan as well, as threads is (the server's CPU threads; None: the planner's),
-    ubatch (the server's physical batch, -ub; None or UBATCH_AUTO: the planner's choice) and prompt_tokens
-    (the prompt length to plan prompt batches for; None: the profile's prompts).
-    metrics: the server counts slot hits on /metrics; record: it counts the router's selections for
-    `moeplug reprofile` (None: where the build can; serving.launch_verified)."""
+def install(text: str, choices: PlanChoices = PlanChoices(), serving: ServeOptions | None = ServeOptions(), *,
+            backend: str | None = None, jobs: int = 0, profile_tokens: int | None = None,
+            prompt_sets: list[str] | None = None, progress: ProgressFn = silent) -> Installed:
+    """Install a model and, with serving options (None: not), serve it. choices: what to plan for
+    (a context None: 4096, or less for a model trained with less; above the training context only
+    with ctx_override), kept with the installed model so that re-plans start from them. backend,
+    jobs: the native build's; profile_tokens, prompt_sets: the profiler's."""
     from moeplug.native.build import build, resolve_options
     from moeplug.serving.launch import launch_verified, model_lock
 
-    if serve:
-        warn_exposure(host, progress)
-
+    if serving is not None:
+        warn_exposure(serving.host, progress)
     ref = parse_ref(text)
     name = model_name(ref)
-    is_demo = ref.kind == "demo"
     with model_lock(name, progress):
         resolved = locate(text, progress=progress)
         info = inspect_model(resolved.path)
         require_moe(info)
-        ctx = context_size(info, ctx, ctx_override)
+        ctx = context_size(info, choices.ctx, choices.ctx_override)
         progress(Note(f"{name}: {info.arch}, {len(info.layers)} MoE layers x {info.n_expert} experts "
                       f"({info.n_expert_used} used), {human_bytes(info.total_bytes)} at {resolved.path}"))
         result = build(resolve_options(backend, stock=False, jobs=jobs, cuda_arch=None), progress=progress)
-        n_predict = profile_tokens or default_profile_tokens(ref)
-        profile = ensure_profile(resolved.path, result.binary("llama-moe-profile"), n_predict,
+        profile = ensure_profile(resolved.path, result.binary("llama-moe-profile"),
+                                 profile_tokens or default_profile_tokens(ref),
                                  list(prompt_sets or DEFAULT_PROMPT_SETS), progress=progress)
-        slots_on_cpu = is_demo and result.manifest.get("backend") == "cpu"
-        request = PlanRequest(ctx, vram_budget, spec=spec, threads=threads, slots_in_ram=demo_slots(info, slots_on_cpu),
-                              ubatch=UBATCH_AUTO if ubatch is None else ubatch, prompt_tokens=prompt_tokens)
-        request = request.given(prefill_weight=prefill_weight)
-        plan = plan_for(info, request, profile, fit_tool=result.binary("llama-fit-params"))
+        slots_on_cpu = ref.kind == "demo" and result.manifest.get("backend") == "cpu"
+        request = choices.over(PlanRequest(ctx, slots_in_ram=demo_slots(info, slots_on_cpu)), ctx)
+        plan = plan_for(info, request, profile, build=result, progress=progress)
         record = InstalledModel(name=name, ref=text, path=str(resolved.path), profile=str(profile),
                                 build_id=result.build_id, ctx=ctx, plan=plan,
                                 slots_on_cpu=slots_on_cpu and plan.backend == "cpu",
@@ -218,11 +225,10 @@ def install(text: str, *, ctx: int | None = None, vram_budget: int | list[int] |
         refresh_hooks(list_installed(), progress)
         done = Installed(name=name, model=str(resolved.path), profile=str(profile), build_id=result.build_id,
                          plan=plan)
-        if serve:
+        if serving is not None:
             done.server = launch_verified(name, resolved.path, result.binary("llama-server"), result.build_id,
-                                          plan.server_args, ctx, port=port, allow_fallback=allow_fallback,
-                                          env=record.server_env(), metrics=metrics, plan=plan, host=host,
-                                          record=record)
+                                          plan.server_args, ctx, env=record.server_env(), plan=plan,
+                                          **serving.launch_options())
     return done
 
 
@@ -233,39 +239,36 @@ def warn_exposure(host: str, progress: ProgressFn) -> None:
         progress(Note(warning))
 
 
-def plan_installed(m: InstalledModel, ctx: int | None = None, vram_budget: int | list[int] | None = None,
-                   profile: Profile | None = None, spec: Speculation | KeepInstalled | None = KeepInstalled(),
-                   **choices: Any) -> Plan:
-    """An installed model's plan made again from what was asked for it (InstalledModel.asked) with
-    the choices given now (None: not given; PlanRequest.given: prefill_weight, threads, ubatch,
-    prompt_tokens, workload), for another budget or context (None: the stored ones), from its profile
-    (or `profile`, the one about to replace it), with its speculation (KeepInstalled) or `spec` (a
-    Speculation, None for none). Nothing is stored (replan keeps it)."""
+def installed_request(m: InstalledModel, choices: PlanChoices = PlanChoices(),
+                      learned: dict[str, Any] | None = None) -> PlanRequest:
+    """What a re-plan of an installed model asks: what was asked for it (InstalledModel.asked) with the
+    choices given now (PlanChoices: None where not given; a budget not given is the stored one) and
+    what a re-profile learned from its served requests (`learned`: prefill_weight, prompt_tokens and
+    the traffic, `workload`)."""
+    request = choices.over(m.asked(), choices.ctx or m.ctx)
+    return request.given(**learned) if learned else request
+
+
+def plan_installed(m: InstalledModel, choices: PlanChoices = PlanChoices(), profile: Profile | None = None,
+                   learned: dict[str, Any] | None = None) -> Plan:
+    """An installed model's plan made again (installed_request) from its profile (or `profile`, the one
+    about to replace it). Nothing is stored (replan keeps it)."""
     path = Path(m.profile) if m.profile and (profile is not None or Path(m.profile).exists()) else None
     try:
-        fit_tool = installed_build(m).binary("llama-fit-params")
+        build = installed_build(m)
     except MoeplugError:
-        fit_tool = None  # the build is gone: moeplug's own estimate
-    asked = m.asked()
-    spec = spec.resolve(asked.spec.to_json() if asked.spec else None) if isinstance(spec, KeepInstalled) else spec
-    request = replace(asked.given(ctx=ctx or None, vram_budget=vram_budget, **choices), spec=spec)
-    return plan_for(inspect_model(m.path), request, path, profile, fit_tool=fit_tool)
+        build = None  # the build is gone: moeplug's own estimate
+    return plan_for(inspect_model(m.path), installed_request(m, choices, learned), path, profile, build=build)
 
 
-def request_of(m: InstalledModel, plan: Plan, ctx: int) -> PlanRequest:
-    """What a new plan was asked: the model's request with the budget and context the plan was made for."""
-    return replace(m.asked(), ctx=ctx, vram_budget=plan.budget, spec=Speculation.from_json(plan.speculation),
-                   prefill_weight=plan.prefill_weight, threads=plan.threads_asked, ubatch=plan.ubatch_asked,
-                   prompt_tokens=plan.prompt_tokens, workload=plan.workload)
-
-
-def replan(m: InstalledModel, ctx: int | None = None, vram_budget: int | list[int] | None = None,
-           spec: Speculation | KeepInstalled | None = KeepInstalled(), **choices: Any) -> InstalledModel:
-    """Plan an installed model again (a new budget, context, speculation, or choices given as
-    plan_installed takes them, or its profile changed: the stored ones otherwise) and keep that plan
-    and what was asked as the model's own; the hooks follow."""
-    plan = plan_installed(m, ctx, vram_budget, spec=spec, **choices)
-    record = replace(m, ctx=ctx or m.ctx, plan=plan, request=request_of(m, plan, ctx or m.ctx))
+def replan(m: InstalledModel, choices: PlanChoices = PlanChoices(),
+           learned: dict[str, Any] | None = None) -> InstalledModel:
+    """Plan an installed model again (choices given, something learned from its traffic, or its profile
+    changed: the stored ones otherwise) and keep that plan and what was asked as the model's own; the
+    hooks follow."""
+    plan = plan_installed(m, choices, learned=learned)
+    request = replace(installed_request(m, choices, learned), vram_budget=plan.budget)
+    record = replace(m, ctx=request.ctx, plan=plan, request=request)
     write_installed(record)
     refresh_hooks(list_installed())
     return record

@@ -466,7 +466,7 @@ def add_prompt_files(name: str, files: list[str], progress: ProgressFn = silent)
 
 
 def _learn(m: InstalledModel, served: ServerRecord | None, opts: Options, result: Reprofiled) -> dict[str, Any]:
-    """plan_installed's arguments for the workload a served model's traffic shows (module docstring,
+    """What plan_installed learns (its `learned`) from the workload a served model's traffic shows (module docstring,
     step 4), or {} where none is learned; what it read and why it kept the plan's go to `result`."""
     if served is None or opts.workload == "keep":
         return {}
@@ -553,7 +553,7 @@ def reprofile_model(name: str, opts: Options, progress: ProgressFn = silent) -> 
                         new_predicted=None, gain=0.0, min_gain=opts.min_gain,
                         profile=str(dest), slots_before=[x.slots for x in layers])
     workload = _learn(m, served, opts, result)
-    preview = plan_installed(replace(m, profile=str(dest)), profile=merged, **workload)
+    preview = plan_installed(replace(m, profile=str(dest)), profile=merged, learned=workload or None)
     result.new_predicted = preview.predicted_hit_rate
     result.gain = (preview.predicted_hit_rate or 0.0) - (measured or 0.0)
     if not tokens["prefill"] + tokens["decode"]:

@@ -18,7 +18,7 @@ from moeplug.planner.allocate import PREFILL_WEIGHT
 from moeplug.planner.costs import DEFAULT_COSTS, CostModel
 from moeplug.planner.estimates import MIN_UBATCH
 from moeplug.planner.fit_estimate import DeviceNeed
-from moeplug.planner.speculation import Speculation
+from moeplug.planner.speculation import KeepInstalled, Speculation
 
 # the planner's choice of the server's prompt batch (-ub): PlanRequest.ubatch's value for "auto"
 UBATCH_AUTO = 0
@@ -43,6 +43,9 @@ class PlanRequest:
     slots_in_ram: int = 0  # without a GPU, slots per layer held in RAM anyway (the demo's stand-in for a GPU)
     # the served traffic prefill_weight and prompt_tokens were learned from (serving.traffic), or None
     workload: dict[str, Any] | None = None
+    # a calibration file to plan with (a machine's measured costs: operations.calibrate), or None: this
+    # machine's own calibration where it has one, else the GPU machine's figures
+    calibration: str | None = None
 
     def check(self) -> None:
         """The one-line errors for choices no plan can take."""
@@ -86,3 +89,39 @@ class MachineFacts:
     expert_room: int | None = None  # VRAM for the experts where measured better than any estimate (benchmarks)
     costs: CostModel = DEFAULT_COSTS
     notes: tuple[str, ...] = ()  # what the probe has to say in the plan (e.g. one budget for two GPUs)
+
+
+@dataclass(frozen=True)
+class PlanChoices:
+    """The plan choices given on a command line, for a model installed or not: None (and spec
+    KeepInstalled()) where not given, so that an installed model's own stand (PlanRequest.given), else
+    the planner's defaults."""
+
+    vram_budget: int | list[int] | None = None
+    ctx: int | None = None
+    ctx_override: bool = False  # a context above the model's training context is allowed
+    spec: Speculation | KeepInstalled | None = KeepInstalled()
+    prefill_weight: float | None = None
+    threads: int | None = None
+    ubatch: int | None = None
+    prompt_tokens: int | None = None
+    calibration: str | None = None
+
+    @property
+    def changes_plan(self) -> bool:
+        """Whether anything is given that a re-plan of an installed model must weigh."""
+        return (any(v is not None for v in (self.vram_budget, self.ctx, self.prefill_weight, self.threads,
+                                            self.ubatch, self.prompt_tokens, self.calibration))
+                or self.spec != KeepInstalled())
+
+    def over(self, asked: PlanRequest, ctx: int, budget_kept: bool = True) -> PlanRequest:
+        """The request these choices make of `asked` (an installed model's, or a new PlanRequest) at
+        the context resolved for them; budget_kept False: a budget not given is each GPU's free VRAM
+        (None), not the one asked before."""
+        spec = self.spec.resolve(asked.spec.to_json() if asked.spec else None) \
+            if isinstance(self.spec, KeepInstalled) else self.spec
+        request = asked.given(prefill_weight=self.prefill_weight, threads=self.threads, ubatch=self.ubatch,
+                              prompt_tokens=self.prompt_tokens, calibration=self.calibration,
+                              vram_budget=self.vram_budget)
+        budget = request.vram_budget if budget_kept or self.vram_budget is not None else None
+        return replace(request, ctx=ctx, spec=spec, vram_budget=budget)

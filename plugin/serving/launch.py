@@ -231,6 +231,23 @@ def served_argv(binary: Path, model: Path, port: int | str, server_args: list[st
     return server_argv(binary, model, port, served_args(server_args, metrics))
 
 
+@dataclass(frozen=True)
+class ServeOptions:
+    """How a served model's llama-server is started: where it listens, what it counts, and whether it
+    may run without the cache where the cache cannot engage (launch_verified)."""
+
+    port: int | None = None  # None: a free one
+    host: str = HOST
+    allow_fallback: bool = False
+    metrics: bool = True  # the cache's slot-hit counters on /metrics
+    record: bool | None = None  # the router's selections for `moeplug reprofile` (None: where the build can)
+
+    def launch_options(self) -> dict[str, Any]:
+        """launch_verified's keywords for these options."""
+        return dict(port=self.port, host=self.host, allow_fallback=self.allow_fallback, metrics=self.metrics,
+                    record=self.record)
+
+
 def launch_verified(name: str, model: Path, binary: Path, build_id: str, server_args: list[str], ctx: int,
                     port: int | None = None, allow_fallback: bool = False, env: dict[str, str] | None = None,
                     timeout: float = 300, metrics: bool = False, plan: Any = None,
