@@ -164,9 +164,9 @@ def parse_budgets(text: str) -> list[tuple[str, float | list[float], bool]]:
 
 
 def fit_targets(budget: int | list[int], free: int | None) -> str:
-    """stock's -fitt for a budget (moeplug.operations.bench.fit_target: per GPU for a list; 0 without a GPU, free
+    """stock's -fitt for a budget (moeplug.planner.server_flags.fit_target: per GPU for a list; 0 without a GPU, free
     None, the CPU smoke test)."""
-    from moeplug.operations.bench import fit_target
+    from moeplug.planner.server_flags import fit_target
     from moeplug.machine.gpu import gpus
 
     if free is None:

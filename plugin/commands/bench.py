@@ -153,15 +153,16 @@ def comparison_text(c: Any) -> str:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from moeplug.operations.bench import compare
+    from moeplug.operations.bench import BenchOptions, compare
 
     out = Output.for_args(args)
-    done = compare(args.model, rounds=args.rounds, n_predict=args.n_predict, prefill_reps=args.prefill_reps,
-                   prompt_files=[Path(p) for p in args.prompt_file], max_prompts=args.max_prompts, chat=args.chat,
-                   stock_vram=args.stock_vram, threads=args.threads, stock_threads=args.stock_threads,
-                   stock_ubatch=args.stock_ubatch, prompt_tokens=args.prompt_tokens,
-                   concurrent=args.concurrent or 0, short=args.short or 0, stock_binary=args.stock_binary,
-                   against=args.against, against_args=args.against_args, progress=out.progress)
+    options = BenchOptions(rounds=args.rounds, n_predict=args.n_predict, prefill_reps=args.prefill_reps,
+                           prompt_files=tuple(Path(p) for p in args.prompt_file), max_prompts=args.max_prompts,
+                           chat=args.chat, stock_vram=args.stock_vram, threads=args.threads,
+                           stock_threads=args.stock_threads, stock_ubatch=args.stock_ubatch,
+                           prompt_tokens=args.prompt_tokens, concurrent=args.concurrent or 0, short=args.short or 0,
+                           stock_binary=args.stock_binary, against=args.against, against_args=args.against_args)
+    done = compare(args.model, options, progress=out.progress)
     return out.result(done, comparison_text)
 
 

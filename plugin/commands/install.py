@@ -153,6 +153,7 @@ def served_text(name: str, srv: Any) -> str:
 
 def install_text(done: Any, width: int | None = None) -> str:
     lines = [f"installed {done.name}: {done.model}", f"profile  {done.profile}", plan_text(done.plan, width)]
+    lines += [f"check    {done.verdict.line()}", f"         {done.verdict.why()}"] if done.verdict else []
     return "\n".join(lines + ([served_text(done.name, done.server)] if done.server else []))
 
 
@@ -206,14 +207,14 @@ def serve_options(args: argparse.Namespace) -> Any:
 
 
 def cmd_install(args: argparse.Namespace) -> int:
-    from moeplug.operations.install import install
+    from moeplug.operations.actions import install
     from moeplug.planner.speculation import parse_spec
 
     out = Output.for_args(args)
     done = install(args.model, plan_choices(args, parse_spec(args.spec, args.spec_draft_max)),
                    None if args.no_serve else serve_options(args), backend=args.backend, jobs=args.jobs,
                    profile_tokens=args.profile_tokens, prompt_sets=[s for s in args.prompts.split(",") if s],
-                   progress=out.progress)
+                   check=args.check, progress=out.progress)
     return out.result(done, lambda d: install_text(d, terminal_width()))
 
 
@@ -269,6 +270,7 @@ def status_text(snap: Any) -> str:
     lines = [table(["name", "url", "pid", "state", "expert cache", "measured hit rate", "VRAM of budget", "log"], rows,
                    "llrllrrl")]
     lines += [_traffic_text(s) for s in snap.servers if s.traffic and s.traffic.requests]
+    lines += [f"{s.name}: {s.placement_why}" for s in snap.servers if s.placement_why]
     return "\n".join(lines)
 
 
@@ -276,7 +278,7 @@ def _traffic_text(s: Any) -> str:
     """A served model's requests beside the workload its plan weighs."""
     if not s.plan:
         return f"{s.name}: served {s.traffic.summary()}"
-    plan = Plan.from_json(s.plan)
+    plan = s.plan
     source = {"learned": "learned from its traffic", "asked": "set by hand",
               "default": f"the defaults; 'moeplug reprofile {s.name}' learns them"}[plan.workload_source]
     return (f"{s.name}: served {s.traffic.summary()}; planned for {plan.prefill_weight:g} and "
@@ -309,6 +311,14 @@ class Listing:
         return {"models": [m.to_json() for m in self.models]}
 
 
+def _placement(m: Any) -> str:
+    """What an installed model is served with, and the check's ratio where it ran."""
+    if m.verdict is None:
+        return "its plan (not checked)"
+    what = "stock's placement" if m.placement == "stock" else "its plan"
+    return f"{what} (decode {m.verdict.decode:.2f}x here)" if m.verdict.decode is not None else what
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     from moeplug.serving.installed import list_installed
 
@@ -317,8 +327,8 @@ def cmd_list(args: argparse.Namespace) -> int:
         if not models:
             return "no model installed ('moeplug install demo' makes one)"
         rows = [[m.name, describe_slots(m.plan.slots_per_layer, m.plan.n_expert), f"{m.plan.fit_fraction:.0%}",
-                 m.plan.backend, m.path] for m in models]
-        return table(["name", "slots", "fit", "plan", "model"], rows, "llrll")
+                 m.plan.backend, _placement(m), m.path] for m in models]
+        return table(["name", "slots", "fit", "plan", "served with", "model"], rows, "llrlll")
 
     return Output.for_args(args).result(Listing(list_installed()), text)
 
@@ -335,6 +345,11 @@ def register(sub: Any) -> None:
     p.add_argument("--profile-tokens", type=TOKENS,
                    help="tokens generated per profiling prompt (default 256; demo 32; 0: the default)")
     p.add_argument("--prompts", default="codeish,chatty", help="bundled prompt sets (or .txt files) to profile with")
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
+                   help="before serving, run the plan against stock llama-server --fit at the same budget on a few "
+                        "held-out prompts (about a minute) and serve stock's placement where the plan decodes "
+                        "slower here (default: on where there is an NVIDIA GPU; --check forces it, --no-check "
+                        "skips it)")
     p.add_argument("--no-serve", action="store_true", help="stop after planning")
     add_prefill_weight(p)
     add_threads(p)

@@ -18,7 +18,8 @@ class Installed(Protocol):
     path: str
     profile: str | None
     build_id: str
-    plan: dict[str, Any]
+    plan: Any  # planner.record.Plan
+    placement: str  # serving.installed.PLACEMENTS
 
     def server_env(self) -> dict[str, str]: ...
 
@@ -50,11 +51,23 @@ def model_commands(models: list[Installed]) -> list[ModelCommand]:
         if m.build_id not in builds:
             raise MoeplugError(f"the build {m.build_id} that '{m.name}' was installed with is gone; "
                                f"run 'moeplug install {m.ref}' again")
+        args, env = _served(m)
         out.append(ModelCommand(name=m.name, ref=m.ref, binary=builds[m.build_id].binary("llama-server"),
-                                model=Path(m.path),
-                                server_args=tuple(m.plan.server_args), env=tuple(sorted(m.server_env().items())),
+                                model=Path(m.path), server_args=tuple(args), env=tuple(sorted(env.items())),
                                 profile=Path(m.profile) if m.profile else None, profile_sha256=_digest(m.profile)))
     return out
+
+
+def _served(m: Installed) -> tuple[list[str], dict[str, str]]:
+    """What a proxy runs a model with: its plan's flags and environment, or stock --fit's placement
+    where the install's check found the plan slower here (planner.server_flags.stock_args, with the
+    GPUs' free memory now)."""
+    if m.placement != "stock":
+        return list(m.plan.server_args), m.server_env()
+    from moeplug.machine.gpu import gpus
+    from moeplug.planner.server_flags import stock_args
+
+    return stock_args(m.plan, [g.free_bytes for g in gpus()]), {}
 
 
 def _digest(path: str | None) -> str | None:

@@ -13,8 +13,9 @@ from typing import Any
 
 from moeplug.core.errors import EXIT_ERROR, EXIT_OK, MoeplugError
 from moeplug.planner.estimates import context_size
-from moeplug.serving.installed import InstalledModel, list_installed, read_installed
-from moeplug.operations.install import warn_exposure, installed_build, locate, plan_for, replan, replan_profile_users, up_to_date, require_moe
+from moeplug.serving.installed import InstalledModel, list_installed, read_installed, write_installed
+from moeplug.operations.install import install as install_model
+from moeplug.operations.install import Installed, warn_exposure, installed_build, launch_installed, locate, plan_for, replan, replan_profile_users, up_to_date, require_moe
 from moeplug.model.inspect import inspect_model
 from moeplug.planner.record import Plan, outdated
 from moeplug.planner.request import PlanChoices, PlanRequest
@@ -40,6 +41,33 @@ def plan_model(model: str, choices: PlanChoices = PlanChoices(), profile: Path |
     profile = profile or default_profile_path(model_fingerprint(path))
     build = installed_build(installed[model]) if model in installed else None
     return plan_for(info, request, profile if profile.exists() else None, build=build, progress=progress)
+
+
+def install(text: str, choices: PlanChoices = PlanChoices(), serving: ServeOptions | None = ServeOptions(), *,
+            backend: str | None = None, jobs: int = 0, profile_tokens: int | None = None,
+            prompt_sets: list[str] | None = None, check: bool | None = None,
+            progress: ProgressFn = silent) -> Installed:
+    """`moeplug install`: the model installed (operations.install.install), checked against stock
+    --fit here (operations.check; check None: where there is a GPU; stock's placement kept where the
+    plan is slower), and with serving options (None: not) served."""
+    from moeplug.machine.gpu import gpus
+    from moeplug.operations.check import check_plan
+    from moeplug.serving.launch import model_lock
+
+    if serving is not None:
+        warn_exposure(serving.host, progress)
+    done, build = install_model(text, choices, backend=backend, jobs=jobs, profile_tokens=profile_tokens,
+                                prompt_sets=prompt_sets, progress=progress)
+    if check if check is not None else bool(gpus()):
+        verdict = check_plan(done.name, progress)
+        with model_lock(done.name, progress):
+            write_installed(replace(read_installed(done.name), verdict=verdict))
+        progress(Note(f"{done.name}: {verdict.why()}"))
+        done.verdict = verdict
+    if serving is not None:
+        with model_lock(done.name, progress):
+            done.server = launch_installed(read_installed(done.name), build, serving)
+    return done
 
 
 @dataclass
@@ -72,7 +100,7 @@ def serve(name: str, choices: PlanChoices = PlanChoices(), serving: ServeOptions
     its plan (plan.outdated; not where its profile is gone), else with the plan it was installed with.
     Waits while another moeplug holds the model (an install, a re-profile), then reads the model as
     that one left it."""
-    from moeplug.serving.launch import launch_verified, model_lock
+    from moeplug.serving.launch import model_lock
 
     warn_exposure(serving.host, progress)
     read_installed(name)  # an unknown name fails now, not after a wait
@@ -84,10 +112,7 @@ def serve(name: str, choices: PlanChoices = PlanChoices(), serving: ServeOptions
             m = replan(m, choices)
         else:
             m = up_to_date(m, progress)
-        plan = m.plan
-        served = launch_verified(m.name, Path(m.path), installed_build(m).binary("llama-server"), m.build_id,
-                                 plan.server_args, plan.ctx, env=m.server_env(), plan=plan,
-                                 **serving.launch_options())
+        served = launch_installed(m, installed_build(m), serving)
     return Served(m.name, served)
 
 

@@ -48,7 +48,7 @@ from moeplug.core.paths import logs_dir
 from moeplug.profile.runner import HELDOUT_PROMPT_SET, read_prompts, resolve_prompt_set
 from moeplug.core.progress import Note, ProgressFn, silent
 from moeplug.serving.server import complete
-from moeplug.planner.server_flags import ubatch_args, with_threads
+from moeplug.planner.server_flags import stock_args, ubatch_args, with_threads
 from moeplug.serving.launch import find_record, launch_verified, model_lock, stop
 from moeplug.core.sizes import MIB
 
@@ -64,17 +64,6 @@ MOEPLUG_SETS = ("-m", "--model", "--host", "--port")  # the other server's flags
 
 # `bench --stock-vram`: stock as users run it, or held to the plan's budget (fit_within)
 STOCK_VRAM = ("fit", "budget")
-
-
-def fit_target(budget: int | list[int] | None, free: list[int]) -> str:
-    """stock's -fitt from each GPU's free bytes: MiB to leave free, so that the budget is what stock may
-    use there (per GPU for a list of budgets, 0 for one without a GPU; 0 without a budget or a GPU)."""
-    if budget is None:
-        return "0"
-    if not isinstance(budget, list):
-        return str(max(0, (free[0] - budget) // MIB)) if free else "0"
-    padded: list[int | None] = [*free, *[None] * len(budget)]
-    return ",".join(str(max(0, (f - b) // MIB)) if f is not None else "0" for f, b in zip(padded, budget))
 
 
 def raised_fit_target(fitt: str, held: int, cap: int) -> str:
@@ -358,79 +347,84 @@ class Comparison:
                 "workloads": workloads}
 
 
-def compare(name: str, *, rounds: int = 3, n_predict: int = 64, prefill_reps: int = 3,
-            prompt_files: list[Path] | None = None, max_prompts: int = 8, chat: bool = False,
-            stock_vram: str = "fit", threads: int | None = None, stock_threads: int | None = None,
-            stock_ubatch: int | None = None, prompt_tokens: int | None = None, concurrent: int = 0,
-            short: int = 0, stock_binary: str | None = None, against: str | None = None,
-            against_args: str | None = None, progress: ProgressFn = silent) -> Comparison:
-    """Run an installed model's plan and stock --fit at the same budget in turns (see the module);
-    raises where the model is being served (the GPU must be the two servers' alone) or a launch or
-    prompt fails. stock_vram "budget": before the rounds, stock's -fitt is raised until its server
-    holds no more than the budget (fit_within; one GPU), as moeplug's plan does. threads: moeplug's
-    CPU threads for this comparison in place of the plan's (0: llama.cpp's default; the installed plan
-    is not changed); stock_threads: stock's (None or 0: llama.cpp's default, as users run it);
-    stock_ubatch: stock's prompt batch (-ub; None: llama.cpp's default, as users run it). prompt_tokens:
-    also a "long" workload, LONG_PROMPTS prompts of that many tokens (long_prompts, made at the first
-    launch; None: the prompt length the plan was made for, where it has one; 0: none). concurrent: also
-    a "concurrent" workload, the prompts in groups of that many sent at once (measure.time_together;
-    0: none); beyond llama-server's AUTO_PARALLEL slots both sides get as many (-np, one KV cache). short:
-    also a "short" workload, each prompt's first `short` tokens (short_prompts, made at the first launch;
-    0: none): llama.cpp computes a prompt below 32 tokens on the CPU, moeplug's plans from 8 on the GPU.
-    stock_binary: the build stock's side runs (stock_build_for; None: "stock", an unpatched build).
-    against: a llama-server of the user's in stock's place (a path or a name on PATH; against_binary),
-    with the plan's -c and against_args (a shell-quoted string; against_arguments); the stock_* options
-    are stock's and cannot go with it."""
-    if stock_vram not in STOCK_VRAM:
-        raise MoeplugError(f"stock VRAM {stock_vram!r}: one of {', '.join(STOCK_VRAM)}")
-    other_bin: Path | None = None
-    other_args: list[str] = []
-    if against is not None:
-        other_bin = against_binary(against)
-        other_args = against_arguments(against_args or "")
-        given = [flag for flag, v in (("--stock-binary", stock_binary), ("--stock-threads", stock_threads),
-                                      ("--stock-ubatch", stock_ubatch),
-                                      ("--stock-vram budget", stock_vram if stock_vram != "fit" else None)) if v]
-        if given:
-            raise MoeplugError(f"{', '.join(given)}: the stock side's, which --against replaces with your "
-                               f"llama-server (its flags go in --against-args)")
-    elif against_args is not None:
-        raise MoeplugError("--against-args: the flags of the llama-server --against names; give --against BIN too")
-    if stock_binary is not None and stock_binary not in STOCK_BINARIES:
-        raise MoeplugError(f"--stock-binary {stock_binary!r}: one of {', '.join(STOCK_BINARIES)}")
-    read_installed(name)  # an unknown name fails first
-    served = find_record(name)
-    if served is not None and served.alive():
-        raise MoeplugError(f"'{name}' is being served (pid {served.pid}): 'moeplug stop {name}' first, so that the "
-                           f"two servers have the GPU to themselves")
-    with model_lock(name, progress):
-        m = up_to_date(read_installed(name), progress)  # the plan serve would run
-    texts = bench_prompts(prompt_files or [], max_prompts)
+@dataclass(frozen=True)
+class BenchOptions:
+    """What `moeplug bench` weighs (compare; the command's flags say each in full). threads: moeplug's
+    CPU threads for the comparison in place of the plan's (0: llama.cpp's default; the installed plan is
+    not changed); stock_threads, stock_ubatch: stock's (None: llama.cpp's defaults, as users run it);
+    stock_vram "budget": stock's -fitt raised until its server holds no more than the budget (fit_within;
+    one GPU). prompt_tokens: also a "long" workload of prompts of that many tokens (None: the plan's
+    prompt length, where it has one; 0: none); concurrent: also prompts sent that many at once (0: none);
+    short: also each prompt's first `short` tokens (0: none). stock_binary: the build stock's side runs
+    (stock_build_for; None: an unpatched build). against: a llama-server of the user's in stock's place
+    (against_binary), with the plan's -c and against_args (a shell-quoted string)."""
+
+    rounds: int = 3
+    n_predict: int = 64
+    prefill_reps: int = 3
+    prompt_files: tuple[Path, ...] = ()
+    max_prompts: int = 8
+    chat: bool = False
+    stock_vram: str = "fit"
+    threads: int | None = None
+    stock_threads: int | None = None
+    stock_ubatch: int | None = None
+    prompt_tokens: int | None = None
+    concurrent: int = 0
+    short: int = 0
+    stock_binary: str | None = None
+    against: str | None = None
+    against_args: str | None = None
+
+    def check(self) -> None:
+        """One-line errors for options that cannot go together."""
+        if self.stock_vram not in STOCK_VRAM:
+            raise MoeplugError(f"stock VRAM {self.stock_vram!r}: one of {', '.join(STOCK_VRAM)}")
+        if self.against is not None:
+            given = [flag for flag, v in (("--stock-binary", self.stock_binary), ("--stock-threads", self.stock_threads),
+                                          ("--stock-ubatch", self.stock_ubatch),
+                                          ("--stock-vram budget", self.stock_vram if self.stock_vram != "fit" else None))
+                     if v]
+            if given:
+                raise MoeplugError(f"{', '.join(given)}: the stock side's, which --against replaces with your "
+                                   f"llama-server (its flags go in --against-args)")
+        elif self.against_args is not None:
+            raise MoeplugError("--against-args: the flags of the llama-server --against names; give --against BIN too")
+        if self.stock_binary is not None and self.stock_binary not in STOCK_BINARIES:
+            raise MoeplugError(f"--stock-binary {self.stock_binary!r}: one of {', '.join(STOCK_BINARIES)}")
+
+
+def workloads_for(plan: Any, options: BenchOptions) -> tuple[dict[str, list[Any]], int | None]:
+    """The prompts of each workload (long and short ones made later, by the first server's tokenizer),
+    and the long prompts' length (None: none)."""
+    texts = bench_prompts(list(options.prompt_files), options.max_prompts)
     workloads: dict[str, list[Any]] = {"text": texts}
-    if chat:
+    if options.chat:
         workloads["chat"] = [chat_turns(t) for t in texts]
-    plan = m.plan
-    long_tokens = plan.prompt_tokens if prompt_tokens is None else prompt_tokens
+    long_tokens = plan.prompt_tokens if options.prompt_tokens is None else options.prompt_tokens
     if long_tokens:
-        if long_tokens + n_predict >= plan.ctx:
-            raise MoeplugError(f"prompts of {long_tokens} tokens generating {n_predict} do not fit the plan's "
+        if long_tokens + options.n_predict >= plan.ctx:
+            raise MoeplugError(f"prompts of {long_tokens} tokens generating {options.n_predict} do not fit the plan's "
                                f"context of {plan.ctx} tokens: '--prompt-tokens N' for a shorter one, 0 for none")
-        workloads["long"] = []  # made of the texts by the first server's tokenizer
-    if short:
-        workloads["short"] = []  # made of the texts by the first server's tokenizer
-    if concurrent:
-        workloads["concurrent"] = together_groups(texts, concurrent)
-    found = gpus()
-    load = ["-lm", "none"] if plan.load_mode == "pinned" else []
-    stock_args = ["-c", str(plan.ctx), "--fit", "on", "-fitt", fit_target(plan.vram_budget_bytes,
-                                                                         [g.free_bytes for g in found]), *load,
-                  *ubatch_args(stock_ubatch or DEFAULT_UBATCH)]
+        workloads["long"] = []
+    if options.short:
+        workloads["short"] = []
+    if options.concurrent:
+        workloads["concurrent"] = together_groups(texts, options.concurrent)
+    return workloads, long_tokens or None
+
+
+def sides_for(m: Any, options: BenchOptions, progress: ProgressFn) -> tuple[dict[str, Side], str, str, list[str]]:
+    """Both sides' servers (moeplug's plan, and stock's or the user's), the other side's key and label,
+    and the notes that say how the two differ."""
+    plan, concurrent = m.plan, options.concurrent
     slots = ["-np", str(concurrent), "-kvu"] if concurrent > AUTO_PARALLEL else []
     mine_build = installed_build(m)
-    sides = {"moeplug": Side(with_threads(plan.server_args, threads) + slots, m.server_env(),
+    sides = {"moeplug": Side(with_threads(plan.server_args, options.threads) + slots, m.server_env(),
                              binary=str(mine_build.binary("llama-server")), build_id=mine_build.build_id)}
     notes = []
-    if other_bin is not None:
+    if options.against is not None:
+        other_bin, other_args = against_binary(options.against), against_arguments(options.against_args or "")
         other, other_label = AGAINST, str(other_bin)
         sides[AGAINST] = Side(["-c", str(plan.ctx), *other_args] + slots, {}, binary=str(other_bin))
         if not any(a.split("=", 1)[0] in ("-fitt", "--fit-target", "--moe-cache-mib", "-ngl", "--n-gpu-layers",
@@ -441,95 +435,148 @@ def compare(name: str, *, rounds: int = 3, n_predict: int = 64, prefill_reps: in
                          f"side's VRAM is counted the same way, per process)")
     else:
         other, other_label = "stock", "stock"
-        stock_build = stock_build_for(mine_build, stock_binary or "stock", progress)
-        sides["stock"] = Side(with_threads(stock_args, stock_threads) + slots, {},
+        stock_build = stock_build_for(mine_build, options.stock_binary or "stock", progress)
+        stock = stock_args(plan, [g.free_bytes for g in gpus()], options.stock_ubatch)
+        sides["stock"] = Side(with_threads(stock, options.stock_threads) + slots, {},
                               binary=str(stock_build.binary("llama-server")), build_id=stock_build.build_id)
-        if stock_binary == "patched":
+        if options.stock_binary == "patched":
             notes.append(f"stock's side ran the patched build {stock_build.build_id} with stock's flags "
                          f"(--stock-binary patched): without the cache's flags the patches stay unused")
+    return sides, other, other_label, notes + side_notes(plan, options, slots)
+
+
+def side_notes(plan: Any, options: BenchOptions, slots: list[str]) -> list[str]:
+    """What the two sides' runs differ in besides the placement."""
+    notes = []
     if slots:
-        notes.append(f"{concurrent} parallel slots on both sides (-np {concurrent} -kvu) for {concurrent} prompts at once, "
-                     f"where llama-server has {AUTO_PARALLEL} by default")
-    if not found:
+        notes.append(f"{options.concurrent} parallel slots on both sides (-np {options.concurrent} -kvu) for "
+                     f"{options.concurrent} prompts at once, where llama-server has {AUTO_PARALLEL} by default")
+    if not gpus():
         notes.append("no NVIDIA GPU: both servers run on the CPU here, so the ratios say nothing of what the "
                      "slots do with VRAM")
-    if plan.ubatch != (stock_ubatch or DEFAULT_UBATCH):
-        notes.append(f"prompt batches of {plan.ubatch} tokens on moeplug's side, {stock_ubatch or DEFAULT_UBATCH} on "
-                     f"stock's ('--stock-ubatch N' for the same): the prefill ratio of prompts longer than the "
+    stock_ub = options.stock_ubatch or DEFAULT_UBATCH
+    if plan.ubatch != stock_ub:
+        notes.append(f"prompt batches of {plan.ubatch} tokens on moeplug's side, {stock_ub} on stock's "
+                     f"('--stock-ubatch N' for the same): the prefill ratio of prompts longer than the "
                      f"smaller includes what the batch size gives")
     if plan.speculation:
         notes.append("the plan speculates and stock does not: the decode ratio includes what the drafts give")
-    warmup = texts[0]
-    launch = f"bench-{name}"
-    running: list[Any] = []  # the user's llama-server while it runs (--against): stopped by halt()
+    return notes
 
-    def halt() -> None:
+
+class Launcher:
+    """Starts and stops one side's llama-server at a time for a comparison: moeplug's launches under a
+    record of their own (bench-NAME), the user's server (--against) as a plain process."""
+
+    def __init__(self, name: str, m: Any, sides: dict[str, Side], other_label: str, warmup: str,
+                 progress: ProgressFn) -> None:
+        self.name, self.m, self.sides, self.other_label, self.warmup = name, m, sides, other_label, warmup
+        self.progress = progress
+        self.launch = f"bench-{name}"
+        self.running: list[Any] = []  # the user's llama-server while it runs
+
+    def halt(self) -> None:
         """Stop the side that runs: the user's server, or moeplug's launch record."""
-        if running:
-            running.pop().stop()
+        if self.running:
+            self.running.pop().stop()
         else:
-            stop(launch)
+            stop(self.launch)
 
-    def start(side: str, args: list[str], env: dict[str, str]) -> Launched:
+    def who(self, side: str) -> str:
+        return self.other_label if side == AGAINST else f"{side} llama-server"
+
+    def start(self, side: str, args: list[str], env: dict[str, str]) -> Launched:
         """side's llama-server, launched and past its warm-up request"""
-        s = sides[side]
-        with model_lock(name, progress):
+        s, m = self.sides[side], self.m
+        with model_lock(self.name, self.progress):
             if side == AGAINST:
-                srv = start_other(Path(s.binary), Path(m.path), args, logs_dir() / f"server-{launch}-against.log", env)
-                running.append(srv)
+                srv = start_other(Path(s.binary), Path(m.path), args,
+                                  logs_dir() / f"server-{self.launch}-against.log", env)
+                self.running.append(srv)
                 got = Launched(srv.url, srv.proc.pid)
             else:
-                rec = launch_verified(launch, Path(m.path), Path(s.binary), s.build_id or m.build_id, args, plan.ctx,
-                                      env=env)
+                rec = launch_verified(self.launch, Path(m.path), Path(s.binary), s.build_id or m.build_id, args,
+                                      m.plan.ctx, env=env)
                 got = Launched(rec.url, rec.pid, rec.cache)
         try:
-            complete(got.url, warmup, WARMUP_PREDICT, ignore_eos=True)
+            complete(got.url, self.warmup, WARMUP_PREDICT, ignore_eos=True)
         except ERRORS as exc:
-            halt()
-            name_of = other_label if side == AGAINST else f"{side} llama-server"
-            raise MoeplugError(f"{name_of}, the warm-up request: {type(exc).__name__}: {exc}") from None
+            self.halt()
+            raise MoeplugError(f"{self.who(side)}, the warm-up request: {type(exc).__name__}: {exc}") from None
         return got
 
-    def held_by(args: list[str]) -> int | None:
-        progress(Note(f"stock llama-server -fitt {args[args.index('-fitt') + 1]}: the VRAM it holds"))
-        srv = start("stock", args, {})
+    def held_by(self, args: list[str]) -> int | None:
+        """The VRAM a stock server with these flags holds (NVML)."""
+        self.progress(Note(f"stock llama-server -fitt {args[args.index('-fitt') + 1]}: the VRAM it holds"))
+        srv = self.start("stock", args, {})
         try:
             return process_vram_bytes(srv.pid)
         finally:
-            halt()
+            self.halt()
 
-    fit_tries: list[dict[str, Any]] = []
-    if stock_vram == "budget":
-        if isinstance(plan.vram_budget_bytes, list):
-            raise MoeplugError("stock held to the budget: one GPU's budget only (NVML counts a process over every GPU)")
-        if not found or plan.vram_budget_bytes is None:
-            notes.append("no NVIDIA GPU: stock is not held to the budget, there is no VRAM to hold it to")
-        else:
-            fit_tries = fit_within(sides["stock"].args, plan.vram_budget_bytes, held_by)
+
+def compare(name: str, options: BenchOptions = BenchOptions(), progress: ProgressFn = silent) -> Comparison:
+    """Run an installed model's plan and stock --fit at the same budget in turns (see the module);
+    raises where the model is being served (the GPU must be the two servers' alone) or a launch or
+    prompt fails."""
+    options.check()
+    read_installed(name)  # an unknown name fails first
+    served = find_record(name)
+    if served is not None and served.alive():
+        raise MoeplugError(f"'{name}' is being served (pid {served.pid}): 'moeplug stop {name}' first, so that the "
+                           f"two servers have the GPU to themselves")
+    with model_lock(name, progress):
+        m = up_to_date(read_installed(name), progress)  # the plan serve would run
+    workloads, long_tokens = workloads_for(m.plan, options)
+    sides, other, other_label, notes = sides_for(m, options, progress)
+    launcher = Launcher(name, m, sides, other_label, workloads["text"][0], progress)
+    fit_tries = held_to_budget(m.plan, sides, options, launcher, notes)
     names = ("moeplug", other)
-    for r in range(rounds):
+    for r in range(options.rounds):
         for side in names if r % 2 == 0 else names[::-1]:
-            s = sides[side]
-            progress(Note(f"round {r + 1} of {rounds}: {other_label if side == AGAINST else side + ' llama-server'}"))
-            srv = start(side, s.args, s.env)
-            try:
-                if long_tokens and not workloads["long"]:
-                    workloads["long"] = long_prompts(srv.url, texts, long_tokens)
-                if short and not workloads["short"]:
-                    workloads["short"] = short_prompts(srv.url, texts, short)
-                if concurrent and r == 0 and side == names[0]:
-                    check_together_fits(srv.url, workloads["concurrent"], n_predict, plan.ctx)
-                for w, prompts in workloads.items():
-                    got = time_chat(srv.url, prompts, n_predict) if w == "chat" else \
-                        time_together(srv.url, prompts, n_predict) if w == "concurrent" else \
-                        time_prompts(srv.url, prompts, n_predict, prefill_reps, short_steps(n_predict))
-                    if got.errors:
-                        who = other_label if side == AGAINST else f"{side} llama-server"
-                        raise MoeplugError(f"{who}, {w}: {got.errors[0]}")
-                    s.add(w, got)
-                s.vram_bytes.append(process_vram_bytes(srv.pid))
-                s.cache.append(srv.cache)
-            finally:
-                halt()
-    return Comparison(name, plan.vram_budget_bytes, rounds, n_predict, prefill_reps, workloads, sides, notes,
-                      stock_vram, fit_tries, other, other_label, None if other == AGAINST else stock_binary or "stock")
+            progress(Note(f"round {r + 1} of {options.rounds}: {launcher.who(side)}"))
+            run_side(launcher, side, workloads, long_tokens, options, first=r == 0 and side == names[0])
+    return Comparison(name, m.plan.vram_budget_bytes, options.rounds, options.n_predict, options.prefill_reps,
+                      workloads, sides, notes, options.stock_vram, fit_tries, other, other_label,
+                      None if other == AGAINST else options.stock_binary or "stock")
+
+
+def held_to_budget(plan: Any, sides: dict[str, Side], options: BenchOptions, launcher: Launcher,
+                   notes: list[str]) -> list[dict[str, Any]]:
+    """stock_vram "budget": stock's -fitt raised until its server holds no more than the budget (its
+    flags in sides["stock"] then); each try's -fitt and bytes."""
+    if options.stock_vram != "budget":
+        return []
+    if isinstance(plan.vram_budget_bytes, list):
+        raise MoeplugError("stock held to the budget: one GPU's budget only (NVML counts a process over every GPU)")
+    if not gpus() or plan.vram_budget_bytes is None:
+        notes.append("no NVIDIA GPU: stock is not held to the budget, there is no VRAM to hold it to")
+        return []
+    return fit_within(sides["stock"].args, plan.vram_budget_bytes, launcher.held_by)
+
+
+def run_side(launcher: Launcher, side: str, workloads: dict[str, list[Any]], long_tokens: int | None,
+             options: BenchOptions, first: bool) -> None:
+    """One round of one side: its server launched, every workload timed into its Side, its VRAM and
+    cache line kept, the server stopped."""
+    s, n_predict = launcher.sides[side], options.n_predict
+    texts = workloads["text"]
+    srv = launcher.start(side, s.args, s.env)
+    try:
+        if long_tokens and not workloads["long"]:
+            workloads["long"] = long_prompts(srv.url, texts, long_tokens)
+        if options.short and not workloads["short"]:
+            workloads["short"] = short_prompts(srv.url, texts, options.short)
+        if options.concurrent and first:
+            check_together_fits(srv.url, workloads["concurrent"], n_predict, launcher.m.plan.ctx)
+        for w, prompts in workloads.items():
+            got = time_chat(srv.url, prompts, n_predict) if w == "chat" else \
+                time_together(srv.url, prompts, n_predict) if w == "concurrent" else \
+                time_prompts(srv.url, prompts, n_predict, options.prefill_reps, short_steps(n_predict))
+            if got.errors:
+                raise MoeplugError(f"{launcher.who(side)}, {w}: {got.errors[0]}")
+            s.add(w, got)
+        s.vram_bytes.append(process_vram_bytes(srv.pid))
+        s.cache.append(srv.cache)
+    finally:
+        launcher.halt()

@@ -25,12 +25,13 @@ from moeplug.planner.plan import make_plan
 from moeplug.planner.record import Plan, outdated
 from moeplug.planner.costs import CostModel
 from moeplug.planner.request import MachineFacts, PlanChoices, PlanRequest
+from moeplug.planner.server_flags import stock_args
 from moeplug.profile.format import Profile
 from moeplug.machine.probes import available_ram_bytes, usable_cores
 from moeplug.profile.runner import DEFAULT_PROMPT_SETS
 from moeplug.core.progress import Note, ProgressFn, silent
 from moeplug.model.refs import ModelRef, ResolvedModel, parse_ref, resolve_ref
-from moeplug.serving.installed import (InstalledModel, installed_dir, list_installed, model_name, read_installed,
+from moeplug.serving.installed import (InstalledModel, Verdict, installed_dir, list_installed, model_name, read_installed,
                                        write_installed)
 from moeplug.serving.launch import ServeOptions
 from moeplug.serving.server import exposure_warning
@@ -50,10 +51,12 @@ class Installed:
     build_id: str
     plan: Plan
     server: Any = None  # a serving.ServerRecord when served
+    verdict: Verdict | None = None  # the check against stock here (operations.check), where it ran
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "model": self.model, "profile": self.profile, "build_id": self.build_id,
-                "plan": self.plan.to_json(), "server": self.server.to_json() if self.server else None}
+                "plan": self.plan.to_json(), "server": self.server.to_json() if self.server else None,
+                "verdict": self.verdict.to_json() if self.verdict else None}
 
 
 def locate(text: str, download: bool = True, progress: ProgressFn = silent) -> ResolvedModel:
@@ -189,47 +192,63 @@ def installed_build(m: InstalledModel) -> Any:
     return builds[m.build_id]
 
 
-def install(text: str, choices: PlanChoices = PlanChoices(), serving: ServeOptions | None = ServeOptions(), *,
-            backend: str | None = None, jobs: int = 0, profile_tokens: int | None = None,
-            prompt_sets: list[str] | None = None, progress: ProgressFn = silent) -> Installed:
-    """Install a model and, with serving options (None: not), serve it. choices: what to plan for
-    (a context None: 4096, or less for a model trained with less; above the training context only
-    with ctx_override), kept with the installed model so that re-plans start from them. backend,
-    jobs: the native build's; profile_tokens, prompt_sets: the profiler's."""
-    from moeplug.native.build import build, resolve_options
-    from moeplug.serving.launch import launch_verified, model_lock
+def install(text: str, choices: PlanChoices = PlanChoices(), *, backend: str | None = None, jobs: int = 0,
+            profile_tokens: int | None = None, prompt_sets: list[str] | None = None,
+            progress: ProgressFn = silent) -> tuple[Installed, Any]:
+    """Install a model: found or fetched, inspected, built for, profiled and planned for the choices
+    given (a context None: 4096, or less for a model trained with less; above the training context
+    only with ctx_override), its record written with the choices so that re-plans start from them.
+    backend, jobs: the native build's; profile_tokens, prompt_sets: the profiler's. Returns what was
+    installed and its build; operations.actions.install checks and serves it."""
+    from moeplug.serving.launch import model_lock
 
-    if serving is not None:
-        warn_exposure(serving.host, progress)
-    ref = parse_ref(text)
-    name = model_name(ref)
+    name = model_name(parse_ref(text))
     with model_lock(name, progress):
-        resolved = locate(text, progress=progress)
-        info = inspect_model(resolved.path)
-        require_moe(info)
-        ctx = context_size(info, choices.ctx, choices.ctx_override)
-        progress(Note(f"{name}: {info.arch}, {len(info.layers)} MoE layers x {info.n_expert} experts "
-                      f"({info.n_expert_used} used), {human_bytes(info.total_bytes)} at {resolved.path}"))
-        result = build(resolve_options(backend, stock=False, jobs=jobs, cuda_arch=None), progress=progress)
-        profile = ensure_profile(resolved.path, result.binary("llama-moe-profile"),
-                                 profile_tokens or default_profile_tokens(ref),
-                                 list(prompt_sets or DEFAULT_PROMPT_SETS), progress=progress)
-        slots_on_cpu = ref.kind == "demo" and result.manifest.get("backend") == "cpu"
-        request = choices.over(PlanRequest(ctx, slots_in_ram=demo_slots(info, slots_on_cpu)), ctx)
-        plan = plan_for(info, request, profile, build=result, progress=progress)
-        record = InstalledModel(name=name, ref=text, path=str(resolved.path), profile=str(profile),
-                                build_id=result.build_id, ctx=ctx, plan=plan,
-                                slots_on_cpu=slots_on_cpu and plan.backend == "cpu",
-                                request=replace(request, vram_budget=plan.budget))
-        write_installed(record)
-        refresh_hooks(list_installed(), progress)
-        done = Installed(name=name, model=str(resolved.path), profile=str(profile), build_id=result.build_id,
-                         plan=plan)
-        if serving is not None:
-            done.server = launch_verified(name, resolved.path, result.binary("llama-server"), result.build_id,
-                                          plan.server_args, ctx, env=record.server_env(), plan=plan,
-                                          **serving.launch_options())
-    return done
+        record, build = installed_record(text, choices, backend, jobs, profile_tokens, prompt_sets, progress)
+    return Installed(name=name, model=record.path, profile=str(record.profile), build_id=record.build_id,
+                     plan=record.plan), build
+
+
+def installed_record(text: str, choices: PlanChoices, backend: str | None, jobs: int, profile_tokens: int | None,
+                     prompt_sets: list[str] | None, progress: ProgressFn) -> tuple[InstalledModel, Any]:
+    """The model found or fetched, inspected, built for, profiled and planned, its record written and
+    the hooks refreshed; and its build. The caller holds the model's lock."""
+    from moeplug.native.build import build, resolve_options
+
+    ref = parse_ref(text)
+    resolved = locate(text, progress=progress)
+    info = inspect_model(resolved.path)
+    require_moe(info)
+    ctx = context_size(info, choices.ctx, choices.ctx_override)
+    progress(Note(f"{model_name(ref)}: {info.arch}, {len(info.layers)} MoE layers x {info.n_expert} experts "
+                  f"({info.n_expert_used} used), {human_bytes(info.total_bytes)} at {resolved.path}"))
+    result = build(resolve_options(backend, stock=False, jobs=jobs, cuda_arch=None), progress=progress)
+    profile = ensure_profile(resolved.path, result.binary("llama-moe-profile"),
+                             profile_tokens or default_profile_tokens(ref),
+                             list(prompt_sets or DEFAULT_PROMPT_SETS), progress=progress)
+    slots_on_cpu = ref.kind == "demo" and result.manifest.get("backend") == "cpu"
+    request = choices.over(PlanRequest(ctx, slots_in_ram=demo_slots(info, slots_on_cpu)), ctx)
+    plan = plan_for(info, request, profile, build=result, progress=progress)
+    record = InstalledModel(name=model_name(ref), ref=text, path=str(resolved.path), profile=str(profile),
+                            build_id=result.build_id, ctx=ctx, plan=plan,
+                            slots_on_cpu=slots_on_cpu and plan.backend == "cpu",
+                            request=replace(request, vram_budget=plan.budget))
+    write_installed(record)
+    refresh_hooks(list_installed(), progress)
+    return record, result
+
+
+def launch_installed(m: InstalledModel, build: Any, serving: ServeOptions) -> Any:
+    """An installed model's llama-server launched and verified (serving.launch_verified) with its plan,
+    or with stock's placement where the install's check found the plan slower here (the same binary;
+    operations.bench.stock_args). The caller holds the model's lock."""
+    from moeplug.serving.launch import launch_verified
+
+    plan = m.plan
+    stock = m.placement == "stock"
+    args, env = (stock_args(plan, [g.free_bytes for g in gpus()]), {}) if stock else (plan.server_args, m.server_env())
+    return launch_verified(m.name, Path(m.path), build.binary("llama-server"), m.build_id, args, plan.ctx, env=env,
+                           plan=plan, **serving.launch_options())
 
 
 def warn_exposure(host: str, progress: ProgressFn) -> None:

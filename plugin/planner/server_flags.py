@@ -7,7 +7,9 @@ routed experts in RAM; `--moe-cache-slots` gives counts to the partly resident l
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+from moeplug.core.sizes import MIB
 from moeplug.planner.estimates import DEFAULT_BATCH, DEFAULT_UBATCH
 from moeplug.model.inspect import ModelInfo
 from moeplug.profile.format import Profile
@@ -98,3 +100,24 @@ def ubatch_args(ubatch: int) -> list[str]:
     if ubatch == DEFAULT_UBATCH:
         return []
     return ["-b", str(max(ubatch, DEFAULT_BATCH)), "-ub", str(ubatch)]
+
+
+def fit_target(budget: int | list[int] | None, free: list[int]) -> str:
+    """stock's -fitt from each GPU's free bytes: MiB to leave free, so that the budget is what stock may
+    use there (per GPU for a list of budgets, 0 for one without a GPU; 0 without a budget or a GPU)."""
+    if budget is None:
+        return "0"
+    if not isinstance(budget, list):
+        return str(max(0, (free[0] - budget) // MIB)) if free else "0"
+    padded: list[int | None] = [*free, *[None] * len(budget)]
+    return ",".join(str(max(0, (f - b) // MIB)) if f is not None else "0" for f, b in zip(padded, budget))
+
+
+def stock_args(plan: Any, free: list[int], stock_ubatch: int | None = None) -> list[str]:
+    """Stock llama-server as users run it at a plan's budget, its flags beside the model: --fit with each
+    GPU's free bytes (`free`) less the budget left over (-fitt, fit_target), the plan's context and load
+    mode, llama.cpp's prompt batch unless given. What `moeplug bench` compares with, and what a model
+    is served with where the install's check found the plan slower (operations.check)."""
+    load = ["-lm", "none"] if plan.load_mode == "pinned" else []
+    return ["-c", str(plan.ctx), "--fit", "on", "-fitt", fit_target(plan.vram_budget_bytes, free), *load,
+            *ubatch_args(stock_ubatch or DEFAULT_UBATCH)]

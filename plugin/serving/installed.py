@@ -14,6 +14,7 @@ from typing import Any
 
 from moeplug.core.errors import MoeplugError
 from moeplug.core.fsutil import write_text_atomic
+from moeplug.core.output import human_bytes
 from moeplug.core.paths import data_dir
 from moeplug.model.refs import ModelRef
 from moeplug.planner.record import Plan
@@ -21,6 +22,46 @@ from moeplug.planner.request import PlanRequest
 from moeplug.planner.speculation import Speculation
 
 SLOTS_ON_CPU_ENV = {"LLAMA_MOE_CACHE_DEVICE": "CPU"}
+PLACEMENTS = ("moeplug", "stock")  # what a model is served with: its plan, or stock --fit's placement
+
+
+@dataclass
+class Verdict:
+    """What the check measured and which placement it serves."""
+
+    placement: str  # PLACEMENTS
+    decode: float | None  # moeplug's decode t/s over stock's, the median over the prompts
+    prefill: float | None
+    decode_lowest: float | None
+    prompts: int
+    budget_bytes: int | list[int] | None
+    checked_at: float
+
+    def line(self) -> str:
+        """'here: decode 1.31x, prefill 1.12x of stock --fit at 12.00 GiB, 3 prompts'"""
+        budget = self.budget_bytes
+        at = ("no GPU" if budget is None else human_bytes(sum(budget)) if isinstance(budget, list)
+              else human_bytes(budget))
+        return (f"here: decode {_ratio(self.decode)}, prefill {_ratio(self.prefill)} of stock --fit at {at}, "
+                f"{self.prompts} prompts")
+
+    def why(self) -> str:
+        """Why this placement is served, in one line."""
+        if self.placement == "stock":
+            return (f"serving stock's placement: the slots ran {_ratio(self.decode)} here; 'moeplug bench' to look "
+                    f"closer")
+        return "serving moeplug's plan: " + self.line()
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any] | None) -> Verdict | None:
+        return cls(**doc) if doc else None
+
+
+def _ratio(r: float | None) -> str:
+    return "-" if r is None else f"{r:.2f}x"
 
 
 @dataclass
@@ -39,6 +80,13 @@ class InstalledModel:
     prompt_files: list[str] = field(default_factory=list)
     # what was asked for its plan (the budget as planned); None: a record from before requests were kept
     request: PlanRequest | None = None
+    # the install's check of the plan against stock here (operations.check); None: not checked
+    verdict: Verdict | None = None
+
+    @property
+    def placement(self) -> str:
+        """What it is served with (PLACEMENTS): stock's placement where the check found the plan slower."""
+        return self.verdict.placement if self.verdict else "moeplug"
 
     def asked(self) -> PlanRequest:
         """What was asked for this model's plan: the stored request, or, for a record from before
@@ -56,13 +104,15 @@ class InstalledModel:
         return (dict(SLOTS_ON_CPU_ENV) if self.slots_on_cpu else {}) | self.plan.server_env()
 
     def to_json(self) -> dict[str, Any]:
-        doc = asdict(self) | {"plan": self.plan.to_json(), "request": self.request.to_json() if self.request else None}
-        return doc if self.request else {k: v for k, v in doc.items() if k != "request"}
+        doc = asdict(self) | {"plan": self.plan.to_json(), "request": self.request.to_json() if self.request else None,
+                              "verdict": self.verdict.to_json() if self.verdict else None}
+        return {k: v for k, v in doc.items() if v is not None or k not in ("request", "verdict")}
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> InstalledModel:
         request = PlanRequest.from_json(doc["request"]) if doc.get("request") else None
-        return cls(**(doc | {"plan": Plan.from_json(doc["plan"]), "request": request}))
+        return cls(**(doc | {"plan": Plan.from_json(doc["plan"]), "request": request,
+                             "verdict": Verdict.from_json(doc.get("verdict"))}))
 
 
 def installed_dir() -> Path:

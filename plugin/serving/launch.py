@@ -21,6 +21,7 @@ from typing import Any
 
 from moeplug.core.errors import MoeplugError, NotApplicableError
 from moeplug.core.fsutil import write_text_atomic
+from moeplug.planner.record import Plan
 from moeplug.core.paths import logs_dir, state_dir
 from moeplug.core.progress import Note, ProgressFn, silent
 from moeplug.core.runlog import log_tail
@@ -127,7 +128,7 @@ class ServerRecord:
     build_id: str
     cache: dict[str, Any] | None = None
     buffers: dict[str, dict[str, float]] = field(default_factory=dict)
-    plan: dict[str, Any] | None = None  # the plan it runs (moeplug.planner.plan.Plan.to_json()); None: not known
+    plan: Plan | None = None  # the plan it runs; None: not known
     launcher: int | None = None  # pid of the moeplug still verifying it; None once verified
     host: str = HOST  # the address it listens on
     traffic_from: int = 0  # where its users' requests start in the log: past the launch's probe (moeplug.serving.traffic)
@@ -145,7 +146,12 @@ class ServerRecord:
         return self.launcher is not None and not pid_alive(self.launcher)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self) | {"url": self.url}
+        return asdict(self) | {"url": self.url, "plan": self.plan.to_json() if self.plan else None}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> ServerRecord:
+        """A record as _write_record wrote it (its plan as Plan.to_json())."""
+        return cls(**(doc | {"plan": Plan.from_json(doc["plan"]) if doc.get("plan") else None}))
 
     def alive(self) -> bool:
         return pid_alive(self.pid) and _cmdline(self.pid).startswith(self.args[0])
@@ -180,7 +186,7 @@ def read_records() -> list[ServerRecord]:
     out = []
     for p in sorted(servers_dir().glob("*.json")) if servers_dir().exists() else []:
         try:
-            out.append(ServerRecord(**json.loads(p.read_text())))
+            out.append(ServerRecord.from_json(json.loads(p.read_text())))
         except (ValueError, TypeError):
             continue  # a record from another version: ignored, not fatal
     return out
@@ -188,7 +194,7 @@ def read_records() -> list[ServerRecord]:
 
 def find_record(name: str) -> ServerRecord | None:
     p = record_path(name)
-    return ServerRecord(**json.loads(p.read_text())) if p.exists() else None
+    return ServerRecord.from_json(json.loads(p.read_text())) if p.exists() else None
 
 
 @contextlib.contextmanager
@@ -278,11 +284,11 @@ def launch_verified(name: str, model: Path, binary: Path, build_id: str, server_
                           detached=True, env=env, host=host)
     proc, port, args = server.proc, server.port, server.args
     started = time.time()
-    plan_json = plan.to_json() if hasattr(plan, "to_json") else plan
+    plan_record = Plan.from_json(plan) if isinstance(plan, dict) else plan
     # recorded before it is verified, so that a moeplug killed now leaves a server `status` shows
     # and `stop` (or the next launch) ends, never an unknown one
     pending = ServerRecord(name=name, model=str(model), pid=proc.pid, port=port, log=str(log_path), args=args,
-                           started=started, build_id=build_id, plan=plan_json, launcher=os.getpid(), host=host)
+                           started=started, build_id=build_id, plan=plan_record, launcher=os.getpid(), host=host)
     try:
         _write_record(pending)
         server.wait_healthy(timeout=timeout)
@@ -342,7 +348,9 @@ _PLAIN_SAMPLE_RE = re.compile(r"^llamacpp:(\w+) ([-+\d.eE]+)$")  # llama-server'
 
 
 def _write_record(record: ServerRecord) -> None:
-    write_text_atomic(record_path(record.name), json.dumps(asdict(record), indent=2) + "\n")
+    doc = record.to_json()
+    del doc["url"]
+    write_text_atomic(record_path(record.name), json.dumps(doc, indent=2) + "\n")
 
 
 def record_plan(name: str, plan: Any) -> None:
@@ -350,7 +358,7 @@ def record_plan(name: str, plan: Any) -> None:
     that changed what the plan says, not what the server runs)."""
     record = find_record(name)
     if record is not None:
-        _write_record(replace(record, plan=plan.to_json() if hasattr(plan, "to_json") else plan))
+        _write_record(replace(record, plan=plan))
 
 
 def _probe_context(server: Server, ctx: int) -> None:

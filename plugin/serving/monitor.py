@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from moeplug.machine.gpu import GpuInfo, gpus, process_vram_bytes
+from moeplug.planner.record import Plan
 from moeplug.serving.installed import InstalledModel, list_installed
 from moeplug.serving.metrics import CacheCounters, fetch_metrics_page, parse_cache_counters
 from moeplug.serving.launch import ServerRecord, read_records
@@ -152,7 +153,9 @@ class ServerSnapshot:
     metrics: ServerMetrics | None = None
     ctx_used: int | None = None  # tokens held by the fullest llama-server slot
     n_ctx: int | None = None  # per llama-server slot
-    plan: dict[str, Any] | None = None  # the plan the server runs, when known
+    plan: Plan | None = None  # the plan the server runs, when known
+    placement: str = "moeplug"  # serving.installed.PLACEMENTS: stock's where the install's check found the plan slower
+    placement_why: str | None = None  # the check's line (serving.installed.Verdict.why), where it ran
     layers: list[LayerSlots] = field(default_factory=list)
     profile: ProfileSummary | None = None  # with_profile only (the dashboard's plan panel)
     vram_bytes: int | None = None  # what the server process holds on every GPU (NVML), None without one
@@ -161,7 +164,7 @@ class ServerSnapshot:
     @property
     def vram_budget_bytes(self) -> int | None:
         """The budget its plan was made for (two GPUs: their sum), when known."""
-        return (self.plan or {}).get("vram_budget_bytes")
+        return self.plan.vram_budget_bytes if self.plan else None
 
     @property
     def name(self) -> str:
@@ -191,8 +194,8 @@ class ServerSnapshot:
 
     def to_json(self) -> dict[str, Any]:
         """`moeplug status --json`'s entry for this server."""
-        return asdict(self.record) | {
-            "url": self.record.url, "alive": self.alive, "healthy": self.healthy, "state": self.state,
+        return self.record.to_json() | {
+            "alive": self.alive, "healthy": self.healthy, "state": self.state,
             "model_present": self.model_present,
             "uptime_s": round(self.uptime_s, 1),
             "cache_counters": self.cache_counters.to_json() if self.cache_counters else None,
@@ -202,6 +205,7 @@ class ServerSnapshot:
             "layers": [layer.to_json() for layer in self.layers],
             "vram_bytes": self.vram_bytes, "vram_budget_bytes": self.vram_budget_bytes,
             "traffic": self.traffic.to_json() if self.traffic else None,
+            "placement": self.placement, "placement_why": self.placement_why,
         }
 
 
@@ -230,13 +234,13 @@ def _slots_info(url: str) -> tuple[int | None, int | None]:
         return None, None
 
 
-def _plan_of(record: ServerRecord, installed: InstalledModel | None) -> dict[str, Any] | None:
+def _plan_of(record: ServerRecord, installed: InstalledModel | None) -> Plan | None:
     """The plan a server runs: its record's, or for a record without one (an older moeplug's) the
     installed plan when the server was launched with its arguments."""
     if record.plan:
         return record.plan
     planned = list(installed.plan.server_args) if installed else []
-    return installed.plan.to_json() if installed and planned and record.args[-len(planned):] == planned else None
+    return installed.plan if installed and planned and record.args[-len(planned):] == planned else None
 
 
 @functools.lru_cache(maxsize=16)
@@ -257,7 +261,7 @@ def _curves(profile: str, mtime: float, n_layers: int, n_expert: int) -> Any:
     return hit_curves(read_profile(profile), n_layers, n_expert)
 
 
-def layer_slots(plan: dict[str, Any], model: str, counters: CacheCounters | None) -> list[LayerSlots]:
+def layer_slots(plan: Plan, model: str, counters: CacheCounters | None) -> list[LayerSlots]:
     """Per MoE layer, in block order: the plan's slots, the profile's predicted hit rate for them
     (the planner's own hit curves), and the measured counts of the cache's /metrics counters (a
     whole layer runs outside the cache: nothing counted there, nothing missed)."""
@@ -266,14 +270,14 @@ def layer_slots(plan: dict[str, Any], model: str, counters: CacheCounters | None
     except Exception:  # a model moved or removed under a running server: no per-layer view
         return []
     curves = None
-    profile = plan.get("profile")
+    profile = plan.profile
     if profile and Path(profile).exists():
         try:
             curves = _curves(profile, Path(profile).stat().st_mtime, len(blocks), n_expert)
         except Exception:
             curves = None
     out = []
-    for i, (block, slots) in enumerate(zip(blocks, plan.get("slots_per_layer") or [])):
+    for i, (block, slots) in enumerate(zip(blocks, plan.slots_per_layer or [])):
         counted = counters.layers.get(block) if counters else None
         predicted = float(curves[i][min(slots, n_expert)]) if curves is not None else None
         out.append(LayerSlots(block, slots, n_expert, predicted, counted["selections"] if counted else None,
@@ -332,7 +336,8 @@ def server_snapshot(record: ServerRecord, installed: dict[str, InstalledModel] |
     return ServerSnapshot(record=record, alive=alive, healthy=bool(h and h.get("status") == "ok"),
                           uptime_s=(now or time.time()) - record.started, cache_counters=counters, metrics=metrics,
                           ctx_used=ctx_used, n_ctx=n_ctx, plan=plan, layers=layers,
-                          profile=profile, vram_bytes=process_vram_bytes(record.pid) if alive else None,
+                          placement=model.placement if model else "moeplug",
+                          placement_why=model.verdict.why() if model and model.verdict else None, profile=profile, vram_bytes=process_vram_bytes(record.pid) if alive else None,
                           traffic=log_traffic(record) if alive else None)
 
 

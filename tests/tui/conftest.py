@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from moeplug.planner.record import Plan
 from moeplug.machine.gpu import GpuInfo
 from moeplug.serving.installed import InstalledModel
 from moeplug.serving.metrics import CacheCounters
@@ -31,17 +32,17 @@ def _recorded() -> Snapshot:
     counters = CacheCounters(selections=9 * 81_920, hits=sum(v["hits"] for v in counted.values()),
                              cpu_experts=9 * 81_920 - sum(v["hits"] for v in counted.values()),
                              cpu_bytes=412 * (1 << 20) * 40, layers=counted)
-    plan = {"fit_fraction": 0.63, "predicted_hit_rate": 0.75, "vram_budget_bytes": 12 * GIB,
+    plan = Plan.from_json({"fit_fraction": 0.63, "predicted_hit_rate": 0.75, "vram_budget_bytes": 12 * GIB,
             "server_args": ["-c", "8192", "-ngl", "99", "-fit", "off", "-lm", "none", "-ot",
                             r"blk\.(3|4|5|6|7|8|9|10|11)\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU",
                             "--moe-cache-slots", "0,0,0,40,36,32,32,28,24,24,20,16", "--moe-cache-profile",
                             "/home/me/.local/share/moeplug/profiles/qwen3moe-1f2e3d4c.gguf",
                             "--moe-cache-max-batch", "512"],
             "notes": ["3 whole layers resident (no CPU pass)"], "warnings": [], "slots_per_layer": slots,
-            "n_expert": 64}
+            "n_expert": 64})
     record = ServerRecord(name="qwen3-moe-a2b", model="/models/qwen3-moe-a2b-Q4_K_M.gguf", pid=41873, port=41237,
                           log="/home/me/.local/state/moeplug/logs/server-qwen3-moe-a2b.log",
-                          args=["llama-server", "--metrics", *plan["server_args"]], started=TAKEN_AT - 3725,
+                          args=["llama-server", "--metrics", *plan.server_args], started=TAKEN_AT - 3725,
                           build_id="b11434-cuda-moeplug-cafab2c54cab",
                           cache={"engaged": True, "layers": 9, "slots": 40, "slots_min": 16, "slots_total": 252,
                                  "whole_layers": 0, "mib_uploaded": 2034.5, "device": "CUDA0", "seconds": 0.61,

@@ -97,3 +97,18 @@ def test_tui_bad_input_is_one_line() -> None:
     r = tui()  # output to a pipe: no terminal to draw on
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "needs a terminal" in r.stderr, r.stderr
     assert r.stdout == ""
+
+
+def test_a_model_served_with_stocks_placement_says_why(recorded: Snapshot) -> None:
+    """Where the install's check found the plan slower here, the slots panel and the plan panel say
+    the model runs stock's placement, and why (operations.check)."""
+    from dataclasses import replace
+
+    from moeplug.tui.widgets.plan import plan_lines
+    from moeplug.tui.widgets.slots import summary_lines
+
+    why = "serving stock's placement: the slots ran 0.81x here; 'moeplug bench' to look closer"
+    served = replace(recorded.servers[0], placement="stock", placement_why=why)
+    assert f"served with stock's placement: {why}" in summary_lines(served)
+    assert why in plan_lines(served, recorded.taken_at)
+    assert not any("stock's placement" in line for line in summary_lines(recorded.servers[0]))

@@ -14,7 +14,7 @@ def gpu_lines(snap: Snapshot) -> list[str]:
     if not snap.gpus:
         in_ram = any((s.record.cache or {}).get("device") == "CPU" for s in snap.servers)
         return ["no GPU: slots in RAM" if in_ram else "no GPU: experts on the CPU", "(no NVIDIA GPU or driver)"]
-    budgets = [s.plan["vram_budget_bytes"] for s in snap.servers if s.plan and s.plan.get("vram_budget_bytes")]
+    budgets = [s.plan.vram_budget_bytes for s in snap.servers if s.plan and s.plan.vram_budget_bytes]
     lines = []
     for g in snap.gpus:
         marker = budgets[0] if budgets and g.index == 0 else None  # plans are for GPU 0

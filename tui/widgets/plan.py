@@ -27,12 +27,14 @@ def plan_lines(s: ServerSnapshot | None, now: float) -> list[str]:
         lines.append(f"served {t.requests} requests: prompts {t.prompt_median}+ tokens carry half, "
                      f"{t.prefill_weight:.3g} prompt tokens per generated")
     if s.plan:
-        length = s.plan.get("prompt_tokens")
-        lines.append(f"planned for {s.plan.get('prefill_weight', 1):g} per generated, "
-                     + (f"prompts of {length}" if length else "the profile's prompts")
-                     + (", learned" if s.plan.get("workload") else "") + f", -ub {s.plan.get('ubatch', 512)}")
-        lines.append(f"args {shlex.join(s.plan['server_args'])}")
-        lines += [f"note: {n}" for n in s.plan.get("notes") or []]
+        p = s.plan
+        lines.append(f"planned for {p.prefill_weight:g} per generated, "
+                     + (f"prompts of {p.prompt_tokens}" if p.prompt_tokens else "the profile's prompts")
+                     + (", learned" if p.workload else "") + f", -ub {p.ubatch}")
+        if s.placement == "stock":
+            lines.append(s.placement_why or "served with stock's placement")
+        lines.append(f"args {shlex.join(p.server_args)}")
+        lines += [f"note: {n}" for n in p.notes or []]
     return lines
 
 

@@ -26,12 +26,13 @@ def summary_lines(s: ServerSnapshot | None) -> list[str]:
         return ["the plan it runs is not known (launched by an older moeplug): the cache line says the slots"]
     p = s.plan
     c = s.cache_counters
-    lines = [f"fit {p['fit_fraction']:.0%} · hit pred {percent(p['predicted_hit_rate'])} "
+    lines = [f"fit {p.fit_fraction:.0%} · hit pred {percent(p.predicted_hit_rate)} "
              f"meas {percent(c.hit_rate) if c else '-'}",  # counted past the start-up check (monitor.past_probe)
              f"CPU read {size(s.cpu_bytes_per_token)}/token" if c else _uncounted(s)]
     hits = [x.measured_hit_rate if x.measured_hit_rate is not None else x.predicted_hit_rate for x in s.layers]
     lines.append(f"hit/layer {strip(hits)}")
-    lines += [f"⚠ {w}" for w in p.get("warnings") or []]
+    lines += [f"⚠ {w}" for w in p.warnings or []]
+    lines += [f"served with stock's placement: {s.placement_why}"] if s.placement == "stock" else []
     return lines
 
 
