@@ -23,7 +23,8 @@ import pytest
 import requests
 from helpers import moeplug, one_line_error, use_xdg_homes
 
-from moeplug.serving.server import complete, free_port
+from moeplug.serving.client import complete
+from moeplug.serving.server import free_port
 
 pytestmark = pytest.mark.native
 

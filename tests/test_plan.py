@@ -994,7 +994,7 @@ def test_the_ubatch_asked_for_reaches_the_server_and_stays_with_the_plan(patched
     """install --ubatch N stores N with the plan and the server runs prompt batches of N (its log says
     so); plan previews another without storing it; serve --ubatch re-plans and keeps the new one, and a
     prompt longer than the ubatch is answered; out of range is one line."""
-    from moeplug.serving.server import complete
+    from moeplug.serving.client import complete
 
     env = xdg_homes(tmp_path / "home")
     done = served_once(env, "install", str(fixture_models["qwen3moe"]), "--ctx", "512", "--profile-tokens", "8",

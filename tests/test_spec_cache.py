@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from helpers import Prebuilt, fixture_spec, make_profile
-from moeplug.serving.server import complete, start_server
+from moeplug.serving.client import complete
+from moeplug.serving.server import start_server
 from moeplug.serving.launch import parse_cache_line
 from moeplug.model.synth import make_model
 

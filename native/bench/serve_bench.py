@@ -302,7 +302,7 @@ def warm_up(url: str, warmup: list[list[int]] | None, errors: list[str]) -> int:
     import requests
 
     from moeplug.core.errors import MoeplugError
-    from moeplug.serving.server import complete
+    from moeplug.serving.client import complete
 
     answered = 0
     for i, prompt in enumerate(warmup or []):

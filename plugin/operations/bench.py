@@ -47,7 +47,7 @@ from moeplug.serving.measure import (ERRORS, Timings, chat_turns, median_ratio_i
 from moeplug.core.paths import logs_dir
 from moeplug.profile.runner import HELDOUT_PROMPT_SET, read_prompts, resolve_prompt_set
 from moeplug.core.progress import Note, ProgressFn, silent
-from moeplug.serving.server import complete
+from moeplug.serving.client import REQUEST_ERRORS, complete, tokenize
 from moeplug.planner.server_flags import stock_args, ubatch_args, with_threads
 from moeplug.serving.launch import find_record, launch_verified, model_lock, stop
 from moeplug.core.sizes import MIB
@@ -108,15 +108,10 @@ def bench_prompts(prompt_files: list[Path], max_prompts: int) -> list[str]:
 
 def tokenized(url: str, texts: list[str]) -> list[list[int]]:
     """The texts as the llama-server at url tokenizes them."""
-    import requests
-
-    ids = []
-    for text in texts:
-        r = requests.post(f"{url}/tokenize", json={"content": text}, timeout=60)
-        if r.status_code != 200:
-            raise MoeplugError(f"llama-server /tokenize answered {r.status_code}: {r.text[:200]}")
-        ids.append([int(t) for t in r.json()["tokens"]])
-    return ids
+    try:
+        return [tokenize(url, text) for text in texts]
+    except REQUEST_ERRORS as exc:
+        raise MoeplugError(f"llama-server /tokenize: {exc}") from None
 
 
 def check_together_fits(url: str, groups: list[list[str]], n_predict: int, ctx: int) -> None:

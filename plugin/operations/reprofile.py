@@ -85,6 +85,7 @@ from moeplug.serving.server import HOST
 from moeplug.serving.launch import RECORD_FLAG, ServerRecord, find_record, launch_verified, model_lock, record_plan
 from moeplug.serving.launch import stop as stop_server
 from moeplug.serving.traffic import Traffic, learned_workload, read_traffic
+from moeplug.serving import client
 
 DEFAULT_HALF_LIFE = 100_000  # tokens
 DEFAULT_MIN_GAIN = 0.01  # one point of hit rate
@@ -92,7 +93,6 @@ DEFAULT_IDLE_S = 60.0
 DEFAULT_WAIT_S = 3600.0
 APPLY_MODES = ("never", "idle", "now")
 WORKLOAD_MODES = ("auto", "learn", "keep")
-PROFILE_ENDPOINT = "/moe-cache/profile"
 POLL_S = 0.25
 
 
@@ -305,19 +305,14 @@ def _require_recording(record: ServerRecord) -> None:
 
 def fetch_live_profile(record: ServerRecord, reset: bool = False, timeout: float = 60) -> Profile:
     """The routing counts a server run with --moe-cache-record gathered (reset: and zero them)."""
-    import requests
-
     _require_recording(record)
     try:
-        r = requests.get(f"http://{HOST}:{record.port}{PROFILE_ENDPOINT}", params={"reset": 1} if reset else None,
-                         timeout=timeout)
-    except requests.RequestException as exc:
-        raise MoeplugError(f"'{record.name}' at {record.url} did not answer {PROFILE_ENDPOINT}: {exc}") from None
-    if r.status_code != 200:
-        raise MoeplugError(f"'{record.name}' answered {PROFILE_ENDPOINT} with HTTP {r.status_code}: {r.text[:200]}")
+        content = client.moe_profile(f"http://{HOST}:{record.port}", reset, timeout)
+    except MoeplugError as exc:
+        raise MoeplugError(f"'{record.name}': {exc}") from None
     with tempfile.TemporaryDirectory(prefix="moeplug-live-") as tmp:
         path = Path(tmp) / "live.gguf"
-        path.write_bytes(r.content)
+        path.write_bytes(content)
         return read_profile(path)
 
 
@@ -365,26 +360,24 @@ def _mean(values: list[float | None]) -> float | None:
 def _activity(port: int) -> tuple[bool, tuple[Any, ...]] | None:
     """(a request in flight?, marks that move with any request) from /slots and /metrics; None
     when neither tells (a server run with --no-slots and without --metrics)."""
-    import requests
-
     from moeplug.serving.monitor import parse_server_metrics
 
+    url = f"http://{HOST}:{port}"
     busy, marks, told = False, [], False
     try:
-        r = requests.get(f"http://{HOST}:{port}/slots", timeout=5)
-        if r.status_code == 200:
-            for s in r.json():
-                busy |= bool(s.get("is_processing"))
-                nxt = (s.get("next_token") or [{}])[0]
-                marks.append((s.get("id"), s.get("id_task"), nxt.get("n_decoded"), s.get("n_prompt_tokens_processed")))
-            told = True
-        r = requests.get(f"http://{HOST}:{port}/metrics", timeout=5)
-        m = parse_server_metrics(r.text) if r.status_code == 200 else None
+        found = client.slots(url)
+        for s in found or []:
+            busy |= bool(s.get("is_processing"))
+            nxt = (s.get("next_token") or [{}])[0]
+            marks.append((s.get("id"), s.get("id_task"), nxt.get("n_decoded"), s.get("n_prompt_tokens_processed")))
+        told = found is not None
+        page = client.metrics_page(url, timeout=5)
+        m = parse_server_metrics(page) if page is not None else None
         if m is not None:
             busy |= m.requests_processing + m.requests_deferred > 0
             marks.append((m.prompt_tokens, m.decode_tokens))
             told = True
-    except (requests.RequestException, ValueError, TypeError, AttributeError, IndexError):
+    except (ValueError, TypeError, AttributeError, IndexError):
         return None
     return (busy, tuple(marks)) if told else None
 

@@ -25,6 +25,7 @@ from moeplug.planner.record import Plan
 from moeplug.core.paths import logs_dir, state_dir
 from moeplug.core.progress import Note, ProgressFn, silent
 from moeplug.core.runlog import log_tail
+from moeplug.serving import client
 from moeplug.serving.server import HOST, Server, server_argv, start_server, url_of
 from moeplug.serving.traffic import probe_end
 
@@ -318,27 +319,21 @@ def can_record(binary: Path) -> bool:
     return bool(detect_features(binary).get("moe_cache_record"))
 
 
-RECORD_ENDPOINT = "/moe-cache/profile"  # what a server run with RECORD_FLAG counted; ?reset=1 zeroes it
-
-
 def _after_probe(url: str, metrics: bool, record: bool) -> dict[str, Any] | None:
     """After the launch's context probe: zero the routing it recorded (record), and return /metrics'
     counters as it left them (metrics; None without), so neither counts the probe as traffic."""
-    import requests
-
     if record:
         try:
-            requests.get(f"{url}{RECORD_ENDPOINT}", params={"reset": 1}, timeout=60)
-        except requests.RequestException as exc:
-            raise MoeplugError(f"the server did not answer {RECORD_ENDPOINT} after its context probe: {exc}") from None
+            client.moe_profile(url, reset=True)
+        except MoeplugError as exc:
+            raise MoeplugError(f"after its context probe: {exc}") from None
     if not metrics:
         return None
     from moeplug.serving.metrics import parse_cache_counters
 
-    try:
-        page = requests.get(f"{url}/metrics", timeout=10).text
-    except requests.RequestException:
-        return None  # counted from the start, as before
+    page = client.metrics_page(url, timeout=10)
+    if page is None:
+        return None  # counted from the start
     cache = parse_cache_counters(page)
     server = {m[1]: float(m[2]) for m in map(_PLAIN_SAMPLE_RE.match, page.splitlines()) if m}
     return {"cache": cache.to_json() if cache else None, "server": server}
@@ -363,14 +358,12 @@ def record_plan(name: str, plan: Any) -> None:
 
 def _probe_context(server: Server, ctx: int) -> None:
     """A request that fills the context, so an out-of-memory shows now, not on the first big prompt."""
-    import requests
-
     try:
-        props = requests.get(f"{server.url}/props", timeout=10).json()
+        props = client.props(server.url)
         n_ctx = int(props.get("default_generation_settings", {}).get("n_ctx") or ctx)
-        token = requests.post(f"{server.url}/tokenize", json={"content": "a"}, timeout=10).json()["tokens"][-1]
+        token = client.tokenize(server.url, "a", timeout=10)[-1]
         server.complete([token] * (min(ctx, n_ctx) - 8), n_predict=1)  # type: ignore[arg-type]
-    except (MoeplugError, requests.RequestException, ValueError, KeyError, IndexError) as exc:
+    except (MoeplugError, *client.REQUEST_ERRORS, ValueError, KeyError, IndexError) as exc:
         raise MoeplugError(f"the server failed a {ctx}-token context probe: {exc}; "
                            f"{log_tail(server.log_path, 2)}") from None
 

@@ -24,14 +24,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import requests
 
 from moeplug.core.errors import MoeplugError
-from moeplug.serving.server import complete
+from moeplug.serving.client import REQUEST_ERRORS, complete
 
 CHAT_TURNS = 3  # turns a text is cut in for time_chat
 SHORT_STEPS = 16  # decoding steps of time_prompts' short answers (n_predict one more: the first token is the prompt's)
-ERRORS = (MoeplugError, requests.RequestException, KeyError, ValueError, TypeError)
+ERRORS = (MoeplugError, *REQUEST_ERRORS, KeyError, ValueError, TypeError)
 
 
 @dataclass

@@ -79,13 +79,9 @@ def parse_cache_counters(text: str) -> CacheCounters | None:
 
 def fetch_metrics_page(port: int, timeout: float = 3, host: str = HOST) -> str | None:
     """llama-server's /metrics text, or None when nothing answers or it runs without --metrics."""
-    import requests
+    from moeplug.serving.client import metrics_page
 
-    try:
-        r = requests.get(f"{url_of(host, port)}/metrics", timeout=timeout)
-    except requests.RequestException:
-        return None
-    return r.text if r.status_code == 200 else None
+    return metrics_page(url_of(host, port), timeout)
 
 
 def fetch_cache_counters(port: int, timeout: float = 3) -> CacheCounters | None:

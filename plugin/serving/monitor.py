@@ -26,6 +26,7 @@ from moeplug.planner.record import Plan
 from moeplug.serving.installed import InstalledModel, list_installed
 from moeplug.serving.metrics import CacheCounters, fetch_metrics_page, parse_cache_counters
 from moeplug.serving.launch import ServerRecord, read_records
+from moeplug.serving import client
 from moeplug.serving.server import health
 from moeplug.serving.traffic import LogTraffic, Traffic
 
@@ -225,12 +226,10 @@ class Snapshot:
 
 def _slots_info(url: str) -> tuple[int | None, int | None]:
     """(tokens in the fullest llama-server slot, its n_ctx) from /slots, or (None, None)."""
-    import requests
-
+    found = client.slots(url, timeout=HTTP_TIMEOUT_S)
     try:
-        slots = requests.get(f"{url}/slots", timeout=HTTP_TIMEOUT_S).json()
-        return max(int(s.get("n_prompt_tokens") or 0) for s in slots), max(int(s["n_ctx"]) for s in slots)
-    except (requests.RequestException, ValueError, TypeError, KeyError, AttributeError):
+        return max(int(s.get("n_prompt_tokens") or 0) for s in found), max(int(s["n_ctx"]) for s in found)
+    except (ValueError, TypeError, KeyError, AttributeError):
         return None, None
 
 

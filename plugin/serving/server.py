@@ -17,9 +17,9 @@ from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
 
-import requests
 from moeplug.core.errors import MoeplugError
 from moeplug.core.runlog import log_tail
+from moeplug.serving import client
 
 HOST = "127.0.0.1"
 WILDCARDS = ("0.0.0.0", "::")
@@ -60,27 +60,7 @@ def port_in_use(port: int, host: str = HOST) -> bool:
 
 def health(port: int, host: str = HOST) -> dict[str, Any] | None:
     """llama-server's /health answer on host:port (host: where it listens), or None when nothing answers."""
-    try:
-        r = requests.get(f"{url_of(host, port)}/health", timeout=2)
-    except requests.RequestException:
-        return None
-    try:
-        return {"http_status": r.status_code, **r.json()}
-    except ValueError:
-        return {"http_status": r.status_code}
-
-
-def complete(url: str, prompt: str | Sequence[int | str], n_predict: int = 16, seed: int = 42, timeout: float = 300,
-             **params: Any) -> dict[str, Any]:
-    """A greedy /completion on the llama-server at url (no prompt cache unless params say
-    cache_prompt=True); the reply includes the generated token ids and llama-server's `timings`. A
-    prompt is text, token ids, or both mixed (llama-server tokenizes each text piece)."""
-    body = {"prompt": prompt if isinstance(prompt, str) else list(prompt), "n_predict": n_predict,
-            "temperature": 0.0, "seed": seed, "cache_prompt": False, "return_tokens": True, **params}
-    r = requests.post(f"{url}/completion", json=body, timeout=timeout)
-    if r.status_code != 200:
-        raise MoeplugError(f"llama-server /completion answered {r.status_code}: {r.text[:200]}")
-    return dict(r.json())
+    return client.health(url_of(host, port))
 
 
 @dataclass
@@ -125,7 +105,7 @@ class Server:
 
     def complete(self, prompt: str | Sequence[int | str], n_predict: int = 16, seed: int = 42, **params: Any) -> dict[str, Any]:
         """A greedy /completion; the reply includes the generated token ids."""
-        return complete(self.url, prompt, n_predict, seed, **params)
+        return client.complete(self.url, prompt, n_predict, seed, **params)
 
     def stop(self, timeout: float = 10) -> None:
         if self.proc.poll() is not None:
