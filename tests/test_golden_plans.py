@@ -46,21 +46,13 @@ def write_header_only(spec: ModelSpec, out: Path) -> Path:
     """The model's GGUF header and tensor table as make_model writes them, the data left a hole and
     the tokenizer the built-in one unpadded (a padded 200k-token vocabulary takes the GGUF reader
     seconds; the planner reads the vocabulary's size from the token embeddings' shape)."""
-    import gguf
-
+    from moeplug.model.synth import header_writer
     from moeplug.model.synth.archs import plan_model
-    from moeplug.model.synth.vocab import add_vocab_to_writer, builtin_vocab
+    from moeplug.model.synth.vocab import builtin_vocab
 
     vocab = builtin_vocab()
     plan = plan_model(spec, spec.vocab_size or len(vocab))
-
-    writer = gguf.GGUFWriter(out, spec.arch)
-    for key, value, vtype in plan.metadata:
-        writer.add_key_value(key, value, vtype)
-    add_vocab_to_writer(writer, vocab)
-    for t in plan.tensors:
-        np_dtype = np.float16 if t.qtype == gguf.GGMLQuantizationType.F16 else np.float32
-        writer.add_tensor_info(t.name, tuple(reversed(t.ne)), np.dtype(np_dtype), t.n_bytes, raw_dtype=t.qtype)
+    writer = header_writer(spec, plan, vocab, out)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()

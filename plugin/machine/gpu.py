@@ -8,7 +8,7 @@ device all give an empty list, never an exception.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 from moeplug.core.errors import EXIT_USAGE, MoeplugError
 
@@ -29,8 +29,9 @@ class GpuInfo:
         return asdict(self)
 
 
-def gpus() -> list[GpuInfo]:
-    """Every NVIDIA GPU NVML sees, in index order; [] without an NVIDIA GPU."""
+def _per_gpu(read: Callable[[Any, Any, int], Any]) -> list[Any]:
+    """read(pynvml, handle, index) for every NVIDIA GPU NVML sees, in index order; [] without an NVIDIA
+    GPU (no library, no driver) or where NVML fails."""
     try:
         import pynvml
 
@@ -38,19 +39,7 @@ def gpus() -> list[GpuInfo]:
     except Exception:  # no library, no driver: no GPU
         return []
     try:
-        out = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-            try:
-                util: int | None = int(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)
-            except Exception:
-                util = None
-            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
-            name = pynvml.nvmlDeviceGetName(h)
-            out.append(GpuInfo(i, name.decode() if isinstance(name, bytes) else str(name), int(mem.total),
-                               int(mem.used), int(mem.free), util, f"{major}{minor}"))
-        return out
+        return [read(pynvml, pynvml.nvmlDeviceGetHandleByIndex(i), i) for i in range(pynvml.nvmlDeviceGetCount())]
     except Exception:
         return []
     finally:
@@ -58,6 +47,22 @@ def gpus() -> list[GpuInfo]:
             pynvml.nvmlShutdown()
         except Exception:
             pass
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def gpus() -> list[GpuInfo]:
+    """Every NVIDIA GPU NVML sees, in index order; [] without an NVIDIA GPU."""
+    def read(nvml: Any, h: Any, i: int) -> GpuInfo:
+        mem = nvml.nvmlDeviceGetMemoryInfo(h)
+        util = _nvml_or_none(lambda handle: nvml.nvmlDeviceGetUtilizationRates(handle).gpu, h)
+        major, minor = nvml.nvmlDeviceGetCudaComputeCapability(h)
+        return GpuInfo(i, _text(nvml.nvmlDeviceGetName(h)), int(mem.total), int(mem.used), int(mem.free), util,
+                       f"{major}{minor}")
+
+    return _per_gpu(read)
 
 
 def gpu_identities() -> list[dict[str, Any]]:
@@ -66,32 +71,13 @@ def gpu_identities() -> list[dict[str, Any]]:
     an NVIDIA GPU. The link's figures are the most the card and this slot allow (NVML's max link
     generation and width), not the current ones, which drop while the card idles; None where NVML
     does not say (an SXM card, a virtual GPU)."""
-    try:
-        import pynvml
+    def read(nvml: Any, h: Any, i: int) -> dict[str, Any]:
+        return {"name": _text(nvml.nvmlDeviceGetName(h)), "memory_bytes": int(nvml.nvmlDeviceGetMemoryInfo(h).total),
+                "pcie_gen": _nvml_or_none(nvml.nvmlDeviceGetMaxPcieLinkGeneration, h),
+                "pcie_width": _nvml_or_none(nvml.nvmlDeviceGetMaxPcieLinkWidth, h),
+                "driver": _text(nvml.nvmlSystemGetDriverVersion())}
 
-        pynvml.nvmlInit()
-    except Exception:
-        return []
-    try:
-        driver = pynvml.nvmlSystemGetDriverVersion()
-        driver = driver.decode() if isinstance(driver, bytes) else str(driver)
-        out = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name = pynvml.nvmlDeviceGetName(h)
-            out.append({"name": name.decode() if isinstance(name, bytes) else str(name),
-                        "memory_bytes": int(pynvml.nvmlDeviceGetMemoryInfo(h).total),
-                        "pcie_gen": _nvml_or_none(pynvml.nvmlDeviceGetMaxPcieLinkGeneration, h),
-                        "pcie_width": _nvml_or_none(pynvml.nvmlDeviceGetMaxPcieLinkWidth, h),
-                        "driver": driver})
-        return out
-    except Exception:
-        return []
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
+    return _per_gpu(read)
 
 
 def _nvml_or_none(query: Any, handle: Any) -> int | None:

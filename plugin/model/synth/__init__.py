@@ -14,13 +14,14 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from moeplug.model.synth.archs import ARCHS, DTYPES, ModelPlan, ModelSpec, TensorPlan, plan_model
 from moeplug.model.synth.vocab import Vocab, add_vocab_to_writer, builtin_vocab, vocab_from_gguf
 from moeplug.model.synth.weights import tensor_data
 
 __all__ = ["ARCHS", "DTYPES", "SHAPES", "ModelSpec", "ModelPlan", "TensorPlan", "make_model", "plan_for",
-           "benchmark_spec", "shape_spec"]
+           "benchmark_spec", "header_writer", "shape_spec"]
 
 ProgressFn = Callable[[int, int], None]  # (bytes done, bytes total)
 
@@ -67,6 +68,22 @@ def plan_for(spec: ModelSpec, vocab_path: str | Path | None = None) -> tuple[Mod
     return plan_model(spec, len(vocab)), vocab
 
 
+def header_writer(spec: ModelSpec, plan: ModelPlan, vocab: Vocab, path: Path, split_max_tensors: int = 0) -> Any:
+    """A gguf.GGUFWriter at `path` holding the model's metadata, vocabulary and tensor table (the
+    tensors' data not yet written): what make_model writes first."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(path, spec.arch, split_max_tensors=split_max_tensors)
+    for key, value, vtype in plan.metadata:
+        writer.add_key_value(key, value, vtype)
+    add_vocab_to_writer(writer, vocab)
+    for t in plan.tensors:
+        np_dtype = np.float16 if t.qtype == gguf.GGMLQuantizationType.F16 else np.float32
+        writer.add_tensor_info(t.name, tuple(reversed(t.ne)), np.dtype(np_dtype), t.n_bytes, raw_dtype=t.qtype)
+    return writer
+
+
 def make_model(
     spec: ModelSpec,
     out: str | Path,
@@ -80,9 +97,6 @@ def make_model(
     Files appear only once completely written: they are written in a temporary folder beside
     `out` and renamed into place.
     """
-    import gguf
-    import numpy as np
-
     out = Path(out)
     if shards < 1:
         raise ValueError("--shards must be at least 1")
@@ -93,13 +107,7 @@ def make_model(
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         per_shard = math.ceil(len(plan.tensors) / shards) if shards > 1 else 0
-        writer = gguf.GGUFWriter(tmp_dir / out.name, spec.arch, split_max_tensors=per_shard)
-        for key, value, vtype in plan.metadata:
-            writer.add_key_value(key, value, vtype)
-        add_vocab_to_writer(writer, vocab)
-        for t in plan.tensors:
-            np_dtype = np.float16 if t.qtype == gguf.GGMLQuantizationType.F16 else np.float32
-            writer.add_tensor_info(t.name, tuple(reversed(t.ne)), np.dtype(np_dtype), t.n_bytes, raw_dtype=t.qtype)
+        writer = header_writer(spec, plan, vocab, tmp_dir / out.name, per_shard)
         written_names = [p.name for p in writer.format_shard_names(tmp_dir / out.name)]
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
