@@ -185,17 +185,17 @@ def check_within_budgets(plan: Plan, info, ctx: int, budgets: list[int], draft=N
     if plan.profile and any(slots_of[layer.block] < info.n_expert for layer in first):
         used[0] += expert_copy_ahead_bytes(info, first)
     assert plan.devices is not None
-    assert [d["draft_weights_bytes"] + d["draft_kv_cache_bytes"] + d["draft_compute_bytes"]
+    assert [d.draft_weights_bytes + d.draft_kv_cache_bytes + d.draft_compute_bytes
             for d in plan.devices] == drafted
     used = [u + dr for u, dr in zip(used, drafted)]
-    assert [d["used_bytes"] for d in plan.devices] == used
+    assert [d.used_bytes for d in plan.devices] == used
     assert all(u <= b for u, b in zip(used, budgets)), (used, budgets)
     for d, dev in enumerate(plan.devices):
-        assert dev["blocks"] == [b for b in range(info.n_layer) if devices[b] == d]
-        assert dev["output"] == (devices[-1] == d) and dev["budget_bytes"] == budgets[d]
-        assert dev["headroom_bytes"] == budgets[d] - used[d]
+        assert dev.blocks == [b for b in range(info.n_layer) if devices[b] == d]
+        assert dev.output == (devices[-1] == d) and dev.budget_bytes == budgets[d]
+        assert dev.headroom_bytes == budgets[d] - used[d]
     for key in ("draft_weights_bytes", "draft_kv_cache_bytes", "draft_compute_bytes"):
-        assert getattr(plan, key) == sum(d[key] for d in plan.devices)
+        assert getattr(plan, key) == sum(getattr(d, key) for d in plan.devices)
     return devices
 
 
@@ -230,7 +230,7 @@ def test_two_budgets_with_profile_fill_each_gpu(patched_build, eight_blocks: Pat
         for d, dev in enumerate(plan.devices):
             mine = [lay for lay in info.layers if devices[lay.block] == d]
             slots = [n for lay, n in zip(info.layers, plan.slots_per_layer) if lay in mine]
-            room = budgets[d] - dev["used_bytes"] + sum(n * lay.bytes_per_expert for n, lay in zip(slots, mine))
+            room = budgets[d] - dev.used_bytes + sum(n * lay.bytes_per_expert for n, lay in zip(slots, mine))
             assert slots == allocate([costs[info.layers.index(lay)] for lay in mine], room)
             whole = [n >= info.n_expert for n in slots]
             assert whole == sorted(whole, reverse=True)  # the whole layers lead
@@ -305,7 +305,7 @@ def test_two_budgets_with_a_draft_model(eight_blocks: Path, draft5: Path) -> Non
         check_within_budgets(plan, info, ctx, budgets, draft=draft)
         assert plan.draft_weights_bytes == draft.total_bytes  # every tensor of the draft on a GPU (-ngld 99)
         assert plan.tokens_per_step == 4 and plan.server_args[-6:-4] == ["-ngld", "99"]
-        shared += all(d["draft_weights_bytes"] for d in plan.devices or [])
+        shared += all(d.draft_weights_bytes for d in plan.devices or [])
     assert shared  # at least one plan shares the draft over both GPUs
     with pytest.raises(MoeplugError, match="and the draft's share however the layers are split.*without --spec"):
         plan_with(info, ctx, [base, base], spec=spec)
@@ -324,7 +324,7 @@ def test_two_budgets_with_an_mtp_head(fixture_models) -> None:
         devices = check_within_budgets(plan, info, ctx, budgets, mtp=True)
         assert plan.server_args[-4:] == ["--spec-type", "draft-mtp", "--spec-draft-n-max", "3"]
         holder = devices[info.n_layer - 1]
-        assert plan.devices is not None and plan.devices[1 - holder]["draft_weights_bytes"] == 0
+        assert plan.devices is not None and plan.devices[1 - holder].draft_weights_bytes == 0
         plain = plan_with(info, ctx, budgets)
         check_within_budgets(plain, info, ctx, budgets)
         assert plain.slots_per_layer[-1] == 0 and plain.draft_weights_bytes == 0
@@ -396,14 +396,14 @@ def test_planned_split_is_the_one_llama_cpp_loads(patched_build, rpc_devices, ei
         got = llama_assignment(patched_build, rpc_devices, eight_blocks, flags)
         assert plan.devices is not None
         assert [[b for b in range(info.n_layer) if got[b] == d] for d in (0, 1)] == \
-            [dev["blocks"] for dev in plan.devices]
-        assert [got[-1] == d for d in (0, 1)] == [dev["output"] for dev in plan.devices]
+            [dev.blocks for dev in plan.devices]
+        assert [got[-1] == d for d in (0, 1)] == [dev.output for dev in plan.devices]
         r = fit_params(patched_build, rpc_devices, eight_blocks, ["-c", "2048", *flags, "--cpu-moe", "--fit-print", "on"])
         needs = parse_fit_print(r.stdout)
         assert [n.device for n in needs] == ["RPC0", "RPC1"], r.stdout
         for need, dev in zip(needs, plan.devices):
-            assert need.context == dev["kv_cache_bytes"]
-            assert need.model <= dev["non_expert_bytes"] + MIB and need.compute <= dev["compute_bytes"]
+            assert need.context == dev.kv_cache_bytes
+            assert need.model <= dev.non_expert_bytes + MIB and need.compute <= dev.compute_bytes
     assert len(splits) == 3 and (9, 0) in splits  # two ways of sharing the blocks, and all on GPU 0
 
 
@@ -423,7 +423,7 @@ def test_draft_follows_the_planned_split_on_two_rpc_devices(patched_build, rpc_d
     info = inspect_model(model)
     spec = Speculation("draft", str(draft5)) if kind == "draft" else Speculation("mtp")
     plan = plan_with(info, 512, [3 << 30, 3 << 30], spec=spec)
-    assert plan.devices is not None and all(d["blocks"] for d in plan.devices)
+    assert plan.devices is not None and all(d.blocks for d in plan.devices)
     log_path = tmp_path / "srv.log"
     with start_server(patched_build.binary("llama-server"), model, log_path, ctx=None, threads=2,
                       env=rpc_devices["env"],
@@ -443,6 +443,6 @@ def test_draft_follows_the_planned_split_on_two_rpc_devices(patched_build, rpc_d
     endpoints = rpc_devices["args"][rpc_devices["args"].index("--rpc") + 1].split(",")  # RPC0, RPC1 in this order
     for endpoint, dev in zip(endpoints, plan.devices):  # buffers are named RPC0[HOST:PORT] on every RPC device
         name = f"RPC0[{endpoint}]"
-        assert buffers["KV"].get(name, 0) * MIB == pytest.approx(dev["draft_kv_cache_bytes"], abs=0.01 * MIB)
-        assert buffers.get("model", {}).get(name, 0) * MIB <= dev["draft_weights_bytes"] + 0.01 * MIB  # MTP: none
-        assert buffers.get("compute", {}).get(name, 0) * MIB <= dev["draft_compute_bytes"]
+        assert buffers["KV"].get(name, 0) * MIB == pytest.approx(dev.draft_kv_cache_bytes, abs=0.01 * MIB)
+        assert buffers.get("model", {}).get(name, 0) * MIB <= dev.draft_weights_bytes + 0.01 * MIB  # MTP: none
+        assert buffers.get("compute", {}).get(name, 0) * MIB <= dev.draft_compute_bytes

@@ -90,14 +90,14 @@ def devices_text(p: Plan) -> str:
     (with speculation, its share of the draft too)."""
     rows = []
     for d in p.devices or []:
-        blocks = d["blocks"]
+        blocks = d.blocks
         held = f"{blocks[0]}-{blocks[-1]}" if blocks else "none"
-        draft = [human_bytes(d["draft_weights_bytes"] + d["draft_kv_cache_bytes"] + d["draft_compute_bytes"])]
-        rows.append([d["device"], held + (" + output" if d["output"] else ""), d["moe_layers"], d["whole_layers"],
-                     d["slots"], human_bytes(d["non_expert_bytes"] + d["kv_cache_bytes"] + d["compute_bytes"]
-                                             + d["margin_bytes"]),
-                     human_bytes(d["expert_vram_bytes"]), *(draft if p.speculation else []),
-                     human_bytes(d["budget_bytes"]), human_bytes(d["headroom_bytes"])])
+        draft = [human_bytes(d.draft_weights_bytes + d.draft_kv_cache_bytes + d.draft_compute_bytes)]
+        rows.append([d.device, held + (" + output" if d.output else ""), d.moe_layers, d.whole_layers,
+                     d.slots, human_bytes(d.non_expert_bytes + d.kv_cache_bytes + d.compute_bytes
+                                             + d.margin_bytes),
+                     human_bytes(d.expert_vram_bytes), *(draft if p.speculation else []),
+                     human_bytes(d.budget_bytes), human_bytes(d.headroom_bytes)])
     split = ",".join(map(str, p.tensor_split or []))
     draft_head = ["draft"] if p.speculation else []
     head = ["GPU", "blocks", "MoE layers", "whole", "slots", "other VRAM", "experts", *draft_head, "budget", "headroom"]

@@ -47,7 +47,7 @@ Not measured on a two-GPU machine yet; the estimate of each GPU's other buffers 
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from moeplug.planner.allocate import LayerCost, allocate, modelled_seconds
@@ -96,6 +96,11 @@ class DevicePlan:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self) | {"used_bytes": self.used_bytes, "headroom_bytes": self.headroom_bytes}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> DevicePlan:
+        """As to_json wrote it (the derived figures left out)."""
+        return cls(**{f.name: doc[f.name] for f in fields(cls) if f.name in doc})
 
 
 @dataclass

@@ -14,6 +14,7 @@ from typing import Any
 
 from moeplug.planner.allocate import PREFILL_WEIGHT
 from moeplug.planner.estimates import DEFAULT_UBATCH
+from moeplug.planner.multi_gpu import DevicePlan
 from moeplug.planner.request import UBATCH_AUTO
 
 # raised when a change to the planner makes the plans it stored before worth making again: `moeplug serve`,
@@ -55,7 +56,7 @@ class Plan:
     vram_source: str = "estimate"  # what sized the GPU's other buffers: "estimate" (estimates.py) or "llama-fit-params"
     # two GPUs only (absent from a one-GPU plan's JSON): per GPU what it holds (multi_gpu.DevicePlan's
     # JSON), and the --tensor-split proportions; the figures above are then the sums over the GPUs
-    devices: list[dict[str, Any]] | None = None
+    devices: list[DevicePlan] | None = None
     tensor_split: list[int] | None = None
     # speculative decoding (speculation.py): Speculation.to_json(), or None; what its draft holds on
     # the GPU (an MTP head: its NextN blocks, experts included; two GPUs: summed over them); the
@@ -123,12 +124,14 @@ class Plan:
         for key in ("devices", "tensor_split", "cost_model"):
             if doc[key] is None:
                 del doc[key]
+        if self.devices:
+            doc["devices"] = [d.to_json() for d in self.devices]
         return doc
 
     @property
     def budget(self) -> int | list[int] | None:
         """The budget it was planned for, as make_plan takes it: one per GPU where it has two."""
-        return [d["budget_bytes"] for d in self.devices] if self.devices else self.vram_budget_bytes
+        return [d.budget_bytes for d in self.devices] if self.devices else self.vram_budget_bytes
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> Plan:
@@ -137,6 +140,8 @@ class Plan:
         known = fields(cls)
         values: dict[str, Any] = {f.name: None for f in known if f.default is MISSING and f.default_factory is MISSING}
         values.update({f.name: doc[f.name] for f in known if f.name in doc})
+        if values.get("devices"):
+            values["devices"] = [DevicePlan.from_json(d) for d in values["devices"]]
         if "ubatch_asked" not in doc and doc.get("ubatch", DEFAULT_UBATCH) != DEFAULT_UBATCH:
             # a record from before --ubatch auto: a ubatch other than 512 was asked for
             values["ubatch_asked"] = doc["ubatch"]

@@ -34,7 +34,7 @@ from moeplug.planner.estimates import (MIN_UBATCH, bytes_per_slot, cache_compute
                                        whole_layers_first)
 from moeplug.planner.estimates import DEFAULT_UBATCH
 from moeplug.planner.costs import DEFAULT_COSTS
-from moeplug.planner.multi_gpu import plan_split
+from moeplug.planner.multi_gpu import DevicePlan, plan_split
 from moeplug.planner.record import Plan
 from moeplug.planner.request import MachineFacts, PlanRequest
 from moeplug.planner.server_flags import (OFFLOAD_MIN_BATCH_FLAG, dynamic_args, experts_in_ram_args, placement_args,
@@ -106,7 +106,7 @@ class Room:
     margin: int
     vram_source: str  # "estimate" (estimates.py) or "llama-fit-params"
     draft: SpecNeed | None = None  # the draft's share (two GPUs: summed over them; None: Setting.draft)
-    devices: list[dict] | None = None  # two GPUs: per GPU (multi_gpu.DevicePlan's JSON)
+    devices: list[DevicePlan] | None = None  # two GPUs: per GPU
     tensor_split: list[int] | None = None
 
 
@@ -240,8 +240,8 @@ def streamed(s: Setting, alloc: Allocation, room: Room) -> None:
 def allocate_two_gpus(s: Setting) -> tuple[Room, Allocation]:
     """Each GPU's layers, whole layers and slots within its own budget (multi_gpu.py), summed."""
     split = plan_split(s.info, s.trunk, s.request.ctx, s.budget, s.costs, s.profile is not None, s.spec)
-    devices = [d.to_json() for d in split.devices]
-    total = {key: sum(d[key] for d in devices) for key in (
+    devices = split.devices
+    total = {key: sum(getattr(d, key) for d in devices) for key in (
         "non_expert_bytes", "kv_cache_bytes", "compute_bytes", "margin_bytes", "draft_weights_bytes",
         "draft_kv_cache_bytes", "draft_compute_bytes")}
     draft = SpecNeed(total["draft_weights_bytes"], total["draft_kv_cache_bytes"], total["draft_compute_bytes"])
