@@ -30,7 +30,7 @@ class CostModel:
     # long prompts: a batch of hundreds of tokens picks nearly every expert, bound by the bus on either
     # path (run 2026-12-03-ubatch-auto)
     long_prompt_upload_bytes_per_s: float = 43e9
-    # the bus: pinned host-to-GPU copies (the GPU machine's, shared/reference/baseline-h200.md: 55.5 GB/s);
+    # the bus: pinned host-to-GPU copies (the GPU machine's: 55.5 GB/s over 1 GiB buffers);
     # the upload and streaming figures above and below were fitted at this rate and scale with it
     h2d_bytes_per_s: float = 55.5e9
     # --- misses computed by the GPU from pinned RAM beside the CPU (run 2026-12-02-stream-share) ---

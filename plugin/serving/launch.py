@@ -313,10 +313,17 @@ def launch_verified(name: str, model: Path, binary: Path, build_id: str, server_
 
 
 def can_record(binary: Path) -> bool:
-    """Whether a llama-server build has RECORD_FLAG (every patched build of this series does)."""
+    """Whether a llama-server build has RECORD_FLAG (every patched build of this series does): from
+    the features its build recorded (build.json beside bin/), else from its --help."""
     from moeplug.native.features import detect_features
 
-    return bool(detect_features(binary).get("moe_cache_record"))
+    manifest = binary.parent.parent / "build.json"
+    try:
+        recorded = json.loads(manifest.read_text()).get("features") if manifest.is_file() else None
+    except (OSError, ValueError):
+        recorded = None
+    features = recorded if isinstance(recorded, dict) else detect_features(binary)
+    return bool(features.get("moe_cache_record"))
 
 
 def _after_probe(url: str, metrics: bool, record: bool) -> dict[str, Any] | None:
