@@ -88,6 +88,7 @@ def test_status_shows_vram_against_the_budget() -> None:
     from dataclasses import replace
 
     from moeplug.commands.install import status_text
+    from moeplug.planner.record import Plan
     from moeplug.serving.monitor import ServerSnapshot, Snapshot
     from moeplug.serving.launch import ServerRecord
     from moeplug.core.sizes import MIB
@@ -95,7 +96,7 @@ def test_status_shows_vram_against_the_budget() -> None:
     record = ServerRecord(name="m", model="/nowhere/m.gguf", pid=1, port=8080, log="/tmp/l", args=["llama-server"],
                           started=0.0, build_id="b")
     over = ServerSnapshot(record=record, alive=True, healthy=True, uptime_s=1.0,
-                          plan={"vram_budget_bytes": 5796 * MIB}, vram_bytes=5896 * MIB)
+                          plan=Plan.from_json({"vram_budget_bytes": 5796 * MIB}), vram_bytes=5896 * MIB)
     servers = [over, replace(over, vram_bytes=5672 * MIB), replace(over, vram_bytes=None), replace(over, plan=None)]
     lines = status_text(Snapshot(taken_at=0.0, servers=servers, gpus=[])).splitlines()
     assert "VRAM of budget" in lines[0]

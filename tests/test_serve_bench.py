@@ -632,7 +632,7 @@ def test_tables_from_says_which_build_stock_ran() -> None:
     """A run written before its rows said which build stock ran is read from the build's id: the committed
     runs passed the patched build as --prebuilt-stock, and --tables-from now says so under every table; a
     row that says, or an id that names neither kind, as it says."""
-    run = SERVE_BENCH.parent / "results" / "2026-12-04-thirtyfifth" / "d" / "short.json"
+    run = SERVE_BENCH.parent / "results" / "2026-12-04-chat-16gib" / "short-answers" / "short.json"
     out = subprocess.run([sys.executable, str(SERVE_BENCH), "--tables-from", str(run)], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr

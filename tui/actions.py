@@ -20,8 +20,10 @@ from typing import Any
 
 def start(name: str) -> Any:
     from moeplug.operations.actions import serve
+    from moeplug.planner.request import PlanChoices
+    from moeplug.serving.launch import ServeOptions
 
-    return serve(name, metrics=True).server  # the dashboard shows measured hit rates
+    return serve(name, PlanChoices(), ServeOptions(metrics=True)).server  # the dashboard shows measured hit rates
 
 
 def restart_counted(name: str) -> Any:

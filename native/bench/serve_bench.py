@@ -1034,7 +1034,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.spec is not None and a.spec != "ngram" and max(ubatches) > DEFAULT_UBATCH:
         ap.error(f"--ubatches above {DEFAULT_UBATCH} with --spec {a.spec}: not planned yet (moeplug plan --ubatch)")
     every_env = server_env(ap, a.env)
-    from moeplug.commands.options import STOCK_VRAM
+    from moeplug.operations.bench import STOCK_VRAM
     from moeplug.planner.server_flags import with_threads
 
     stock_vram = [v.strip() for v in a.stock_vram.split(",") if v.strip()]
@@ -1118,7 +1118,7 @@ def main(argv: list[str] | None = None) -> int:
             variants = [(p, w, s, e, c, x, u, n) for p in policies for w in weights for s in shares for e in envs
                         for c in aheads for x in extras for u in ubatches for n in lengths]
             plans = [plan_for(info, PlanRequest(a.ctx, budget, policy=p.removesuffix("+record"), spec=spec,
-                                                prefill_weight=w, copy_ahead=c, ubatch=u, prompt_tokens=n),
+                                                copy_ahead=c, ubatch=u, prompt_tokens=n).given(prefill_weight=w),
                               profile, build=patched)
                      for p, w, _, _, c, _, u, n in variants]
             load = ["-lm", "none"] if plans[0].load_mode == "pinned" else []

@@ -376,6 +376,8 @@ class BenchOptions:
         if self.stock_vram not in STOCK_VRAM:
             raise MoeplugError(f"stock VRAM {self.stock_vram!r}: one of {', '.join(STOCK_VRAM)}")
         if self.against is not None:
+            against_binary(self.against)  # a missing or unusable binary, or args that do not parse: said first
+            against_arguments(self.against_args or "")
             given = [flag for flag, v in (("--stock-binary", self.stock_binary), ("--stock-threads", self.stock_threads),
                                           ("--stock-ubatch", self.stock_ubatch),
                                           ("--stock-vram budget", self.stock_vram if self.stock_vram != "fit" else None))
