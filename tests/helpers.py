@@ -187,15 +187,12 @@ def plan_with(info: Any, ctx: int, budget: Any, profile_path: Path | None = None
     return make_plan(info, PlanRequest(ctx, budget, **choices), machine, profile, profile_path)
 
 
-def layer_costs_of(info: Any, profile: Any, tokens_per_step: int = 1, prefill_weight: float = 1.0,
-                   copy_ahead: bool = True) -> list:
-    """The planner's per-layer cost curves for a model and profile at llama.cpp's prompt batch."""
+def layer_costs_of(info: Any, profile: Any, prefill_weight: float = 1.0, copy_ahead: bool = True) -> list:
+    """The planner's per-layer cost curves for a model and profile at llama.cpp's prompt batch, one token a step."""
     from moeplug.planner.request import MachineFacts, PlanRequest
-    from moeplug.planner.speculation import Speculation
     from moeplug.planner.stages import layer_costs
 
-    spec = Speculation("draft", "-", tokens_per_step - 1) if tokens_per_step > 1 else None
-    request = PlanRequest(0, spec=spec, prefill_weight=prefill_weight, ubatch=512)
+    request = PlanRequest(0, prefill_weight=prefill_weight, ubatch=512)
     return layer_costs(info, profile, request, MachineFacts(), copy_ahead)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from helpers import CliResult, moeplug, one_line_error, run_cli_process, xdg_homes
+from helpers import moeplug, one_line_error, xdg_homes
 
 from moeplug.model.download import check_disk
 from moeplug.core.errors import MoeplugError

@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import CliResult, moeplug, run_cli_process, xdg_homes
+from helpers import moeplug, xdg_homes
 
 from moeplug.operations.bench import FIT_PAD_MIB, fit_within, raised_fit_target, with_threads
 from moeplug.core.errors import MoeplugError

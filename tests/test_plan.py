@@ -899,7 +899,7 @@ def test_cli_plan_prefill_weight(patched_build, fixture_models, tmp_path: Path) 
         assert r.returncode == 0, r.stderr
         docs[w] = json.loads(r.stdout)
         assert docs[w]["prefill_weight"] == float(w)
-    costs = layer_costs_of(info, read_profile(profile), 1, 1.0)
+    costs = layer_costs_of(info, read_profile(profile), 1.0)
 
     def prompt(slots: list[int]) -> float:
         return sum(float(c.prompt_seconds(np.array(n))) for c, n in zip(costs, slots) if n < info.n_expert)

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
-from helpers import CliResult, fixture_spec, moeplug, run_cli_process, xdg_homes
+from helpers import fixture_spec, moeplug, xdg_homes
 
 XDG = ("XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CONFIG_HOME")
 

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import CliResult, moeplug, run_cli_process, xdg_homes
+from helpers import moeplug, run_cli_process, xdg_homes
 
 XDG = ("XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CONFIG_HOME")
 

@@ -7,7 +7,6 @@ result to the output sink with its text renderer below.
 from __future__ import annotations
 
 import argparse
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any

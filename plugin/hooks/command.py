@@ -64,10 +64,9 @@ def _served(m: Installed) -> tuple[list[str], dict[str, str]]:
     GPUs' free memory now)."""
     if m.placement != "stock":
         return list(m.plan.server_args), m.server_env()
-    from moeplug.machine.gpu import gpus
     from moeplug.planner.server_flags import stock_args
 
-    return stock_args(m.plan, [g.free_bytes for g in gpus()]), {}
+    return stock_args(m.plan), {}
 
 
 def _digest(path: str | None) -> str | None:

@@ -48,7 +48,7 @@ from moeplug.core.paths import logs_dir
 from moeplug.profile.runner import HELDOUT_PROMPT_SET, read_prompts, resolve_prompt_set
 from moeplug.core.progress import Note, ProgressFn, silent
 from moeplug.serving.client import REQUEST_ERRORS, complete, tokenize
-from moeplug.planner.server_flags import stock_args, ubatch_args, with_threads
+from moeplug.planner.server_flags import stock_args, with_threads
 from moeplug.serving.launch import find_record, launch_verified, model_lock, stop
 from moeplug.core.sizes import MIB
 
@@ -433,7 +433,7 @@ def sides_for(m: Any, options: BenchOptions, progress: ProgressFn) -> tuple[dict
     else:
         other, other_label = "stock", "stock"
         stock_build = stock_build_for(mine_build, options.stock_binary or "stock", progress)
-        stock = stock_args(plan, [g.free_bytes for g in gpus()], options.stock_ubatch)
+        stock = stock_args(plan, stock_ubatch=options.stock_ubatch)
         sides["stock"] = Side(with_threads(stock, options.stock_threads) + slots, {},
                               binary=str(stock_build.binary("llama-server")), build_id=stock_build.build_id)
         if options.stock_binary == "patched":

@@ -40,10 +40,12 @@ API (for the planner's side, `install` and the CLI):
                                                  MoeplugError naming the file and the key otherwise
     stored_calibration(build) -> Calibration | None
                                                  this machine's file for the build's fingerprint
-    calibrate_model(text, threads=None, force=False, progress=silent) -> Calibrated
-                                                 the CLI's action: an installed model's name, a model
-                                                 reference or path, or None (the demo); reuses this
-                                                 fingerprint's file unless force (or other threads)
+    costs_for(build, calibration=None) -> CostModel
+                                                 the planner's costs: a file given, else this
+                                                 machine's, else the GPU machine's fitted figures
+
+The command's action (a model resolved, this fingerprint's file reused unless --force) is
+operations.actions.calibrate_model.
 
 A hand-written file (to plan for another machine) needs only `cpu_expert_bytes_per_s`; every other
 key may be left out (None, or empty) and `h2d_bytes_per_s` is the other one worth giving. Keys are
@@ -73,7 +75,7 @@ from moeplug.machine.probes import available_ram_bytes, usable_cores
 from moeplug.model.inspect import ModelInfo, inspect_model
 from moeplug.planner.costs import DEFAULT_COSTS, CostModel
 
-__all__ = ["Calibrated", "Calibration", "calibrate", "calibrate_model", "calibration_dir", "calibration_path",
+__all__ = ["Calibration", "calibrate", "calibration_dir", "calibration_path", "cost_model", "costs_for",
            "machine_fingerprint", "read_calibration", "stored_calibration", "write_calibration"]
 
 GEN_TOKENS = 16  # tokens each decode run generates (after llama-bench's warm-up)

@@ -6,21 +6,16 @@ a running, verified llama-server, its record kept with the installed models (moe
 
 from __future__ import annotations
 
-import json
-import re
-import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from moeplug.core.errors import MoeplugError, NotApplicableError
-from moeplug.core.fsutil import write_text_atomic
 from moeplug.hooks import refresh_hooks
 from moeplug.model.inspect import ModelInfo, inspect_model
 from moeplug.planner.estimates import context_size
 from moeplug.machine.gpu import gpus, one_budget_note, vram_budgets
 from moeplug.core.output import human_bytes
-from moeplug.core.paths import data_dir
 from moeplug.planner.plan import make_plan
 from moeplug.planner.record import Plan, outdated
 from moeplug.planner.costs import CostModel
@@ -31,7 +26,7 @@ from moeplug.machine.probes import available_ram_bytes, usable_cores
 from moeplug.profile.runner import DEFAULT_PROMPT_SETS
 from moeplug.core.progress import Note, ProgressFn, silent
 from moeplug.model.refs import ModelRef, ResolvedModel, parse_ref, resolve_ref
-from moeplug.serving.installed import (InstalledModel, Verdict, installed_dir, list_installed, model_name, read_installed,
+from moeplug.serving.installed import (InstalledModel, Verdict, list_installed, model_name, read_installed,
                                        write_installed)
 from moeplug.serving.launch import ServeOptions
 from moeplug.serving.server import exposure_warning
@@ -245,8 +240,7 @@ def launch_installed(m: InstalledModel, build: Any, serving: ServeOptions) -> An
     from moeplug.serving.launch import launch_verified
 
     plan = m.plan
-    stock = m.placement == "stock"
-    args, env = (stock_args(plan, [g.free_bytes for g in gpus()]), {}) if stock else (plan.server_args, m.server_env())
+    args, env = (stock_args(plan), {}) if m.placement == "stock" else (plan.server_args, m.server_env())
     return launch_verified(m.name, Path(m.path), build.binary("llama-server"), m.build_id, args, plan.ctx, env=env,
                            plan=plan, **serving.launch_options())
 

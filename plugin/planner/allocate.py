@@ -388,7 +388,7 @@ def stream_share(layers: list[LayerCost], slots_per_layer: list[int]) -> tuple[f
         return 0.0, 0.0  # the bus carries a miss slower than the CPU computes it: no share pays its bytes
     total = modelled_seconds([replace(layer, prefill=None) for layer in layers], slots_per_layer)  # decode's
     best = max(((stream_saving(layers, slots_per_layer, s), s) for s in STREAM_SHARES), default=(0.0, 0.0))
-    if total <= 0 or not layers or best[0] < layers[0].costs.stream_min_saving * total:
+    if total <= 0 or best[0] < layers[0].costs.stream_min_saving * total:
         return 0.0, 0.0
     return best[1], best[0]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from moeplug.core.errors import EXIT_USAGE, MoeplugError
 from moeplug.model.inspect import ModelInfo, MoeLayer, scalar_or_max
-from moeplug.core.sizes import GIB, MIB
+from moeplug.core.sizes import GIB
 from moeplug.planner.costs import DEFAULT_COSTS
 
 DEFAULT_UBATCH = 512  # llama-server's physical batch (-ub)

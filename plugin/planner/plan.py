@@ -47,7 +47,9 @@ def make_plan(info: ModelInfo, request: PlanRequest, machine: MachineFacts = Mac
     planner's (UBATCH_AUTO), is chosen among UBATCH_CANDIDATES (choose_ubatch); its copy_ahead, where
     the planner's (None), by plan_copies; its threads, where the planner's, by server_threads."""
     request.check()
-    request = replace(request, prompt_tokens=request.prompt_tokens or None)  # 0: the profile's own prompts
+    budget = request.vram_budget
+    budget = budget[0] if isinstance(budget, list) and len(budget) == 1 else budget  # one GPU's, listed
+    request = replace(request, vram_budget=budget, prompt_tokens=request.prompt_tokens or None)  # 0: the profile's
     if profile is None and profile_path:
         from moeplug.profile.format import read_profile
 
@@ -74,8 +76,6 @@ def ubatch_candidates(request: PlanRequest, profile: Profile | None) -> tuple[in
     no draft model or MTP head (stages.setting refuses those above 512); else each of UBATCH_CANDIDATES up
     to the first that holds a whole prompt."""
     budget, spec, prompt_tokens = request.vram_budget, request.spec, request.prompt_tokens
-    if isinstance(budget, list) and len(budget) == 1:
-        budget = budget[0]
     if (not prompt_tokens or prompt_tokens <= DEFAULT_UBATCH or not isinstance(budget, int) or profile is None
             or request.prefill_weight <= 0 or (spec is not None and spec.kind != "ngram")):
         return (DEFAULT_UBATCH,)

@@ -113,11 +113,16 @@ def fit_target(budget: int | list[int] | None, free: list[int]) -> str:
     return ",".join(str(max(0, (f - b) // MIB)) if f is not None else "0" for f, b in zip(padded, budget))
 
 
-def stock_args(plan: Any, free: list[int], stock_ubatch: int | None = None) -> list[str]:
+def stock_args(plan: Any, free: list[int] | None = None, stock_ubatch: int | None = None) -> list[str]:
     """Stock llama-server as users run it at a plan's budget, its flags beside the model: --fit with each
     GPU's free bytes (`free`) less the budget left over (-fitt, fit_target), the plan's context and load
     mode, llama.cpp's prompt batch unless given. What `moeplug bench` compares with, and what a model
-    is served with where the install's check found the plan slower (operations.check)."""
+    is served with where the install's check found the plan slower (operations.check). free None:
+    the GPUs' free memory now (machine.gpu)."""
+    if free is None:
+        from moeplug.machine.gpu import gpus
+
+        free = [g.free_bytes for g in gpus()]
     load = ["-lm", "none"] if plan.load_mode == "pinned" else []
     return ["-c", str(plan.ctx), "--fit", "on", "-fitt", fit_target(plan.vram_budget_bytes, free), *load,
             *ubatch_args(stock_ubatch or DEFAULT_UBATCH)]

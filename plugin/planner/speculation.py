@@ -44,7 +44,6 @@ from moeplug.core.errors import EXIT_USAGE, MoeplugError
 from moeplug.planner.estimates import compute_buffer_bytes, kv_cache_bytes, logits_bytes, nextn_layers
 from moeplug.planner.fit_estimate import DeviceNeed
 from moeplug.model.inspect import ModelInfo, inspect_model
-from moeplug.core.sizes import MIB
 from moeplug.planner.costs import DEFAULT_COSTS
 
 DEFAULT_DRAFT_MAX = 3  # llama.cpp common.h: common_params_speculative_draft::n_max

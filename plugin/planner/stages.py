@@ -28,11 +28,10 @@ from moeplug.core.sizes import GIB
 from moeplug.model.inspect import ModelInfo
 from moeplug.planner.allocate import (LayerCost, allocate_against_stock, hit_curves, long_prompt_uploads,
                                       modelled_prompt_seconds, modelled_seconds, prefill_uploads, stream_share)
-from moeplug.planner.estimates import (MIN_UBATCH, bytes_per_slot, cache_compute_extra, cache_compute_single_copy,
+from moeplug.planner.estimates import (DEFAULT_UBATCH, MIN_UBATCH, bytes_per_slot, cache_compute_extra, cache_compute_single_copy,
                                        choose_load_mode, compute_buffer_bytes, expert_copy_ahead_bytes,
                                        expert_side_bytes, kv_cache_bytes, stock_ncmoe, ubatch_growth_bytes,
                                        whole_layers_first)
-from moeplug.planner.estimates import DEFAULT_UBATCH
 from moeplug.planner.costs import DEFAULT_COSTS
 from moeplug.planner.multi_gpu import DevicePlan, plan_split
 from moeplug.planner.record import Plan
@@ -84,8 +83,8 @@ class Setting:
 
     @property
     def budget(self) -> int | list[int] | None:
-        budget = self.request.vram_budget
-        return budget[0] if isinstance(budget, list) and len(budget) == 1 else budget
+        """One GPU's budget, one per GPU (two: a list), or None (no GPU); plan.make_plan unlists one GPU's."""
+        return self.request.vram_budget
 
     @property
     def nextn_slots(self) -> list[int]:
@@ -150,8 +149,7 @@ def setting(info: ModelInfo, request: PlanRequest, machine: MachineFacts, profil
             profile_path: Path | None, copy_ahead: bool) -> Setting:
     """The request checked against the model (one-line errors), and what every stage reads."""
     ubatch, spec = request.ubatch, request.spec
-    budget = request.vram_budget
-    if isinstance(budget, list) and len(budget) > 1 and ubatch != DEFAULT_UBATCH:
+    if isinstance(request.vram_budget, list) and ubatch != DEFAULT_UBATCH:
         raise MoeplugError(f"--ubatch {ubatch}: one GPU only (two GPUs are planned for llama.cpp's {DEFAULT_UBATCH})")
     if spec is not None and spec.kind != "ngram" and ubatch > DEFAULT_UBATCH:
         # llama-server's draft context takes the server's batch sizes too (common_base_params_to_speculative),
@@ -473,8 +471,11 @@ def cpu_plan(s: Setting) -> Plan:
 def gpu_plan(s: Setting) -> Plan:
     """A plan for one GPU or two: room, allocation, flags, notes, and the modelled host time of its
     placement beside stock's."""
-    room, alloc = (allocate_two_gpus(s) if isinstance(s.budget, list)
-                   else (lambda r: (r, allocate_one_gpu(s, r)))(room_beside_experts(s)))
+    if isinstance(s.budget, list):
+        room, alloc = allocate_two_gpus(s)
+    else:
+        room = room_beside_experts(s)
+        alloc = allocate_one_gpu(s, room)
     flags = placement_flags(s, alloc)
     lever_flags(s, alloc, flags)
     p = placed(s, alloc.slots, alloc.room)

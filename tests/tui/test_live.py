@@ -9,8 +9,6 @@ import json
 import os
 import shlex
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
