@@ -1,7 +1,8 @@
 """The check at the end of `moeplug install` (operations.check), on the CPU build where it is off by
 default and `--check` forces it: the plan against stock --fit through the same binary, one line of
 ratios, the verdict kept with the model and shown by `list` and `status`; and where the plan is made
-slower on purpose (one CPU thread where stock takes every core), stock's placement served and said.
+slower than the user asks for (`--check-min` above anything the demo reaches), stock's placement
+served and said.
 Real builds, real servers, the demo model in fresh homes.
 """
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import moeplug, xdg_homes
+from helpers import moeplug, one_line_error, xdg_homes
 from moeplug.operations.check import CHECK_SLOWER
 
 pytestmark = pytest.mark.native
@@ -48,15 +49,17 @@ def test_the_check_measures_the_plan_against_stock_and_keeps_its_verdict(home: d
 
 
 def test_a_plan_slower_here_serves_stocks_placement_and_says_so(home: dict[str, str]) -> None:
-    """One thread for the plan's server, every core for stock's: the check finds the plan slower,
-    and the model is served with stock --fit's flags through the same binary."""
-    r = moeplug(home, "install", "demo", "--ctx", "1024", "--check", "--threads", "1", "--json")
+    """The plan held to 50x stock's decode (`--check-min 50`): the demo's slots on the CPU run near
+    stock's speed, so the check finds the plan slower than asked, and the model is served with stock
+    --fit's flags through the same binary. (A plan slowed for real, one thread against every core,
+    does not lose reliably on so small a model: thread start-up costs as much as the arithmetic.)"""
+    r = moeplug(home, "install", "demo", "--ctx", "1024", "--check", "--check-min", "50", "--json")
     assert r.returncode == 0, r.stderr[-3000:]
     try:
         doc = json.loads(r.stdout)
         assert doc["verdict"]["placement"] == "stock", doc["verdict"]
-        assert doc["verdict"]["decode"] < CHECK_SLOWER
-        assert "serving stock's placement: the slots ran" in r.stderr  # the progress line
+        assert doc["verdict"]["bar"] == 50 and 0 < doc["verdict"]["decode"] < 50
+        assert "serving stock's placement: the slots ran" in r.stderr and "below 50.00x" in r.stderr
         args = doc["server"]["args"]
         assert "--moe-cache-slots" not in args and "--fit" in args and "-t" not in args
         status = json.loads(moeplug(home, "status", "--json").stdout)["servers"][0]
@@ -69,3 +72,9 @@ def test_a_plan_slower_here_serves_stocks_placement_and_says_so(home: dict[str, 
         assert "--moe-cache-slots" not in served["args"] and "--fit" in served["args"]
     finally:
         moeplug(home, "stop", "demo")
+
+
+def test_a_bar_out_of_range_is_one_line(home: dict[str, str]) -> None:
+    r = moeplug(home, "install", "demo", "--check", "--check-min", "0", "--no-serve")
+    one_line_error(r, 2, "--check-min", "out of range")
+    assert not (Path(home["XDG_DATA_HOME"]) / "moeplug" / "installed" / "demo.json").exists()

@@ -159,6 +159,7 @@ def install_text(done: Any, width: int | None = None) -> str:
 # the server's prompt batch (-ub): an option of install, plan and serve, and bench's --stock-ubatch
 UBATCH = Number(int, MIN_UBATCH, 65536, "a number of prompt tokens per batch")
 PROMPT_TOKENS = Number(int, 0, 1 << 20, "a prompt length in tokens")
+CHECK_MIN = Number(float, 0.01, 100.0, "a share of stock's decode speed")
 
 
 def ubatch_or_auto(text: str) -> int:
@@ -213,7 +214,7 @@ def cmd_install(args: argparse.Namespace) -> int:
     done = install(args.model, plan_choices(args, parse_spec(args.spec, args.spec_draft_max)),
                    None if args.no_serve else serve_options(args), backend=args.backend, jobs=args.jobs,
                    profile_tokens=args.profile_tokens, prompt_sets=[s for s in args.prompts.split(",") if s],
-                   check=args.check, progress=out.progress)
+                   check=args.check, check_min=args.check_min, progress=out.progress)
     return out.result(done, lambda d: install_text(d, terminal_width()))
 
 
@@ -349,6 +350,10 @@ def register(sub: Any) -> None:
                         "held-out prompts (about a minute) and serve stock's placement where the plan decodes "
                         "slower here (default: on where there is an NVIDIA GPU; --check forces it, --no-check "
                         "skips it)")
+    p.add_argument("--check-min", type=CHECK_MIN, metavar="RATIO",
+                   help="the share of stock's decode speed the plan must reach in the check to be served "
+                        "(default 0.95: a smaller loss is within what one short round resolves; 1.1: serve "
+                        "the slots only where they win by a tenth)")
     p.add_argument("--no-serve", action="store_true", help="stop after planning")
     add_prefill_weight(p)
     add_threads(p)

@@ -46,12 +46,13 @@ def plan_model(model: str, choices: PlanChoices = PlanChoices(), profile: Path |
 def install(text: str, choices: PlanChoices = PlanChoices(), serving: ServeOptions | None = ServeOptions(), *,
             backend: str | None = None, jobs: int = 0, profile_tokens: int | None = None,
             prompt_sets: list[str] | None = None, check: bool | None = None,
-            progress: ProgressFn = silent) -> Installed:
+            check_min: float | None = None, progress: ProgressFn = silent) -> Installed:
     """`moeplug install`: the model installed (operations.install.install), checked against stock
     --fit here (operations.check; check None: where there is a GPU; stock's placement kept where the
-    plan is slower), and with serving options (None: not) served."""
+    plan decodes below check_min of stock's, None: CHECK_SLOWER), and with serving options (None: not)
+    served."""
     from moeplug.machine.gpu import gpus
-    from moeplug.operations.check import check_plan
+    from moeplug.operations.check import CHECK_SLOWER, check_plan
     from moeplug.serving.launch import model_lock
 
     if serving is not None:
@@ -59,7 +60,7 @@ def install(text: str, choices: PlanChoices = PlanChoices(), serving: ServeOptio
     done, build = install_model(text, choices, backend=backend, jobs=jobs, profile_tokens=profile_tokens,
                                 prompt_sets=prompt_sets, progress=progress)
     if check if check is not None else bool(gpus()):
-        verdict = check_plan(done.name, progress)
+        verdict = check_plan(done.name, CHECK_SLOWER if check_min is None else check_min, progress)
         with model_lock(done.name, progress):
             write_installed(replace(read_installed(done.name), verdict=verdict))
         progress(Note(f"{done.name}: {verdict.why()}"))

@@ -36,6 +36,7 @@ class Verdict:
     prompts: int
     budget_bytes: int | list[int] | None
     checked_at: float
+    bar: float = 0.95  # the share of stock's decode below which stock's placement is served
 
     def line(self) -> str:
         """'here: decode 1.31x, prefill 1.12x of stock --fit at 12.00 GiB, 3 prompts'"""
@@ -48,8 +49,8 @@ class Verdict:
     def why(self) -> str:
         """Why this placement is served, in one line."""
         if self.placement == "stock":
-            return (f"serving stock's placement: the slots ran {_ratio(self.decode)} here; 'moeplug bench' to look "
-                    f"closer")
+            return (f"serving stock's placement: the slots ran {_ratio(self.decode)} here, below {_ratio(self.bar)}; "
+                    f"'moeplug bench' to look closer")
         return "serving moeplug's plan: " + self.line()
 
     def to_json(self) -> dict[str, Any]:
