@@ -35,7 +35,7 @@ from moeplug.core.runlog import run_logged
 # The programs moeplug runs. The patched build adds our router profiler and our native tests;
 # the stock build adds llama-eval-callback, the independent route the profiler's recorded ids
 # are checked against.
-TARGETS = ("llama-server", "llama-cli", "llama-bench")
+TARGETS = ("llama-server", "llama-cli", "llama-bench", "ggml-rpc-server")
 PATCHED_TARGETS = (
     *TARGETS, "llama-moe-profile", "llama-eval-callback", "test-moe-split", "test-moe-cache", "test-llama-archs",
     "llama-fit-params",
@@ -57,6 +57,11 @@ OFFLINE_CMAKE_FLAGS = (
     # programs find their shared libraries beside them, so the bin/ folder can be moved
     "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON",
 )
+
+# llama.cpp's RPC backend compiled in (llama-server --rpc HOST:PORT adds remote devices) and its
+# ggml-rpc-server, which serves a machine's devices to another's llama-server (serving.rpc); the
+# sanitized builds, which serve no remote device, go without
+RPC_CMAKE_FLAGS = ("-DGGML_RPC=ON",)
 
 # AddressSanitizer and UndefinedBehaviorSanitizer through llama.cpp's own options (ggml's and
 # llama's: each covers its own libraries), at -O1 with line tables so that 2 cores build it in
@@ -211,6 +216,8 @@ def cmake_args(opts: BuildOptions, tree: Path, build_dir: Path, info: tuple[int,
         args += [f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}"]
     if opts.sanitize:
         args += SANITIZE_CMAKE_FLAGS  # after OFFLINE_CMAKE_FLAGS: its build type wins
+    else:
+        args += RPC_CMAKE_FLAGS
     if opts.backend == "cuda":
         args += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={opts.cuda_arch}"]
         nvcc = find_nvcc()
