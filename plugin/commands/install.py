@@ -196,7 +196,8 @@ def plan_choices(args: argparse.Namespace, spec: Any) -> Any:
     return PlanChoices(vram_budget=args.vram_budget, ctx=args.ctx, ctx_override=args.ctx_override, spec=spec,
                        prefill_weight=args.prefill_weight, threads=args.threads, ubatch=args.ubatch,
                        prompt_tokens=args.prompt_tokens,
-                       calibration=str(Path(args.calibration).resolve()) if args.calibration else None)
+                       calibration=str(Path(args.calibration).resolve()) if args.calibration else None,
+                       rpc=args.rpc, rpc_budget=args.rpc_budget)
 
 
 def serve_options(args: argparse.Namespace) -> Any:

@@ -89,6 +89,39 @@ class Budgets:
         return [self.item(p.strip()) for p in parts]
 
 
+class RpcHosts:
+    """--rpc: the rpc-servers whose devices hold layers, HOST:PORT comma-separated (machine.rpc), as
+    endpoints; "none": no remote device (an installed model's dropped)."""
+
+    __name__ = "rpc-servers"
+
+    def __call__(self, text: str) -> tuple[str, ...]:
+        from moeplug.machine.rpc import parse_rpc
+
+        if text.strip().lower() == "none":
+            return ()
+        try:
+            return tuple(h.endpoint for h in parse_rpc(text))
+        except MoeplugError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix("--rpc ")) from None
+
+
+class RpcBudgets:
+    """--rpc-budget: one size per remote device, in llama.cpp's order (RPC0, RPC1, ...)."""
+
+    __name__ = "remote budgets"
+
+    def __init__(self) -> None:
+        self.item = Size(what="a remote device's budget")
+
+    def __call__(self, text: str) -> list[int]:
+        parts = text.split(",")
+        if any(not p.strip() for p in parts):
+            raise argparse.ArgumentTypeError(f"{text!r} has an empty budget: expected one size per remote device, "
+                                             f"like 20GiB,8GiB")
+        return [self.item(p.strip()) for p in parts]
+
+
 class IntList:
     """Comma-separated integers in [lo, hi], returned sorted and without repeats (e.g. 8,16,32)."""
 
@@ -182,6 +215,12 @@ def add_plan_options(p: argparse.ArgumentParser, budget_help: str, ctx_help: str
                    help="plan with the costs in this calibration file (what 'moeplug calibrate' writes, or one "
                         "written by hand to plan for another machine; default: this machine's own calibration, "
                         "else the GPU machine's fitted figures); kept with an installed model's plan")
+    p.add_argument("--rpc", type=RpcHosts(), metavar="HOST:PORT[,...]", default=None,
+                   help="llama.cpp rpc-servers on other machines ('moeplug rpc-server' there) whose devices hold "
+                        "layers: whole layers, before this machine's GPU; 'none' drops them (kept with an installed "
+                        "model's plan)")
+    p.add_argument("--rpc-budget", type=RpcBudgets(), metavar="SIZE[,...]", default=None,
+                   help="what each remote device may hold, in the order of --rpc (default: its free memory)")
 
 
 def listen_address(text: str) -> str:

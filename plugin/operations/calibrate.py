@@ -102,6 +102,7 @@ class Calibration:
     h2d_bytes_per_s: float | None = None  # pinned host memory to GPU 0
     prompt_upload_bytes_per_s: float | None = None  # a prompt batch's expert uploads, stock's path
     gpu_miss_bytes_per_s: float | None = None  # the GPU on misses read from host memory
+    rpc_hop_s: float | None = None  # a step's activations to a remote device (--rpc) and back
     measured_at: str | None = None  # ISO 8601, UTC
     threads: int | None = None  # the CPU threads the figures hold for
     build_id: str | None = None
@@ -152,7 +153,7 @@ def _checked(doc: Any, source: str) -> dict[str, Any]:
             if not _number(value) or value <= 0:
                 raise bad(key, "a positive number of bytes per second")
             out[key] = float(value)
-        elif key == "round_trip_s":
+        elif key in ("round_trip_s", "rpc_hop_s"):
             if not _number(value) or value < 0:
                 raise bad(key, "a number of seconds, 0 or more")
             out[key] = float(value)
@@ -454,7 +455,8 @@ def calibrate(build: Any, model: Path | None = None, threads: int | None = None,
 def cost_model(cal: Calibration, source: str) -> CostModel:
     """The planner's cost model from a calibration (CostModel.from_measured: the rest the GPU machine's)."""
     return CostModel.from_measured(cal.cpu_expert_bytes_per_s, cal.h2d_bytes_per_s, cal.round_trip_s,
-                                   cal.prompt_upload_bytes_per_s, cal.gpu_miss_bytes_per_s, source=source)
+                                   cal.prompt_upload_bytes_per_s, cal.gpu_miss_bytes_per_s, cal.rpc_hop_s,
+                                   source=source)
 
 
 def costs_for(build: Any, calibration: Path | None = None) -> CostModel:

@@ -133,10 +133,45 @@ def probe_machine(info: ModelInfo, request: PlanRequest, build: Any = None,
     fit_tool = build.binary("llama-fit-params") if build is not None else None
     need = gpu_need(fit_tool, info.path, request.ctx) if fit_tool is not None and one_gpu else None
     note = one_budget_note(budget, found)
+    remote, remote_notes = remote_for(request, build, progress)
     facts = MachineFacts(ram_available=available_ram_bytes(), cpu_cores=usable_cores(), need=need,
                          draft_need=draft_need_for(request.spec, request.ctx, fit_tool if one_gpu else None),
-                         costs=machine_costs(request, build, bool(found), progress), notes=(note,) if note else ())
+                         costs=machine_costs(request, build, bool(found), progress),
+                         notes=((note,) if note else ()) + remote_notes, remote=remote)
     return replace(request, vram_budget=budget), facts
+
+
+def remote_for(request: PlanRequest, build: Any, progress: ProgressFn = silent) -> tuple[tuple[Any, ...], tuple[str, ...]]:
+    """The devices of the request's rpc-servers as llama.cpp lists them with `build` (else the newest
+    patched build here), and what the plan says of them: a warning for each server beyond loopback and
+    private networks (rpc-server has no authentication)."""
+    from moeplug.machine.rpc import exposure, parse_rpc, remote_devices
+
+    if not request.rpc:
+        return (), ()
+    hosts = parse_rpc(",".join(request.rpc))
+    server = (build or rpc_build()).binary("llama-server")
+    progress(Note(f"asking {', '.join(request.rpc)} for the devices they serve"))
+    devices = tuple(remote_devices(server, hosts))
+    if request.rpc_budget and len(request.rpc_budget) > len(devices):
+        raise MoeplugError(f"--rpc-budget gives {len(request.rpc_budget)} budgets but the rpc-servers offer "
+                           f"{len(devices)} device{'s' if len(devices) != 1 else ''}: one per remote device")
+    warnings = tuple(w for w in (exposure(h.host) for h in hosts) if w)
+    for w in warnings:
+        progress(Note(w))
+    return devices, warnings
+
+
+def rpc_build() -> Any:
+    """The newest patched, unsanitized build here with ggml-rpc-server (what lists remote devices when
+    no model's build is at hand), or an error saying how to make one."""
+    from moeplug.native.build import installed_builds
+
+    found = [b for b in installed_builds() if not b.manifest.get("stock") and not b.manifest.get("sanitize")
+             and (b.bin_dir / "ggml-rpc-server").exists()]
+    if not found:
+        raise MoeplugError("--rpc: no build with llama.cpp's RPC backend here: run 'moeplug native build' first")
+    return max(found, key=lambda b: b.path.stat().st_mtime)
 
 
 def machine_costs(request: PlanRequest, build: Any, has_gpu: bool, progress: ProgressFn = silent) -> CostModel:

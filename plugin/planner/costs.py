@@ -73,6 +73,10 @@ class CostModel:
     # prompt batches of this many tokens or more go to the GPU with their misses copied over, where
     # llama.cpp sends batches below 32 tokens to the CPU (run 2026-12-04-short-prompts-gpu)
     short_prompt_offload: int = 8
+    # a remote device (llama.cpp's RPC backend): a step's activations to its host and back, for each run
+    # of its layers and each of its layers computed partly here. Not measured on the GPU machine: a
+    # gigabit LAN's round trip with a few KB each way, taken high; `moeplug calibrate --rpc` measures it
+    rpc_hop_s: float = 1e-3
     # where the figures come from: GPU_MACHINE, or a calibration of this machine
     source: str = GPU_MACHINE
 
@@ -82,7 +86,8 @@ class CostModel:
     @classmethod
     def from_measured(cls, cpu_expert_bytes_per_s: float, h2d_bytes_per_s: float | None = None,
                       round_trip_s: float | None = None, prompt_upload_bytes_per_s: float | None = None,
-                      gpu_miss_bytes_per_s: float | None = None, source: str = "measured") -> CostModel:
+                      gpu_miss_bytes_per_s: float | None = None, rpc_hop_s: float | None = None,
+                      source: str = "measured") -> CostModel:
         """The cost model of a machine from what was measured there (operations.calibrate), the GPU
         machine's figures for the rest. What the bus carries scales with the bus: the prompt batches'
         upload rates (unless stock's prompt path was measured, prompt_upload_bytes_per_s: the cache's
@@ -105,7 +110,7 @@ class CostModel:
                        long_prompt_upload_bytes_per_s=d.long_prompt_upload_bytes_per_s * scale,
                        stream_gpu_ratio=gpu_s_per_byte / cpu_s_per_byte,
                        dynamic_uploads=uploads_at(d.dynamic_uploads, scale),
-                       source=source)
+                       rpc_hop_s=rpc_hop_s if rpc_hop_s is not None else d.rpc_hop_s, source=source)
 
     def describe(self) -> str:
         """One line for the plan's table: where the figures come from and the ones a machine changes most."""

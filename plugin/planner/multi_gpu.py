@@ -56,15 +56,24 @@ from moeplug.planner.estimates import (compute_buffer_bytes, expert_copy_ahead_b
 from moeplug.model.inspect import ModelInfo
 from moeplug.core.sizes import GIB
 from moeplug.planner.speculation import Speculation, draft_compute_bytes, nextn_blocks, read_draft
-from moeplug.planner.split import layer_devices, split_for
+from moeplug.planner.split import layer_devices, split_counts
 from moeplug.planner.costs import DEFAULT_COSTS
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
 
 
+@dataclass(frozen=True)
+class SplitDevice:
+    """A device the layers are split over, in llama.cpp's order (remote devices first)."""
+
+    name: str  # CUDA0, CUDA1: CUDA device order; RPC0, RPC1: llama.cpp's names of remote devices
+    budget: int
+    endpoint: str | None = None  # a remote device's rpc-server (HOST:PORT); None: a GPU of this machine
+
+
 @dataclass
 class DevicePlan:
-    device: str  # CUDA0, CUDA1: CUDA device order
+    device: str  # CUDA0, CUDA1: CUDA device order; RPC0, ...: remote devices (machine.rpc)
     budget_bytes: int
     blocks: list[int]  # the repeating layers (blocks) on this GPU, in order
     output: bool  # the output layer is here (with every tensor outside the blocks)
@@ -80,6 +89,7 @@ class DevicePlan:
     draft_weights_bytes: int = 0
     draft_kv_cache_bytes: int = 0
     draft_compute_bytes: int = 0
+    endpoint: str | None = None  # a remote device's rpc-server; None: a GPU of this machine
 
     @property
     def draft_bytes(self) -> int:
@@ -95,7 +105,8 @@ class DevicePlan:
         return self.budget_bytes - self.used_bytes
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self) | {"used_bytes": self.used_bytes, "headroom_bytes": self.headroom_bytes}
+        doc = asdict(self) | {"used_bytes": self.used_bytes, "headroom_bytes": self.headroom_bytes}
+        return doc if self.endpoint else {k: v for k, v in doc.items() if k != "endpoint"}
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> DevicePlan:
@@ -153,11 +164,12 @@ class DraftSplit:
         self.compute = draft_compute_bytes(self.model) if self.kind else 0
 
     def share(self, proportions: list[int]) -> DraftShare:
+        m = len(proportions)
         if self.kind is None:
-            return DraftShare([0, 0], [0, 0], [0, 0])
+            return DraftShare([0] * m, [0] * m, [0] * m)
         n = self.model.n_layer
         where = layer_devices(n, proportions, 99)  # -ngld 99 (the target's blocks: -ngl 99)
-        weights, kv, held = [0, 0], [0, 0], [False, False]
+        weights, kv, held = [0] * m, [0] * m, [False] * m
         for b in range(n):
             if where[b] is not None and (self.per_block[b] or self.kv[b]):
                 weights[where[b]] += self.per_block[b]
@@ -177,71 +189,122 @@ def _device_slots(info: ModelInfo, costs: list[LayerCost], idx: list[int], room:
     return whole_layers_first(info, room, [info.layers[i] for i in idx])
 
 
-def plan_split(info: ModelInfo, trunk: ModelInfo, ctx: int, budgets: list[int], costs: list[LayerCost],
-               profiled: bool, spec: Speculation | None = None) -> SplitPlan:
-    """The split point and per-GPU slots for two budgets (module docstring). info: the whole model
-    (its blocks are what llama.cpp splits); trunk: its MoE layers that take slots (costs are
-    theirs); spec: speculative decoding, whose draft each GPU holds its share of."""
-    if len(budgets) != 2:
-        raise MoeplugError(f"moeplug plans one or two GPUs, not {len(budgets)}")
+class _Split:
+    """What every split point is weighed with: each block's bytes and the model's costs (plan_split)."""
+
+    def __init__(self, info: ModelInfo, trunk: ModelInfo, ctx: int, devices: list[SplitDevice],
+                 costs: list[LayerCost], profiled: bool, spec: Speculation | None, hop_s: float):
+        self.info, self.trunk, self.devices, self.costs, self.profiled, self.hop_s = (info, trunk, devices, costs,
+                                                                                      profiled, hop_s)
+        self.draft = DraftSplit(info, ctx, spec)
+        self.per_block, self.outside = bytes_by_block(info)
+        if self.draft.kind == "mtp":  # the NextN blocks' weights are the draft's (all of them, experts included)
+            self.per_block = [0 if self.draft.per_block[b] else self.per_block[b] for b in range(info.n_layer)]
+        self.kv = kv_cache_bytes_per_block(info, ctx)
+        self.compute = compute_buffer_bytes(info) + DEFAULT_COSTS.cuda_pool_headroom
+        with_experts, _ = bytes_by_block(info, experts=True)
+        self.whole_block = [with_experts[b] + self.kv[b] for b in range(info.n_layer)]
+
+    def whole_blocks(self, budget: int, start: int) -> int:
+        """How many blocks from `start` a device holds whole (experts and KV cache) within `budget`."""
+        room, b = budget - self.compute - DEFAULT_COSTS.safety_margin, start
+        while b < self.info.n_layer and self.whole_block[b] <= room:
+            room -= self.whole_block[b]
+            b += 1
+        return b - start
+
+    def weigh(self, block_sets: list[list[int]], output: list[bool]) -> tuple[tuple, SplitPlan] | int:
+        """The slots of one split (each device's blocks, and which holds the output layer), its key
+        (modelled time, the smallest headroom, the split point), or the bytes the fullest device lacks."""
+        counts = [len(blocks) + int(out) for blocks, out in zip(block_sets, output)]
+        proportions = split_counts(self.info.n_layer, counts)
+        share = self.draft.share(proportions)
+        devices = [DevicePlan(d.name, d.budget, blocks, output[i], 0, 0, 0,
+                              sum(self.per_block[b] for b in blocks) + (self.outside if output[i] else 0),
+                              sum(self.kv[b] for b in blocks), self.compute, DEFAULT_COSTS.safety_margin, 0,
+                              share.weights[i], share.kv_cache[i], share.compute[i], d.endpoint)
+                   for i, (d, blocks) in enumerate(zip(self.devices, block_sets))]
+        rooms = [dev.headroom_bytes for dev in devices]
+        if min(rooms) < 0:
+            return -min(rooms)
+        self.copies_ahead(devices, rooms)
+        slots, seconds = [0] * len(self.trunk.layers), 0.0
+        for d, dev in enumerate(devices):
+            seconds += self.place(dev, rooms[d], slots)
+        key = (round(seconds, 12), -min(dev.headroom_bytes for dev in devices), counts[0])  # equal: to the picosecond
+        return key, SplitPlan(proportions, slots, devices, sum(rooms))
+
+    def copies_ahead(self, devices: list[DevicePlan], rooms: list[int]) -> None:
+        """Prompt batches go to the first GPU of this machine, whose cache copies their experts ahead
+        there (plan.py): a second weight copy in its compute buffer where its layers keep experts in RAM."""
+        first = next((i for i, dev in enumerate(devices) if dev.endpoint is None), None)
+        if first is None or not self.profiled:
+            return
+        held = set(devices[first].blocks)
+        layers = [layer for layer in self.trunk.layers if layer.block in held]
+        if rooms[first] < sum(layer.expert_bytes for layer in layers):
+            ahead = min(expert_copy_ahead_bytes(self.trunk, layers), rooms[first])
+            devices[first].compute_bytes += ahead
+            rooms[first] -= ahead
+
+    def place(self, dev: DevicePlan, room: int, slots: list[int]) -> float:
+        """The device's whole layers and slots within its room (into `slots`), and their modelled time:
+        a remote device's layers cost a hop there and back per step, and each of its layers not whole
+        one more, its misses computed on this machine's CPU."""
+        held = set(dev.blocks)
+        idx = [i for i, layer in enumerate(self.trunk.layers) if layer.block in held]
+        got = _device_slots(self.trunk, self.costs, idx, room, self.profiled)
+        for i, n in zip(idx, got):
+            slots[i] = n
+        dev.moe_layers = len(idx)
+        dev.whole_layers = sum(n >= self.info.n_expert for n in got)
+        dev.slots = sum(n for n in got if n < self.info.n_expert)
+        dev.expert_vram_bytes = sum(n * self.trunk.layers[i].bytes_per_expert for i, n in zip(idx, got))
+        seconds = modelled_seconds([self.costs[i] for i in idx], got)
+        if dev.endpoint is not None and dev.blocks:
+            seconds += 2 * self.hop_s * (1 + dev.moe_layers - dev.whole_layers)
+        return seconds
+
+
+def plan_split(info: ModelInfo, trunk: ModelInfo, ctx: int, devices: list[SplitDevice], costs: list[LayerCost],
+               profiled: bool, spec: Speculation | None = None, hop_s: float = 0.0) -> SplitPlan:
+    """The split and per-device slots (module docstring). info: the whole model (its blocks are what
+    llama.cpp splits); trunk: its MoE layers that take slots (costs are theirs); devices: in llama.cpp's
+    order, remote ones first: all but the last two take whole blocks from the first block on, as many
+    as their budget holds, and the split point between the last two is searched; spec: speculative
+    decoding, whose draft each device holds its share of; hop_s: a remote device's round trip."""
     n = info.n_layer
     if n + 1 > 99:  # the split is planned for -ngl covering every layer, and the flags say -ngl 99
-        raise MoeplugError(f"{info.path}: {n} blocks: two-GPU plans cover models of at most 98 blocks")
-    draft = DraftSplit(info, ctx, spec)
-    per_block, outside = bytes_by_block(info)
-    if draft.kind == "mtp":  # the NextN blocks' weights are the draft's (all of them, experts included)
-        per_block = [0 if draft.per_block[b] else per_block[b] for b in range(n)]
-    kv = kv_cache_bytes_per_block(info, ctx)
-    compute = compute_buffer_bytes(info) + DEFAULT_COSTS.cuda_pool_headroom
-    best: tuple[float, float, int] | None = None
+        raise MoeplugError(f"{info.path}: {n} blocks: split plans cover models of at most 98 blocks")
+    split = _Split(info, trunk, ctx, devices, costs, profiled, spec, hop_s)
+    prefix: list[list[int]] = []
+    start = 0
+    for d in devices[:-2]:
+        taken = split.whole_blocks(d.budget, start)
+        prefix.append(list(range(start, start + taken)))
+        start += taken
+    best: tuple | None = None
     chosen: SplitPlan | None = None
     least_over = None
-    for k in range(n + 2):
-        block_sets = [list(range(0, min(k, n))), list(range(min(k, n), n))]
-        output = [k > n, k <= n]
-        proportions = split_for(n, k)
-        share = draft.share(proportions)
-        devices, rooms = [], []
-        for d, blocks in enumerate(block_sets):
-            fixed_ne = sum(per_block[b] for b in blocks) + (outside if output[d] else 0)
-            fixed_kv = sum(kv[b] for b in blocks)
-            dev = DevicePlan(f"CUDA{d}", budgets[d], blocks, output[d], 0, 0, 0, fixed_ne, fixed_kv, compute,
-                             DEFAULT_COSTS.safety_margin, 0, share.weights[d], share.kv_cache[d], share.compute[d])
-            rooms.append(dev.headroom_bytes)
-            devices.append(dev)
-        if min(rooms) < 0:
-            over = -min(rooms)
-            least_over = over if least_over is None else min(least_over, over)
+    points = range(start, n + 2) if len(devices) > 1 else [n + 1]
+    for k in points:
+        tail = [list(range(start, min(k, n))), list(range(min(k, n), n))][:len(devices) - len(prefix)]
+        output = [False] * len(prefix) + ([k > n, k <= n] if len(tail) == 2 else [True])
+        found = split.weigh(prefix + tail, output)
+        if isinstance(found, int):
+            least_over = found if least_over is None else min(least_over, found)
             continue
-        # prompt batches go to the first GPU, whose cache copies their experts ahead there (plan.py): a second
-        # weight copy in its compute buffer where its layers keep experts in RAM
-        on_first = set(block_sets[0])
-        first = [layer for layer in trunk.layers if layer.block in on_first]
-        if profiled and rooms[0] < sum(layer.expert_bytes for layer in first):
-            ahead = min(expert_copy_ahead_bytes(trunk, first), rooms[0])
-            devices[0].compute_bytes += ahead
-            rooms[0] -= ahead
-        slots = [0] * len(trunk.layers)
-        seconds = 0.0
-        for d, dev in enumerate(devices):
-            held = set(dev.blocks)
-            idx = [i for i, layer in enumerate(trunk.layers) if layer.block in held]
-            got = _device_slots(trunk, costs, idx, rooms[d], profiled)
-            for i, s in zip(idx, got):
-                slots[i] = s
-            seconds += modelled_seconds([costs[i] for i in idx], got)
-            dev.moe_layers = len(idx)
-            dev.whole_layers = sum(s >= info.n_expert for s in got)
-            dev.slots = sum(s for s in got if s < info.n_expert)
-            dev.expert_vram_bytes = sum(s * trunk.layers[i].bytes_per_expert for i, s in zip(idx, got))
-        key = (round(seconds, 12), -min(dev.headroom_bytes for dev in devices), k)  # equal: to the picosecond
-        if best is None or key < best:
-            best = key
-            chosen = SplitPlan(proportions, slots, devices, sum(rooms))
+        if best is None or found[0] < best:
+            best, chosen = found
     if chosen is None:
-        also = " and the draft's share" if draft.kind else ""
-        raise MoeplugError(f"the budgets of {budgets[0] / GIB:.2f} and {budgets[1] / GIB:.2f} GiB do not hold the "
-                           f"model's other weights, KV cache and buffers{also} however the layers are split (one GPU "
-                           f"lacks at least {(least_over or 0) / GIB:.2f} GiB): lower --ctx or use a smaller quant"
-                           + (" or plan without --spec" if draft.kind else ""))
+        raise MoeplugError(no_split(devices, least_over or 0, split.draft.kind))
     return chosen
+
+
+def no_split(devices: list[SplitDevice], over: int, draft: str | None) -> str:
+    """The one line for budgets that hold the model's other weights however its layers are split."""
+    budgets = " and ".join(f"{d.budget / GIB:.2f}" for d in devices)
+    also = " and the draft's share" if draft else ""
+    return (f"the budgets of {budgets} GiB do not hold the model's other weights, KV cache and buffers{also} however "
+            f"the layers are split (one device lacks at least {over / GIB:.2f} GiB): lower --ctx or use a smaller "
+            f"quant" + (" or plan without --spec" if draft else ""))

@@ -76,7 +76,7 @@ def ubatch_candidates(request: PlanRequest, profile: Profile | None) -> tuple[in
     no draft model or MTP head (stages.setting refuses those above 512); else each of UBATCH_CANDIDATES up
     to the first that holds a whole prompt."""
     budget, spec, prompt_tokens = request.vram_budget, request.spec, request.prompt_tokens
-    if (not prompt_tokens or prompt_tokens <= DEFAULT_UBATCH or not isinstance(budget, int) or profile is None
+    if (not prompt_tokens or prompt_tokens <= DEFAULT_UBATCH or not isinstance(budget, int) or request.rpc or profile is None
             or request.prefill_weight <= 0 or (spec is not None and spec.kind != "ngram")):
         return (DEFAULT_UBATCH,)
     out = []

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from moeplug.core.errors import MoeplugError
+from moeplug.machine.rpc import RemoteDevice
 from moeplug.planner.allocate import PREFILL_WEIGHT
 from moeplug.planner.costs import DEFAULT_COSTS, CostModel
 from moeplug.planner.estimates import MIN_UBATCH
@@ -46,6 +47,10 @@ class PlanRequest:
     # a calibration file to plan with (a machine's measured costs: operations.calibrate), or None: this
     # machine's own calibration where it has one, else the GPU machine's figures
     calibration: str | None = None
+    # remote devices: the rpc-servers (HOST:PORT, machine.rpc) whose devices hold layers, and a budget
+    # per remote device in llama.cpp's order (None: each device's free memory)
+    rpc: tuple[str, ...] = ()
+    rpc_budget: list[int] | None = None
 
     def check(self) -> None:
         """The one-line errors for choices no plan can take."""
@@ -56,6 +61,11 @@ class PlanRequest:
             raise MoeplugError(f"--prompt-tokens {self.prompt_tokens}: 0 or more")
         if self.policy not in POLICIES:
             raise MoeplugError(f"slot policy {self.policy!r}: one of {', '.join(POLICIES)}")
+        if self.rpc_budget and not self.rpc:
+            raise MoeplugError("--rpc-budget: there is no --rpc host to give budgets to")
+        if self.rpc and self.spec is not None and self.spec.kind != "ngram":
+            raise MoeplugError(f"--spec {self.spec.kind} with --rpc: a draft's share on remote devices is not planned "
+                               f"yet; --spec ngram, or no --rpc")
 
     def given(self, **changes: Any) -> PlanRequest:
         """This request with the choices given now (None: not given, this request's stands). Setting
@@ -67,13 +77,14 @@ class PlanRequest:
         return replace(self, **given)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self) | {"spec": self.spec.to_json() if self.spec else None}
+        doc = asdict(self) | {"spec": self.spec.to_json() if self.spec else None, "rpc": list(self.rpc)}
+        return doc if self.rpc else {k: v for k, v in doc.items() if k not in ("rpc", "rpc_budget")}
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> PlanRequest:
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in doc.items() if k in known}
-        return cls(**(values | {"spec": Speculation.from_json(doc.get("spec"))}))
+        return cls(**(values | {"spec": Speculation.from_json(doc.get("spec")), "rpc": tuple(doc.get("rpc") or ())}))
 
 
 @dataclass(frozen=True)
@@ -89,6 +100,7 @@ class MachineFacts:
     expert_room: int | None = None  # VRAM for the experts where measured better than any estimate (benchmarks)
     costs: CostModel = DEFAULT_COSTS
     notes: tuple[str, ...] = ()  # what the probe has to say in the plan (e.g. one budget for two GPUs)
+    remote: tuple[RemoteDevice, ...] = ()  # the devices of the request's rpc-servers (machine.rpc), in order
 
 
 @dataclass(frozen=True)
@@ -106,12 +118,15 @@ class PlanChoices:
     ubatch: int | None = None
     prompt_tokens: int | None = None
     calibration: str | None = None
+    rpc: tuple[str, ...] | None = None  # () drops an installed model's remote devices
+    rpc_budget: list[int] | None = None
 
     @property
     def changes_plan(self) -> bool:
         """Whether anything is given that a re-plan of an installed model must weigh."""
         return (any(v is not None for v in (self.vram_budget, self.ctx, self.prefill_weight, self.threads,
-                                            self.ubatch, self.prompt_tokens, self.calibration))
+                                            self.ubatch, self.prompt_tokens, self.calibration, self.rpc,
+                                            self.rpc_budget))
                 or self.spec != KeepInstalled())
 
     def over(self, asked: PlanRequest, ctx: int, budget_kept: bool = True) -> PlanRequest:
@@ -122,6 +137,8 @@ class PlanChoices:
             if isinstance(self.spec, KeepInstalled) else self.spec
         request = asked.given(prefill_weight=self.prefill_weight, threads=self.threads, ubatch=self.ubatch,
                               prompt_tokens=self.prompt_tokens, calibration=self.calibration,
-                              vram_budget=self.vram_budget)
+                              vram_budget=self.vram_budget, rpc=self.rpc, rpc_budget=self.rpc_budget)
+        if self.rpc == ():
+            request = replace(request, rpc_budget=None)
         budget = request.vram_budget if budget_kept or self.vram_budget is not None else None
         return replace(request, ctx=ctx, spec=spec, vram_budget=budget)

@@ -67,7 +67,15 @@ def split_for(n_layer: int, first: int) -> list[int]:
     on the first device and the rest, output layer included, on the second."""
     if not 0 <= first <= n_layer + 1:
         raise ValueError(f"the first device's layer count must be 0..{n_layer + 1}")
-    proportions = [first, n_layer + 1 - first]
-    want = [0] * first + [1] * (n_layer + 1 - first)
-    assert layer_devices(n_layer, proportions) == want, (n_layer, first)
-    return proportions
+    return split_counts(n_layer, [first, n_layer + 1 - first])
+
+
+def split_counts(n_layer: int, counts: list[int]) -> list[int]:
+    """--tensor-split proportions (-ngl covering every layer) that put counts[d] of the n_layer + 1
+    layers on device d, in order (blocks first, the output layer last): the counts themselves, as
+    for two devices (split_for), checked against llama.cpp's arithmetic."""
+    if sum(counts) != n_layer + 1 or min(counts) < 0:
+        raise ValueError(f"the layer counts must be 0 or more and add up to {n_layer + 1}")
+    want = [d for d, c in enumerate(counts) for _ in range(c)]
+    assert layer_devices(n_layer, counts) == want, (n_layer, counts)
+    return list(counts)

@@ -33,7 +33,7 @@ from moeplug.planner.estimates import (DEFAULT_UBATCH, MIN_UBATCH, bytes_per_slo
                                        expert_side_bytes, kv_cache_bytes, stock_ncmoe, ubatch_growth_bytes,
                                        whole_layers_first)
 from moeplug.planner.costs import DEFAULT_COSTS
-from moeplug.planner.multi_gpu import DevicePlan, plan_split
+from moeplug.planner.multi_gpu import DevicePlan, SplitDevice, plan_split
 from moeplug.planner.record import Plan
 from moeplug.planner.request import MachineFacts, PlanRequest
 from moeplug.planner.server_flags import (OFFLOAD_MIN_BATCH_FLAG, dynamic_args, experts_in_ram_args, placement_args,
@@ -87,6 +87,24 @@ class Setting:
         return self.request.vram_budget
 
     @property
+    def split_devices(self) -> list[SplitDevice] | None:
+        """The devices the layers are split over, in llama.cpp's order (remote devices first, each at
+        its budget: request.rpc_budget, else its free memory), where there are remote devices or two
+        GPUs; None for one GPU or none."""
+        budget, remote = self.budget, self.machine.remote
+        local = budget if isinstance(budget, list) else [] if budget is None else [budget]
+        if not remote:
+            return [SplitDevice(f"CUDA{i}", b) for i, b in enumerate(local)] if len(local) > 1 else None
+        asked = self.request.rpc_budget or []
+        return ([SplitDevice(d.name, asked[i] if i < len(asked) else d.free_bytes, d.endpoint)
+                 for i, d in enumerate(remote)] + [SplitDevice(f"CUDA{i}", b) for i, b in enumerate(local)])
+
+    @property
+    def backend(self) -> str:
+        """The build the plan runs on: CUDA where this machine has a GPU to plan for."""
+        return "cpu" if self.budget is None else "cuda"
+
+    @property
     def nextn_slots(self) -> list[int]:
         """The MTP blocks' layers (last): every slot with an MTP draft, none otherwise."""
         return [self.info.n_expert if self.mtp else 0] * (len(self.info.layers) - len(self.trunk.layers))
@@ -123,6 +141,7 @@ class Allocation:
     prompt_factor: float = 1.0  # how much more prompt batches were weighed to keep them at stock's
     copy_ahead: bool = True
     split_args: list[str] = field(default_factory=list)
+    remote_slots: bool = False  # a remote device holds slots (machine.rpc): they stay as profiled
 
 
 def layer_costs(trunk: ModelInfo, profile: Profile | None, request: PlanRequest, machine: MachineFacts,
@@ -151,6 +170,9 @@ def setting(info: ModelInfo, request: PlanRequest, machine: MachineFacts, profil
     ubatch, spec = request.ubatch, request.spec
     if isinstance(request.vram_budget, list) and ubatch != DEFAULT_UBATCH:
         raise MoeplugError(f"--ubatch {ubatch}: one GPU only (two GPUs are planned for llama.cpp's {DEFAULT_UBATCH})")
+    if machine.remote and ubatch != DEFAULT_UBATCH:
+        raise MoeplugError(f"--ubatch {ubatch}: one GPU only (remote devices are planned for llama.cpp's "
+                           f"{DEFAULT_UBATCH})")
     if spec is not None and spec.kind != "ngram" and ubatch > DEFAULT_UBATCH:
         # llama-server's draft context takes the server's batch sizes too (common_base_params_to_speculative),
         # and what a larger batch adds to a draft's or an MTP head's buffers was never measured
@@ -163,7 +185,9 @@ def setting(info: ModelInfo, request: PlanRequest, machine: MachineFacts, profil
         raise MoeplugError(f"{info.path}: routed experts only in its MTP (NextN) blocks: nothing for moeplug to plan")
     draft = spec_need(info, spec, request.ctx, machine.draft_need)
     costs = layer_costs(trunk, profile, request, machine, copy_ahead)
-    load_mode, load_notes = choose_load_mode(info, machine.ram_available)
+    # pinned memory speeds up copies to a GPU of this machine: without one, mmap
+    load_mode, load_notes = choose_load_mode(info, machine.ram_available) if request.vram_budget is not None \
+        else ("mmap", ())
     return Setting(info, trunk, request, machine, profile, profile_path, copy_ahead, draft, costs, load_mode,
                    list(load_notes))
 
@@ -235,9 +259,12 @@ def streamed(s: Setting, alloc: Allocation, room: Room) -> None:
     alloc.share, alloc.saving = share, saving
 
 
-def allocate_two_gpus(s: Setting) -> tuple[Room, Allocation]:
-    """Each GPU's layers, whole layers and slots within its own budget (multi_gpu.py), summed."""
-    split = plan_split(s.info, s.trunk, s.request.ctx, s.budget, s.costs, s.profile is not None, s.spec)
+def allocate_split(s: Setting, devices: list[SplitDevice]) -> tuple[Room, Allocation]:
+    """Each device's layers, whole layers and slots within its own budget (multi_gpu.py), summed: two
+    GPUs, or remote devices (machine.rpc) before this machine's GPUs."""
+    split = plan_split(s.info, s.trunk, s.request.ctx, devices, s.costs, s.profile is not None, s.spec,
+                       s.machine.costs.rpc_hop_s)
+    remote = [d.endpoint for d in devices if d.endpoint]
     devices = split.devices
     total = {key: sum(getattr(d, key) for d in devices) for key in (
         "non_expert_bytes", "kv_cache_bytes", "compute_bytes", "margin_bytes", "draft_weights_bytes",
@@ -245,9 +272,11 @@ def allocate_two_gpus(s: Setting) -> tuple[Room, Allocation]:
     draft = SpecNeed(total["draft_weights_bytes"], total["draft_kv_cache_bytes"], total["draft_compute_bytes"])
     room = Room(total["non_expert_bytes"], total["kv_cache_bytes"], total["compute_bytes"], total["margin_bytes"],
                 "estimate", draft, devices, split.tensor_split)
-    alloc = Allocation(split.slots_per_layer, whole_layers_first(s.trunk, split.room), split.room, sum(s.budget),
-                       copy_ahead=s.copy_ahead,
-                       split_args=["-sm", "layer", "--tensor-split", ",".join(map(str, split.tensor_split))])
+    alloc = Allocation(split.slots_per_layer, whole_layers_first(s.trunk, split.room), split.room,
+                       sum(d.budget_bytes for d in devices), copy_ahead=s.copy_ahead,
+                       split_args=[*(["--rpc", ",".join(remote)] if remote else []), "-sm", "layer", "--tensor-split",
+                                   ",".join(map(str, split.tensor_split))],
+                       remote_slots=any(d.endpoint and d.slots for d in devices))
     return room, alloc
 
 
@@ -294,7 +323,7 @@ def placement_flags(s: Setting, alloc: Allocation) -> Flags:
         flags.notes.append("no room for one slot: every expert of the trunk on the CPU")
     else:
         dynamic = (s.partial(slots) and s.profile and s.request.policy in ("auto", "dynamic")
-                   and s.machine.costs.dynamic_uploads > 0)
+                   and s.machine.costs.dynamic_uploads > 0 and not alloc.remote_slots)
         flags.cache_policy = "dynamic" if dynamic else "static"
         flags.args += placement_args(info, all_slots, s.profile, s.profile_path, flags.cache_policy, s.request.ubatch,
                                      s.machine.costs.dynamic_uploads)
@@ -306,6 +335,9 @@ def placement_notes(s: Setting, alloc: Allocation, whole: int, policy: str) -> l
     """What a plan with slots or whole layers in RAM says of its placement."""
     n_trunk, layers = len(s.trunk.layers), f"{whole} whole layer{'s' if whole != 1 else ''}"
     notes = []
+    if alloc.remote_slots:
+        notes.append("slots on remote devices stay as profiled (the static policy): the dynamic policy's uploads "
+                     "would cross the network")
     if policy == "dynamic":
         notes.append("the slots follow the prompt (--moe-cache-policy dynamic): a hot missed expert replaces "
                      "the coldest resident one between batches, uploaded while the next tokens compute")
@@ -471,8 +503,9 @@ def cpu_plan(s: Setting) -> Plan:
 def gpu_plan(s: Setting) -> Plan:
     """A plan for one GPU or two: room, allocation, flags, notes, and the modelled host time of its
     placement beside stock's."""
-    if isinstance(s.budget, list):
-        room, alloc = allocate_two_gpus(s)
+    devices = s.split_devices
+    if devices is not None:
+        room, alloc = allocate_split(s, devices)
     else:
         room = room_beside_experts(s)
         alloc = allocate_one_gpu(s, room)
@@ -483,7 +516,7 @@ def gpu_plan(s: Setting) -> Plan:
     cache = "--moe-cache-slots" in flags.args  # without it, prompt batches take stock's path
     prompts = any(c.prefill is not None for c in costs)
     return Plan(
-        backend="cuda", vram_budget_bytes=alloc.budget, stock_ncmoe=stock_ncmoe(s.trunk, alloc.room + alloc.ahead),
+        backend=s.backend, vram_budget_bytes=alloc.budget, stock_ncmoe=stock_ncmoe(s.trunk, alloc.room + alloc.ahead),
         modelled_host_ms=1e3 * modelled_seconds(costs, slots, stock=not cache),
         stock_modelled_host_ms=1e3 * modelled_seconds(costs, stock_slots, stock=True), server_args=flags.args,
         modelled_prompt_us=1e6 * modelled_prompt_seconds(costs, slots, stock=not cache) if prompts else None,
@@ -501,6 +534,6 @@ def plan_once(info: ModelInfo, request: PlanRequest, machine: MachineFacts, prof
     """The plan at request.ubatch (a number) with or without the copies ahead; the cost model it used
     kept with it where it is not the GPU machine's default."""
     s = setting(info, request, machine, profile, profile_path, copy_ahead)
-    plan = cpu_plan(s) if s.budget is None else gpu_plan(s)
+    plan = cpu_plan(s) if s.budget is None and not machine.remote else gpu_plan(s)
     plan.cost_model = machine.costs.to_json() if machine.costs != DEFAULT_COSTS else None
     return plan
