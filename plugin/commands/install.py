@@ -85,22 +85,26 @@ def _ubatch_source(p: Plan) -> str:
 
 
 def devices_text(p: Plan) -> str:
-    """Per GPU of a two-GPU plan: its layers, whole layers and slots, and its bytes against its budget
-    (with speculation, its share of the draft too)."""
-    rows = []
+    """Per device of a split plan (two GPUs, or remote devices before this machine's GPUs): where it is,
+    its layers, whole layers and slots, and its bytes against its budget (with speculation, its share
+    of the draft too)."""
+    rows, remote = [], any(d.endpoint for d in p.devices or [])
     for d in p.devices or []:
         blocks = d.blocks
         held = f"{blocks[0]}-{blocks[-1]}" if blocks else "none"
         draft = [human_bytes(d.draft_weights_bytes + d.draft_kv_cache_bytes + d.draft_compute_bytes)]
-        rows.append([d.device, held + (" + output" if d.output else ""), d.moe_layers, d.whole_layers,
+        where = [d.endpoint or "this machine"] if remote else []
+        rows.append([d.device, *where, held + (" + output" if d.output else ""), d.moe_layers, d.whole_layers,
                      d.slots, human_bytes(d.non_expert_bytes + d.kv_cache_bytes + d.compute_bytes
                                              + d.margin_bytes),
                      human_bytes(d.expert_vram_bytes), *(draft if p.speculation else []),
                      human_bytes(d.budget_bytes), human_bytes(d.headroom_bytes)])
     split = ",".join(map(str, p.tensor_split or []))
     draft_head = ["draft"] if p.speculation else []
-    head = ["GPU", "blocks", "MoE layers", "whole", "slots", "other VRAM", "experts", *draft_head, "budget", "headroom"]
-    return (table(head, rows, "ll" + "r" * (len(head) - 2))
+    where_head = ["host"] if remote else []
+    head = ["device" if remote else "GPU", *where_head, "blocks", "MoE layers", "whole", "slots", "other VRAM",
+            "experts", *draft_head, "budget", "headroom"]
+    return (table(head, rows, "ll" + "l" * len(where_head) + "r" * (len(head) - 2 - len(where_head)))
             + f"\nlayer split: -sm layer --tensor-split {split} (as llama.cpp places layers)")
 
 

@@ -100,12 +100,12 @@ def exposure(host: str) -> str | None:
             addresses = {ipaddress.ip_address(a[4][0].split("%")[0]) for a in socket.getaddrinfo(host, None)}
         except OSError:
             return None  # not resolved: the probe says so
-    public = sorted(str(a) for a in addresses if not (a.is_loopback or a.is_private or a.is_link_local))
-    if not public:
-        return None
     if any(a.is_unspecified for a in addresses):
         where = "every address of this machine"
     else:
+        public = sorted(str(a) for a in addresses if not (a.is_loopback or a.is_private or a.is_link_local))
+        if not public:
+            return None
         where = f"{host} ({', '.join(public)}), an address beyond this machine and its private network"
     return (f"warning: rpc-server on {where}: it has no authentication, and whoever reaches its port runs code "
             f"on its devices; keep it on loopback or a private network")

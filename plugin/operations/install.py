@@ -243,9 +243,12 @@ def installed_record(text: str, choices: PlanChoices, backend: str | None, jobs:
                      prompt_sets: list[str] | None, progress: ProgressFn) -> tuple[InstalledModel, Any]:
     """The model found or fetched, inspected, built for, profiled and planned, its record written and
     the hooks refreshed; and its build. The caller holds the model's lock."""
+    from moeplug.machine.rpc import parse_rpc, reachable
     from moeplug.native.build import build, resolve_options
 
     ref = parse_ref(text)
+    for host in parse_rpc(",".join(choices.rpc)) if choices.rpc else ():  # before the long steps
+        reachable(host)
     resolved = locate(text, progress=progress)
     info = inspect_model(resolved.path)
     require_moe(info)
@@ -261,7 +264,7 @@ def installed_record(text: str, choices: PlanChoices, backend: str | None, jobs:
     plan = plan_for(info, request, profile, build=result, progress=progress)
     record = InstalledModel(name=model_name(ref), ref=text, path=str(resolved.path), profile=str(profile),
                             build_id=result.build_id, ctx=ctx, plan=plan,
-                            slots_on_cpu=slots_on_cpu and plan.backend == "cpu",
+                            slots_on_cpu=slots_on_cpu and plan.backend == "cpu" and not plan.devices,
                             request=replace(request, vram_budget=plan.budget))
     write_installed(record)
     refresh_hooks(list_installed(), progress)

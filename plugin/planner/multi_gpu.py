@@ -69,6 +69,7 @@ class SplitDevice:
     name: str  # CUDA0, CUDA1: CUDA device order; RPC0, RPC1: llama.cpp's names of remote devices
     budget: int
     endpoint: str | None = None  # a remote device's rpc-server (HOST:PORT); None: a GPU of this machine
+    free: int | None = None  # a remote device's free memory when planned (stock's -fitt there)
 
 
 @dataclass
@@ -90,6 +91,7 @@ class DevicePlan:
     draft_kv_cache_bytes: int = 0
     draft_compute_bytes: int = 0
     endpoint: str | None = None  # a remote device's rpc-server; None: a GPU of this machine
+    free_bytes: int | None = None  # a remote device's free memory when planned
 
     @property
     def draft_bytes(self) -> int:
@@ -106,7 +108,7 @@ class DevicePlan:
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self) | {"used_bytes": self.used_bytes, "headroom_bytes": self.headroom_bytes}
-        return doc if self.endpoint else {k: v for k, v in doc.items() if k != "endpoint"}
+        return doc if self.endpoint else {k: v for k, v in doc.items() if k not in ("endpoint", "free_bytes")}
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> DevicePlan:
@@ -222,7 +224,7 @@ class _Split:
         devices = [DevicePlan(d.name, d.budget, blocks, output[i], 0, 0, 0,
                               sum(self.per_block[b] for b in blocks) + (self.outside if output[i] else 0),
                               sum(self.kv[b] for b in blocks), self.compute, DEFAULT_COSTS.safety_margin, 0,
-                              share.weights[i], share.kv_cache[i], share.compute[i], d.endpoint)
+                              share.weights[i], share.kv_cache[i], share.compute[i], d.endpoint, d.free)
                    for i, (d, blocks) in enumerate(zip(self.devices, block_sets))]
         rooms = [dev.headroom_bytes for dev in devices]
         if min(rooms) < 0:

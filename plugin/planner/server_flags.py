@@ -118,11 +118,18 @@ def stock_args(plan: Any, free: list[int] | None = None, stock_ubatch: int | Non
     GPU's free bytes (`free`) less the budget left over (-fitt, fit_target), the plan's context and load
     mode, llama.cpp's prompt batch unless given. What `moeplug bench` compares with, and what a model
     is served with where the install's check found the plan slower (operations.check). free None:
-    the GPUs' free memory now (machine.gpu)."""
+    the GPUs' free memory now (machine.gpu). With remote devices (machine.rpc): the same --rpc, and
+    each remote device's free memory when planned less its budget."""
     if free is None:
         from moeplug.machine.gpu import gpus
 
         free = [g.free_bytes for g in gpus()]
     load = ["-lm", "none"] if plan.load_mode == "pinned" else []
-    return ["-c", str(plan.ctx), "--fit", "on", "-fitt", fit_target(plan.vram_budget_bytes, free), *load,
+    budget, remote = plan.vram_budget_bytes, []
+    if plan.devices and any(d.endpoint for d in plan.devices):  # remote devices first, as llama.cpp orders them
+        remote = [d for d in plan.devices if d.endpoint]
+        budget = [d.budget_bytes for d in plan.devices]
+        free = [d.free_bytes if d.free_bytes is not None else d.budget_bytes for d in remote] + free
+    rpc = ["--rpc", ",".join(dict.fromkeys(str(d.endpoint) for d in remote))] if remote else []
+    return [*rpc, "-c", str(plan.ctx), "--fit", "on", "-fitt", fit_target(budget, free), *load,
             *ubatch_args(stock_ubatch or DEFAULT_UBATCH)]

@@ -96,7 +96,7 @@ class Setting:
         if not remote:
             return [SplitDevice(f"CUDA{i}", b) for i, b in enumerate(local)] if len(local) > 1 else None
         asked = self.request.rpc_budget or []
-        return ([SplitDevice(d.name, asked[i] if i < len(asked) else d.free_bytes, d.endpoint)
+        return ([SplitDevice(d.name, asked[i] if i < len(asked) else d.free_bytes, d.endpoint, d.free_bytes)
                  for i, d in enumerate(remote)] + [SplitDevice(f"CUDA{i}", b) for i, b in enumerate(local)])
 
     @property
@@ -142,6 +142,7 @@ class Allocation:
     copy_ahead: bool = True
     split_args: list[str] = field(default_factory=list)
     remote_slots: bool = False  # a remote device holds slots (machine.rpc): they stay as profiled
+    notes: list[str] = field(default_factory=list)  # what the allocation says of itself
 
 
 def layer_costs(trunk: ModelInfo, profile: Profile | None, request: PlanRequest, machine: MachineFacts,
@@ -276,7 +277,10 @@ def allocate_split(s: Setting, devices: list[SplitDevice]) -> tuple[Room, Alloca
                        sum(d.budget_bytes for d in devices), copy_ahead=s.copy_ahead,
                        split_args=[*(["--rpc", ",".join(remote)] if remote else []), "-sm", "layer", "--tensor-split",
                                    ",".join(map(str, split.tensor_split))],
-                       remote_slots=any(d.endpoint and d.slots for d in devices))
+                       remote_slots=any(d.endpoint and d.slots for d in devices),
+                       notes=[f"{d.device} ({d.endpoint}) holds no layer: a hop there and back "
+                              f"({2e3 * s.machine.costs.rpc_hop_s:.2f} ms a step) is modelled to cost more than the "
+                              f"layers it could hold save" for d in devices if d.endpoint and not d.blocks])
     return room, alloc
 
 
@@ -310,7 +314,7 @@ def placement_flags(s: Setting, alloc: Allocation) -> Flags:
     all_slots = slots + s.nextn_slots
     args = ["-c", str(s.request.ctx), *ubatch_args(s.request.ubatch), "-ngl", "99", *alloc.split_args, "-fit", "off",
             *(["-lm", "none"] if s.load_mode == "pinned" else [])]
-    flags = Flags(args, list(s.load_notes) + speculation_notes(s))
+    flags = Flags(args, list(s.load_notes) + speculation_notes(s) + alloc.notes)
     whole = sum(n >= info.n_expert for n in slots)
     if whole == n_trunk:
         flags.args += placement_args(info, all_slots, s.profile, s.profile_path, ubatch=s.request.ubatch)
