@@ -89,56 +89,13 @@ def rpc_hosts(patched_build):
 
 
 @pytest.fixture(scope="session")
-def rpc_devices(patched_build, tmp_path_factory: pytest.TempPathFactory):
-    """Two devices without a GPU: two local rpc-server processes backed by the CPU, and llama.cpp's
-    RPC backend library, both compiled from the patched build's own source tree against its libggml
-    (a few seconds with g++). Yields the environment and the llama.cpp flags that add the devices
-    RPC0 and RPC1: an -ot before --rpc, because llama.cpp loads the dynamic backends only while none
-    but the built-in CPU one is registered (common/arg.cpp)."""
-    import shutil
-    import socket
-    import subprocess
-    import time
-
-    from moeplug.native.build import tree_id
-    from moeplug.native.lock import load_spec
-    from moeplug.native.source import prepare_tree
-
-    out = tmp_path_factory.mktemp("rpc")
-    spec = load_spec()
-    tree = prepare_tree(spec, False, tree_id(spec, False), out / "tree.log")
-    lib = patched_build.bin_dir
-    cxx = shutil.which("g++") or shutil.which("c++")
-    assert cxx, "a C++ compiler (the native build has one)"
-    inc = [f"-I{tree / 'ggml' / 'include'}", f"-I{tree / 'ggml' / 'src'}"]
-    link = [f"-L{lib}", f"-Wl,-rpath,{lib}"]
-    rpc = tree / "ggml" / "src" / "ggml-rpc"
-    subprocess.run([cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-DGGML_BACKEND_DL", "-DGGML_BACKEND_SHARED",
-                    "-DGGML_BACKEND_BUILD", "-DGGML_SHARED", "-DGGML_BUILD", *inc, str(rpc / "ggml-rpc.cpp"),
-                    str(rpc / "transport.cpp"), *link, "-lggml-base", "-o", str(out / "libggml-rpc.so")], check=True)
-    subprocess.run([cxx, "-std=c++17", "-O1", *inc, str(tree / "tools" / "rpc" / "rpc-server.cpp"), *link, "-lggml",
-                    "-lggml-base", "-o", str(out / "rpc-server")], check=True)
-
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-    ports = [free_port(), free_port()]
-    procs = [subprocess.Popen([str(out / "rpc-server"), "-p", str(p)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL) for p in ports]
+def rpc_devices(patched_build):
+    """Two devices without a GPU: two rpc-servers of the patched build on loopback, backed by the CPU.
+    Yields the environment and the llama.cpp flags that add the devices RPC0 and RPC1 (the build has
+    llama.cpp's RPC backend compiled in)."""
+    endpoints, procs = start_rpc_servers(patched_build, 2)
     try:
-        for p in ports:
-            deadline = time.time() + 30
-            while True:
-                try:
-                    socket.create_connection(("127.0.0.1", p), timeout=1).close()
-                    break
-                except OSError:
-                    assert time.time() < deadline, "rpc-server did not listen"
-                    time.sleep(0.1)
-        yield {"env": {"GGML_BACKEND_PATH": str(out / "libggml-rpc.so")},
-               "args": ["-ot", "no-such-tensor=CPU", "--rpc", ",".join(f"127.0.0.1:{p}" for p in ports)]}
+        yield {"env": {}, "args": ["--rpc", ",".join(endpoints)]}
     finally:
         for proc in procs:
             proc.terminate()
