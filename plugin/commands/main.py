@@ -50,6 +50,7 @@ COMMAND_MODULES = (
     "moeplug.commands.schedule",  # schedule install | status | remove
     "moeplug.commands.bench",  # bench
     "moeplug.commands.calibrate",  # calibrate
+    "moeplug.commands.rpc",  # rpc-server
 )
 
 

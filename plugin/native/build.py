@@ -59,7 +59,7 @@ OFFLINE_CMAKE_FLAGS = (
 )
 
 # llama.cpp's RPC backend compiled in (llama-server --rpc HOST:PORT adds remote devices) and its
-# ggml-rpc-server, which serves a machine's devices to another's llama-server (serving.rpc); the
+# ggml-rpc-server, which serves a machine's devices to another's llama-server (serving.rpc_server); the
 # sanitized builds, which serve no remote device, go without
 RPC_CMAKE_FLAGS = ("-DGGML_RPC=ON",)
 
