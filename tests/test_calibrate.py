@@ -1,10 +1,13 @@
 """`moeplug calibrate`: the real patched CPU build's llama-bench on the demo model, written into a
 temporary home; the file it writes is reused, read back, and refused when damaged; the fingerprint
-follows the build."""
+follows the build. With --rpc, the hop to a real ggml-rpc-server of the build on loopback."""
 
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +16,8 @@ from helpers import one_line_error, run_cli, run_cli_process, xdg_homes
 
 from moeplug.machine.fingerprint import fingerprint_of, machine_fingerprint, machine_identity
 from moeplug.machine.gpu import gpus
-from moeplug.operations.calibrate import Calibration, calibration_path, read_calibration, stored_calibration
+from moeplug.operations.calibrate import (Calibration, calibration_path, costs_for, read_calibration,
+                                          stored_calibration)
 
 KEYS = ("fingerprint", "cpu_expert_bytes_per_s", "round_trip_s", "h2d_bytes_per_s", "measured_at", "path")
 
@@ -66,6 +70,7 @@ def test_a_second_run_reuses_the_file_unless_forced(home: dict[str, Any], patche
     r = run_cli("calibrate", "--force", "--threads", "1")
     assert r.returncode == 0, r.stderr
     assert "written:" in r.stdout and "at 1 threads" in r.stdout
+    assert "hop to a remote device" not in r.stdout  # no line where no hop was measured
     # the table and the notes fit 80 columns (the file's path is as long as it is)
     assert max(len(line) for line in r.stdout.splitlines() if not line.startswith("written: ")) <= 80
     assert read_calibration(Path(home["path"])).threads == 1
@@ -82,7 +87,8 @@ def test_a_hand_written_file_reads(tmp_path: Path) -> None:
     assert read_calibration(path).threads == 8 and read_calibration(path).round_trip_s == 1e-4
     # a measured record round-trips
     measured = Calibration("abc", 5e9, round_trip_s=6e-5, h2d_bytes_per_s=2.5e10, measured_at="2026-12-05T00:00:00Z",
-                           threads=4, build_id="b", machine={"gpus": []}, notes=["n"])
+                           threads=4, build_id="b", machine={"gpus": []}, notes=["n"], rpc_hop_s=4e-4,
+                           rpc=["10.0.0.2:50052"])
     path.write_text(json.dumps(measured.to_json()))
     assert read_calibration(path) == measured
 
@@ -98,6 +104,9 @@ def test_a_hand_written_file_reads(tmp_path: Path) -> None:
     ('{"cpu_expert_bytes_per_s": 4e10, "threads": 2.5}', ["'threads'"]),
     ('{"cpu_expert_bytes_per_s": 4e10, "notes": "one"}', ["'notes'"]),
     ('{"cpu_expert_bytes_per_s": 4e10, "h2d_byte_per_s": 6e9}', ["unknown key 'h2d_byte_per_s'"]),
+    ('{"cpu_expert_bytes_per_s": 4e10, "rpc": "10.0.0.2:50052"}', ["'rpc'", "HOST:PORT"]),
+    ('{"cpu_expert_bytes_per_s": 4e10, "rpc": ["10.0.0.2:0"]}', ["'rpc'", "HOST:PORT"]),
+    ('{"cpu_expert_bytes_per_s": 4e10, "rpc_hop_s": -1e-3}', ["'rpc_hop_s'", "0 or more"]),
 ])
 def test_a_bad_file_is_one_line(home: dict[str, Any], text: str, words: list[str]) -> None:
     """This machine's file damaged: `moeplug calibrate` refuses it in one line naming the file and the
@@ -140,3 +149,72 @@ def test_the_fingerprint_follows_the_build_and_the_machine(home: dict[str, Any],
     assert with_gpu != fingerprint_of(here, "b")
     assert fingerprint_of({**here, "gpus": [{**gpu, "driver": "555.42"}]}, "b") != with_gpu  # a new driver
     assert fingerprint_of({**here, "gpus": [{**gpu, "pcie_width": 4}]}, "b") != with_gpu  # a narrower slot
+
+
+# ---------------------------------------------------------------------------------------------
+# --rpc: the hop to a remote device
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def rpc_endpoint(patched_build):
+    """The patched build's own ggml-rpc-server on a free loopback port, its CPU on one thread."""
+    port = free_port()
+    proc = subprocess.Popen([str(patched_build.binary("ggml-rpc-server")), "--host", "127.0.0.1", "--port", str(port),
+                             "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "ggml-rpc-server did not listen"
+                time.sleep(0.1)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_calibrate_rpc_measures_the_hop(rpc_endpoint: str, patched_build, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    env = xdg_homes(tmp_path)
+    r = run_cli_process("calibrate", "--rpc", rpc_endpoint, "--json", env=env, timeout=180)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert 0 < doc["rpc_hop_s"] < 0.05, doc["rpc_hop_s"]  # loopback: well under a LAN's millisecond or so
+    assert doc["rpc"] == [rpc_endpoint] and doc["cpu_expert_bytes_per_s"] > 0
+    hop = [n for n in doc["notes"] if n.startswith("remote hop:")]
+    assert len(hop) == 1 and "round trip a token through llama.cpp's RPC path" in hop[0], doc["notes"]
+    assert "negligible" in hop[0] and "first host only" in hop[0]
+    remote = [run for run in doc["runs"] if "-rpc" in run["args"]]
+    assert len(remote) == 1 and rpc_endpoint in remote[0]["args"] and remote[0]["ms_per_token"] > 0
+    assert json.loads(Path(doc["path"]).read_text())["rpc_hop_s"] == doc["rpc_hop_s"]
+    for var in ("XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CONFIG_HOME"):
+        monkeypatch.setenv(var, env[var])
+    assert costs_for(patched_build).rpc_hop_s == doc["rpc_hop_s"]  # what the planner plans with
+    # the table shows it; the same host again reuses the file, another endpoint measures again
+    r = run_cli("calibrate", "--rpc", rpc_endpoint)
+    assert r.returncode == 0 and "this machine is calibrated" in r.stderr, r.stderr
+    assert f"us to {rpc_endpoint}" in r.stdout and "hop to a remote device" in r.stdout, r.stdout
+    other = rpc_endpoint.replace("127.0.0.1", "localhost")
+    again = json.loads(run_cli("calibrate", "--rpc", other, "--json").stdout)
+    assert again["reused"] is False and again["rpc"] == [other] and again["rpc_hop_s"] > 0
+    # without --rpc: the stored file, hop and all
+    assert json.loads(run_cli("calibrate", "--json").stdout)["rpc"] == [other]
+
+
+def test_calibrate_rpc_to_a_host_that_does_not_answer_writes_nothing(patched_build, tmp_path: Path) -> None:
+    env = xdg_homes(tmp_path)
+    endpoint = f"127.0.0.1:{free_port()}"  # nothing listens there
+    r = run_cli_process("calibrate", "--rpc", endpoint, env=env, timeout=120)
+    one_line_error(r, 1, f"--rpc {endpoint}", "does not answer")
+    assert r.stdout == ""
+    assert not (Path(env["XDG_DATA_HOME"]) / "moeplug" / "calibration").exists()
+    assert not (Path(env["XDG_DATA_HOME"]) / "moeplug" / "models").exists()  # not even the demo model made

@@ -7,7 +7,7 @@ import argparse
 import textwrap
 from typing import Any
 
-from moeplug.commands.options import THREADS, add_json
+from moeplug.commands.options import THREADS, RpcHosts, add_json
 from moeplug.core.output import Output, table
 
 
@@ -23,6 +23,8 @@ def calibrated_text(done: Any) -> str:
             ["host to device (pinned)", _rate(c.h2d_bytes_per_s)],
             ["prompt batch uploads", _rate(c.prompt_upload_bytes_per_s)],
             ["GPU on misses in RAM", _rate(c.gpu_miss_bytes_per_s)],
+            *([["hop to a remote device", f"{c.rpc_hop_s * 1e6:.0f} us to {', '.join(c.rpc) or '?'}"]]
+              if c.rpc_hop_s is not None else []),
             ["measured", c.measured_at or "-"]]
     lines = [table(["calibration", ""], rows, "ll")]
     lines.append(f"{'reused' if done.reused else 'written'}: {done.path}")
@@ -34,8 +36,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from moeplug.operations.actions import calibrate_model
 
     out = Output.for_args(args)
-    return out.result(calibrate_model(args.model, threads=args.threads, force=args.force, progress=out.progress),
-                      calibrated_text)
+    done = calibrate_model(args.model, threads=args.threads, force=args.force, progress=out.progress,
+                           rpc=args.rpc or ())
+    return out.result(done, calibrated_text)
 
 
 def register(sub: Any) -> None:
@@ -46,12 +49,18 @@ def register(sub: Any) -> None:
         "expert throughput at the server's threads, and with a GPU the host-to-device rate from pinned memory, a "
         "layer's round trip and a prompt batch's uploads (llama-bench, under a minute). Writes one JSON file per "
         "machine fingerprint (GPUs, driver, CPU, RAM, build) under the data dir's calibration/; a later run "
-        "shows that file unless --force. Without a GPU the bus is not measured. Exit codes: 0 measured or "
+        "shows that file unless --force. Without a GPU the bus is not measured. With --rpc, also the hop to a remote "
+        "device (the demo model with every layer on the first host's first device, against every layer here). "
+        "Exit codes: 0 measured or "
         "reused, 1 an error (a failed run, a damaged file), 2 a usage error.")
     p.add_argument("model", nargs="?", default=None,
                    help="an installed model's name, or a model reference or path (default: the demo model)")
     p.add_argument("--threads", "-t", type=THREADS, default=None, metavar="N",
                    help="CPU threads to measure at, 1-4096 (default: the physical cores, llama.cpp's default)")
     p.add_argument("--force", action="store_true", help="measure again even where this machine has a file")
+    p.add_argument("--rpc", type=RpcHosts(), metavar="HOST:PORT[,...]", default=None,
+                   help="llama.cpp rpc-servers ('moeplug rpc-server' on the other machine): also measure the hop to "
+                        "a remote device (rpc_hop_s, the planner's cost of each run of remote layers), to the first "
+                        "of them; each must answer")
     add_json(p, "the calibration as JSON, with the file's path ('path') and whether it was reused ('reused')")
     p.set_defaults(func=cmd_calibrate)

@@ -238,18 +238,24 @@ def model_and_build(text: str | None, progress: ProgressFn = silent) -> tuple[Pa
 
 
 def calibrate_model(text: str | None, threads: int | None = None, force: bool = False,
-                    progress: ProgressFn = silent) -> Calibrated:
-    """`moeplug calibrate [MODEL]`: this fingerprint's file where there is one (and it was measured at
-    the threads asked, where asked), else a new measurement written to it; force: measure again."""
+                    progress: ProgressFn = silent, rpc: tuple[str, ...] = ()) -> Calibrated:
+    """`moeplug calibrate [MODEL] [--rpc HOST:PORT,...]`: this fingerprint's file where there is one (and
+    it was measured at the threads asked, where asked, and to the first rpc-server asked, where asked),
+    else a new measurement written to it; force: measure again."""
+    from moeplug.machine.rpc import parse_rpc, reachable
     from moeplug.operations.calibrate import (calibrate, calibration_path, machine_fingerprint, stored_calibration,
                                               write_calibration)
 
+    hosts = parse_rpc(",".join(rpc)) if rpc else ()
+    for host in hosts:  # before a build or the demo model is made
+        reachable(host)
     model, build = model_and_build(text, progress)
     path = calibration_path(machine_fingerprint(build.build_id)[0])
     if not force:
         stored = stored_calibration(build)
-        if stored is not None and (threads is None or stored.threads == threads):
+        if (stored is not None and (threads is None or stored.threads == threads)
+                and (not hosts or stored.rpc == [hosts[0].endpoint])):
             progress(Note(f"this machine is calibrated: {path} ('--force' measures again)"))
             return Calibrated(stored, path, reused=True)
-    cal = calibrate(build, model, threads, progress)
+    cal = calibrate(build, model, threads, progress, rpc=hosts)
     return Calibrated(cal, write_calibration(cal, path), reused=False)

@@ -23,14 +23,24 @@ may be several times slower or faster. A calibration measures them here, in well
 - `h2d_bytes_per_s`: copies of 256 MiB from pinned memory to GPU 0 through libcudart (moeplug.machine.bus).
 - `gpu_miss_bytes_per_s`: the GPU computing misses read over the bus from host memory; llama-bench has
   no way to run that path, so it is None with a note (the planner keeps its fitted share).
+- `rpc_hop_s`, with remote devices named (`--rpc HOST:PORT,...`, machine.rpc): llama-bench on the demo
+  model (tiny: its compute is negligible) with every layer on the first host's first device
+  (`-rpc HOST:PORT -dev RPC0 -ngl 99`), against every layer here (`-ngl 0`), one thread each (the
+  threads' synchronisation would outweigh the hop on so small a model); the difference in the time
+  per decoded token, 0 or more: one round trip a token through llama.cpp's RPC path. Measured against
+  the first host only, whose endpoint `rpc` keeps; every host is asked for its devices first, so
+  that one that does not answer is an error before anything is measured.
 
 Anything not measured is None, and a note says why ("no GPU: the bus is not measured").
 
 API (for the planner's side, `install` and the CLI):
 
     Calibration                                  the record; to_json() / Calibration.from_json(doc)
-    calibrate(build, model=None, threads=None, progress=silent) -> Calibration
-        measures now (build: a moeplug.native.BuildResult; model None: the demo model, noted)
+    calibrate(build, model=None, threads=None, progress=silent, rpc=()) -> Calibration
+        measures now (build: a moeplug.native.BuildResult; model None: the demo model, noted;
+        rpc: machine.rpc.RpcHost entries, the hop to the first measured too)
+    measure_rpc_hop(build, hosts, done=None, progress=silent) -> (seconds, note, runs)
+                                                 the hop alone (calibrate's part with rpc)
     machine_fingerprint(build_id) -> (str, dict) this machine's fingerprint and identity
                                                  (moeplug.machine.fingerprint)
     calibration_dir() -> Path                    data_dir()/calibration
@@ -62,7 +72,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from moeplug.core.errors import MoeplugError, NotApplicableError
 from moeplug.core.fsutil import write_text_atomic
@@ -76,12 +86,14 @@ from moeplug.model.inspect import ModelInfo, inspect_model
 from moeplug.planner.costs import DEFAULT_COSTS, CostModel
 
 __all__ = ["Calibration", "calibrate", "calibration_dir", "calibration_path", "cost_model", "costs_for",
-           "machine_fingerprint", "read_calibration", "stored_calibration", "write_calibration"]
+           "machine_fingerprint", "measure_rpc_hop", "read_calibration", "stored_calibration", "write_calibration"]
 
 GEN_TOKENS = 16  # tokens each decode run generates (after llama-bench's warm-up)
 REPETITIONS = 5  # runs of each test; the median counts (a shared machine's outliers drop out)
 PROMPT_BATCH = 512  # one prompt batch of stock's default ubatch
 RUN_TIMEOUT_S = 300
+HOP_TOKENS = 32  # tokens each run of the hop generates
+HOP_TIMEOUT_S = 120  # a hop run (the demo model: seconds); past it, the host hangs
 GIB = 1 << 30
 VRAM_HEADROOM = 1536 << 20  # KV cache, compute buffer and CUDA's own memory beside the weights
 TASK = "calibrating"
@@ -103,6 +115,7 @@ class Calibration:
     prompt_upload_bytes_per_s: float | None = None  # a prompt batch's expert uploads, stock's path
     gpu_miss_bytes_per_s: float | None = None  # the GPU on misses read from host memory
     rpc_hop_s: float | None = None  # a step's activations to a remote device (--rpc) and back
+    rpc: list[str] = field(default_factory=list)  # the rpc-servers (HOST:PORT) rpc_hop_s was measured to
     measured_at: str | None = None  # ISO 8601, UTC
     threads: int | None = None  # the CPU threads the figures hold for
     build_id: str | None = None
@@ -147,7 +160,7 @@ def _checked(doc: Any, source: str) -> dict[str, Any]:
         if key in CLI_KEYS:
             continue
         optional = key != "cpu_expert_bytes_per_s"
-        if value is None and optional and key not in ("fingerprint", "machine", "notes", "runs"):
+        if value is None and optional and key not in ("fingerprint", "machine", "notes", "runs", "rpc"):
             out[key] = None
         elif key in RATES:
             if not _number(value) or value <= 0:
@@ -177,8 +190,22 @@ def _checked(doc: Any, source: str) -> dict[str, Any]:
             if not isinstance(value, list) or not all(isinstance(r, dict) for r in value):
                 raise bad(key, "a list of objects")
             out[key] = value
+        elif key == "rpc":
+            out[key] = _endpoints(value, bad(key, "a list of rpc-servers, HOST:PORT"))
     out.setdefault("fingerprint", "")
     return out
+
+
+def _endpoints(value: Any, error: MoeplugError) -> list[str]:
+    """A calibration's `rpc`: a list of HOST:PORT strings, as machine.rpc writes them; `error` otherwise."""
+    from moeplug.machine.rpc import parse_rpc
+
+    if not isinstance(value, list) or not all(isinstance(e, str) for e in value):
+        raise error
+    try:
+        return [h.endpoint for h in parse_rpc(",".join(value))] if value else []
+    except MoeplugError:
+        raise error from None
 
 
 def calibration_dir() -> Path:
@@ -250,12 +277,12 @@ class _BenchFailed(Exception):
     pass
 
 
-def _run_bench(tool: Path, model: Path, bench: _Bench) -> _Bench:
+def _run_bench(tool: Path, model: Path, bench: _Bench, timeout: float = RUN_TIMEOUT_S) -> _Bench:
     cmd = [str(tool), "-m", str(model), "-o", "json", "-r", str(REPETITIONS), *bench.args]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise _BenchFailed(f"llama-bench ran past {RUN_TIMEOUT_S} s") from None
+        raise _BenchFailed(f"llama-bench ran past {timeout:g} s") from None
     except OSError as exc:
         raise _BenchFailed(f"llama-bench did not start ({exc.strerror or exc})") from None
     if r.returncode != 0:
@@ -309,11 +336,56 @@ def _now() -> str:
     return datetime.now(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
+def measure_rpc_hop(build: Any, hosts: tuple[Any, ...], done: Callable[[], None] | None = None,
+                    progress: ProgressFn = silent) -> tuple[float, str, list[_Bench]]:
+    """The hop to a remote device (CostModel.rpc_hop_s): llama-bench on the demo model with every layer
+    on the first host's first device, then with every layer here, one thread each; the difference in
+    the time per decoded token, 0 or more. `hosts`: machine.rpc.RpcHost entries, asked already (the
+    first only is measured); `done` is called after each run. Returns (seconds, the note, the runs)."""
+    from moeplug.model.demo import ensure_demo_model
+
+    demo, first = ensure_demo_model(progress), hosts[0].endpoint
+    common = ["-p", "0", "-n", str(HOP_TOKENS), "-t", "1"]
+    remote = _Bench(f"rpc hop: every layer on {first}'s first device", ["-rpc", first, "-dev", "RPC0", "-ngl", "99",
+                                                                         *common])
+    local = _Bench("rpc hop: every layer here", ["-ngl", "0", *common])
+    for bench in (remote, local):
+        try:
+            _run_bench(build.binary("llama-bench"), demo, bench, HOP_TIMEOUT_S)
+        except _BenchFailed as exc:
+            raise MoeplugError(f"calibrate --rpc: the run '{bench.label}' failed: {exc}") from None
+        if not bench.token_s:
+            raise MoeplugError(f"calibrate --rpc: llama-bench reported no decode time in the run '{bench.label}'")
+        if done:
+            done()
+    hop = max(0.0, remote.token_s - local.token_s)
+    progress(Note(f"  remote hop: {hop * 1e6:.0f} us a token to {first}"))
+    return hop, _hop_note(remote, local, hosts), [remote, local]
+
+
+def _hop_note(remote: _Bench, local: _Bench, hosts: tuple[Any, ...]) -> str:
+    """What the hop's figure is, with its numbers."""
+    others = [h.endpoint for h in hosts[1:]]
+    return (f"remote hop: {remote.token_s * 1e3:.3f} ms a token with every layer of the demo model on "
+            f"{hosts[0].endpoint}'s first device against {local.token_s * 1e3:.3f} ms here, one thread each: one "
+            f"round trip a token through llama.cpp's RPC path on a model whose compute is negligible (the remote "
+            f"device's compute against this CPU's is left in); measured against the first host only"
+            + (f", not {', '.join(others)}" if others else "")
+            + ("; the remote run was no slower, so the hop is taken as 0" if remote.token_s <= local.token_s else ""))
+
+
 def calibrate(build: Any, model: Path | None = None, threads: int | None = None,
-              progress: ProgressFn = silent) -> Calibration:
+              progress: ProgressFn = silent, rpc: tuple[Any, ...] = ()) -> Calibration:
     """Measure this machine's costs with `build` (a BuildResult: its llama-bench) on `model` (None: the
     demo model), at `threads` CPU threads (None: the physical cores this process may use, llama.cpp's
-    default). Reports a Step per llama-bench run and a Note per result. Nothing is written."""
+    default); with `rpc` (machine.rpc.RpcHost entries) the hop to the first too (measure_rpc_hop), every
+    host asked first. Reports a Step per llama-bench run and a Note per result. Nothing is written."""
+    if rpc:
+        from moeplug.machine.rpc import remote_devices
+
+        # every host asked for its devices before anything is made or measured: a one-line error for
+        # one that does not answer or is no rpc-server
+        remote_devices(build.binary("llama-server"), rpc)
     notes: list[str] = []
     if model is None:
         from moeplug.model.demo import ensure_demo_model
@@ -334,7 +406,7 @@ def calibrate(build: Any, model: Path | None = None, threads: int | None = None,
     use_gpu = bool(found) and gpu_build
     moved = _moved_blocks(info, found[0].free_bytes) if use_gpu else []
     dense_fits = use_gpu and found[0].free_bytes > info.non_expert_bytes + VRAM_HEADROOM
-    total = 1 + (1 if found else 0) + (1 if dense_fits else 0) + (1 if dense_fits and moved else 0)
+    total = 1 + (1 if found else 0) + (1 if dense_fits else 0) + (1 if dense_fits and moved else 0) + 2 * bool(rpc)
     done = 0
     runs: list[_Bench] = []
 
@@ -444,11 +516,16 @@ def calibrate(build: Any, model: Path | None = None, threads: int | None = None,
     if found:
         notes.append("the GPU's rate on misses read from host memory is not measured (llama-bench has no way to "
                      "run that path): the planner keeps its fitted share")
+    hop = None
+    if rpc:
+        hop, note, hop_runs = measure_rpc_hop(build, rpc, step, progress)
+        notes.append(note)
+        runs += hop_runs
     progress(Note(f"  measured in {time.monotonic() - t0:.0f} s"))
 
     return Calibration(fingerprint=fingerprint, cpu_expert_bytes_per_s=cpu_rate, round_trip_s=round_trip,
                        h2d_bytes_per_s=h2d, prompt_upload_bytes_per_s=prompt_rate, gpu_miss_bytes_per_s=None,
-                       measured_at=_now(), threads=threads, build_id=build.build_id, model=str(model),
+                       rpc_hop_s=hop, rpc=[rpc[0].endpoint] if rpc else [], measured_at=_now(), threads=threads, build_id=build.build_id, model=str(model),
                        machine=identity, notes=notes, runs=[r.to_json() for r in runs])
 
 
