@@ -1,13 +1,11 @@
 """`moeplug calibrate`: the real patched CPU build's llama-bench on the demo model, written into a
 temporary home; the file it writes is reused, read back, and refused when damaged; the fingerprint
-follows the build. With --rpc, the hop to a real ggml-rpc-server of the build on loopback."""
+follows the build. With --rpc, the hop to real ggml-rpc-servers of the build on loopback."""
 
 from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -161,53 +159,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def rpc_endpoint(patched_build):
-    """The patched build's own ggml-rpc-server on a free loopback port, its CPU on one thread."""
-    port = free_port()
-    proc = subprocess.Popen([str(patched_build.binary("ggml-rpc-server")), "--host", "127.0.0.1", "--port", str(port),
-                             "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, "ggml-rpc-server did not listen"
-                time.sleep(0.1)
-        yield f"127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-
-
-def test_calibrate_rpc_measures_the_hop(rpc_endpoint: str, patched_build, tmp_path: Path,
+def test_calibrate_rpc_measures_the_hop(rpc_hosts, patched_build, tmp_path: Path,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two rpc-servers of the build on loopback (conftest.rpc_hosts): the hop measured to the first."""
+    (rpc_endpoint, second), _ = rpc_hosts
     env = xdg_homes(tmp_path)
-    r = run_cli_process("calibrate", "--rpc", rpc_endpoint, "--json", env=env, timeout=180)
+    r = run_cli_process("calibrate", "--rpc", f"{rpc_endpoint},{second}", "--json", env=env, timeout=180)
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert 0 < doc["rpc_hop_s"] < 0.05, doc["rpc_hop_s"]  # loopback: well under a LAN's millisecond or so
     assert doc["rpc"] == [rpc_endpoint] and doc["cpu_expert_bytes_per_s"] > 0
     hop = [n for n in doc["notes"] if n.startswith("remote hop:")]
     assert len(hop) == 1 and "round trip a token through llama.cpp's RPC path" in hop[0], doc["notes"]
-    assert "negligible" in hop[0] and "first host only" in hop[0]
+    assert "negligible" in hop[0] and f"first host only, not {second}" in hop[0]
     remote = [run for run in doc["runs"] if "-rpc" in run["args"]]
     assert len(remote) == 1 and rpc_endpoint in remote[0]["args"] and remote[0]["ms_per_token"] > 0
     assert json.loads(Path(doc["path"]).read_text())["rpc_hop_s"] == doc["rpc_hop_s"]
     for var in ("XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CONFIG_HOME"):
         monkeypatch.setenv(var, env[var])
     assert costs_for(patched_build).rpc_hop_s == doc["rpc_hop_s"]  # what the planner plans with
-    # the table shows it; the same host again reuses the file, another endpoint measures again
+    # the table shows it; the same first host again reuses the file, another measures again
     r = run_cli("calibrate", "--rpc", rpc_endpoint)
     assert r.returncode == 0 and "this machine is calibrated" in r.stderr, r.stderr
     assert f"us to {rpc_endpoint}" in r.stdout and "hop to a remote device" in r.stdout, r.stdout
-    other = rpc_endpoint.replace("127.0.0.1", "localhost")
-    again = json.loads(run_cli("calibrate", "--rpc", other, "--json").stdout)
-    assert again["reused"] is False and again["rpc"] == [other] and again["rpc_hop_s"] > 0
+    again = json.loads(run_cli("calibrate", "--rpc", second, "--json").stdout)
+    assert again["reused"] is False and again["rpc"] == [second] and again["rpc_hop_s"] > 0
     # without --rpc: the stored file, hop and all
-    assert json.loads(run_cli("calibrate", "--json").stdout)["rpc"] == [other]
+    assert json.loads(run_cli("calibrate", "--json").stdout)["rpc"] == [second]
 
 
 def test_calibrate_rpc_to_a_host_that_does_not_answer_writes_nothing(patched_build, tmp_path: Path) -> None:
