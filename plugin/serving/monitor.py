@@ -8,8 +8,10 @@ run with `--metrics`, llama-server's /metrics page: the expert cache's slot-hit 
 and per layer, moeplug.serving.metrics) and the server's own token and request counters. /slots gives
 the context in use. Per MoE layer it sets the slots of the plan the server runs beside the hit
 rate the profile predicts for them and the one measured. GPUs come from moeplug.machine.gpu (NVML), an empty
-list without an NVIDIA GPU. Nothing here prints or imports a UI toolkit; every call that can
-block (HTTP, NVML, reading a profile) is bounded by a timeout and belongs off a UI thread.
+list without an NVIDIA GPU. Per device of a plan split over several (GPUs of this machine, remote
+devices through llama.cpp's RPC backend) what it holds. Nothing here prints or imports a UI
+toolkit; every call that can block (HTTP, NVML, reading a profile) is bounded by a timeout and
+belongs off a UI thread.
 """
 
 from __future__ import annotations
@@ -182,6 +184,11 @@ class ServerSnapshot:
         return "healthy" if self.healthy else "starting/unhealthy"
 
     @property
+    def devices(self) -> list[dict[str, Any]]:
+        """Per device of its plan, where the plan splits the layers over several: what `status` shows."""
+        return plan_devices(self.plan)
+
+    @property
     def model_present(self) -> bool:
         """False when the model file was deleted or moved while served (it runs on; it cannot start again)."""
         return Path(self.record.model).exists()
@@ -206,8 +213,18 @@ class ServerSnapshot:
             "layers": [layer.to_json() for layer in self.layers],
             "vram_bytes": self.vram_bytes, "vram_budget_bytes": self.vram_budget_bytes,
             "traffic": self.traffic.to_json() if self.traffic else None,
-            "placement": self.placement, "placement_why": self.placement_why,
+            "placement": self.placement, "placement_why": self.placement_why, "devices": self.devices,
         }
+
+
+def plan_devices(plan: Plan | None) -> list[dict[str, Any]]:
+    """Per device of a plan that splits the layers over several (in llama.cpp's order, remote ones
+    first): its name, where it is (`endpoint`: the rpc-server, None for this machine's), the blocks it
+    holds, its whole layers of its MoE layers, its slots and its budget; empty for a one-device plan."""
+    return [{"device": d.device, "endpoint": d.endpoint, "remote": d.endpoint is not None, "blocks": list(d.blocks),
+             "output": d.output, "moe_layers": d.moe_layers, "whole_layers": d.whole_layers, "slots": d.slots,
+             "budget_bytes": d.budget_bytes, "used_bytes": d.used_bytes, "headroom_bytes": d.headroom_bytes}
+            for d in (plan.devices or [] if plan else [])]
 
 
 @dataclass(frozen=True)

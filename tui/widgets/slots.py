@@ -1,4 +1,5 @@
-"""The selected model's expert slots per MoE layer: planned, predicted and measured hit rates."""
+"""The selected model's expert slots per MoE layer: planned, predicted and measured hit rates; for a
+plan split over several devices (GPUs, remote devices) a line per device."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import DataTable, Static
 
+from moeplug.planner.record import describe_blocks
 from moeplug.serving.monitor import ServerSnapshot
 from moeplug.tui.format import percent, size, strip
 
@@ -31,9 +33,18 @@ def summary_lines(s: ServerSnapshot | None) -> list[str]:
              f"CPU read {size(s.cpu_bytes_per_token)}/token" if c else _uncounted(s)]
     hits = [x.measured_hit_rate if x.measured_hit_rate is not None else x.predicted_hit_rate for x in s.layers]
     lines.append(f"hit/layer {strip(hits)}")
+    lines += device_lines(s)
     lines += [f"⚠ {w}" for w in p.warnings or []]
     lines += [f"served with stock's placement: {s.placement_why}"] if s.placement == "stock" else []
     return lines
+
+
+def device_lines(s: ServerSnapshot) -> list[str]:
+    """A line per device of a plan split over several (remote devices first, as llama.cpp orders
+    them): name, where (this machine, or its rpc-server), blocks, whole layers, slots, budget."""
+    return [f"{d['device']} {d['endpoint'] or 'this machine'}: blk {describe_blocks(d['blocks'], d['output'])}, "
+            f"{d['whole_layers']}/{d['moe_layers']} whole, {d['slots']} slots, {size(d['budget_bytes'])}"
+            for d in s.devices]
 
 
 def _uncounted(s: ServerSnapshot) -> str:
