@@ -1,6 +1,9 @@
 """Serving with remote devices (llama.cpp's RPC backend), for real: the demo installed with `--rpc`
 over two rpc-servers of the patched build (its ggml-rpc-server, backed by this machine's CPU) and
-served; what `moeplug status` and the dashboard show of its devices.
+served; what `moeplug status` and the dashboard show of its devices; and what they say when a host
+drops mid-serve: ended while the server idles ("host lost": its connection closed), then a request
+(llama.cpp aborts the server: "down", and why, from its log), or stopped without closing (the
+server hangs on the next request: "unresponsive").
 
 The module installs the demo once; each test serves it afresh with both hosts running, and stops it.
 """
@@ -16,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 from helpers import RpcServer, moeplug, xdg_homes
 
 pytestmark = pytest.mark.native
@@ -53,6 +57,8 @@ def served(remote: dict[str, Any]) -> Iterator[dict[str, Any]]:
     try:
         yield remote | {"server": status(env)["servers"][0]}
     finally:
+        for h in remote["hosts"]:
+            h.resume()
         moeplug(env, "stop", "--all")
 
 
@@ -109,7 +115,7 @@ def device_line(d: dict[str, Any]) -> str:
 def test_status_and_the_dashboard_show_each_device(served: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     env, hosts, plan = served["env"], served["hosts"], served["plan"]
     srv = status(env)["servers"][0]
-    assert srv["state"] == "healthy"
+    assert srv["state"] == "healthy" and srv["state_why"] is None and srv["hosts_closed"] == []
     devices = srv["devices"]
     # one per device of the plan, in llama.cpp's order, each where it is: here both remote
     assert [(d["device"], d["endpoint"], d["remote"]) for d in devices] == [
@@ -143,3 +149,69 @@ def test_status_and_the_dashboard_show_each_device(served: dict[str, Any], monke
     assert shown["row"][1] == "healthy" and shown["fits"]
     for d in devices:
         assert device_line(d) in shown["summary"].splitlines(), shown["summary"]
+
+
+def test_a_host_that_ends_mid_serve_status_says_lost_then_down_and_why(served: dict[str, Any],
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    env, hosts = served["env"], served["hosts"]
+    url, dropped = served["server"]["url"], hosts[1]
+    r = requests.post(f"{url}/completion", json={"prompt": "Hello", "n_predict": 4}, timeout=120)
+    assert r.status_code == 200, r.text
+
+    dropped.kill()  # while the server idles: nothing fails yet, but its connection to that host is closed
+    deadline = time.monotonic() + 30
+    while (srv := status(env)["servers"][0])["state"] != "host lost":
+        assert time.monotonic() < deadline, srv
+        time.sleep(0.2)
+    assert srv["alive"] and srv["hosts_closed"] == [dropped.endpoint]
+    assert srv["state_why"].startswith(f"{dropped.endpoint} closed its connection") and "next request" in srv["state_why"]
+
+    # a request that needs it: llama.cpp ends the server, and the request ends with it (no hang)
+    try:
+        r = requests.post(f"{url}/completion", json={"prompt": "Hello again", "n_predict": 4}, timeout=120)
+        assert r.status_code != 200, r.text
+    except requests.ReadTimeout:
+        pytest.fail("the request hung")
+    except requests.ConnectionError:
+        pass  # the connection dropped as the server ended
+    deadline = time.monotonic() + 60
+    while (srv := status(env)["servers"][0])["state"] != "down":
+        assert time.monotonic() < deadline, srv
+        time.sleep(0.5)
+    # why, in one line: llama.cpp's abort message from the log, and the host that takes no connection now
+    assert srv["state_why"].startswith("Remote RPC server crashed or returned malformed response (ggml-rpc.cpp:"), srv
+    assert srv["hosts_not_answering"] == {dropped.endpoint: "does not answer (Connection refused)"}
+    assert srv["state_why"].endswith(f"; now {dropped.endpoint} does not answer (Connection refused)")
+    assert "\n" not in srv["state_why"]
+    lines = status_text(env).splitlines()
+    assert lines[2].split()[3] == "down" and f"demo: down: {srv['state_why']}" in lines
+
+    shown = dashboard(env, monkeypatch)
+    assert shown["row"][1] == "down" and shown["fits"]
+    assert shown["summary"].splitlines()[0] == f"down: {srv['state_why']}"
+
+
+def test_a_host_that_stops_answering_hangs_the_server_and_status_says_so(served: dict[str, Any]) -> None:
+    """A host that stops answering without closing its connection (SIGSTOP here; a host cut off by
+    the network does not close it either): llama.cpp waits on it, and /health still answers ok."""
+    env, hosts = served["env"], served["hosts"]
+    url, stalled = served["server"]["url"], hosts[1]
+    stalled.pause()
+    with pytest.raises(requests.ReadTimeout):  # llama.cpp neither answers nor ends: it hangs
+        requests.post(f"{url}/completion", json={"prompt": "Hello", "n_predict": 4}, timeout=10)
+    assert requests.get(f"{url}/health", timeout=5).json()["status"] == "ok"  # what a plain health check sees
+
+    srv = status(env)["servers"][0]
+    assert srv["alive"] and srv["state"] == "unresponsive", srv
+    assert "answered no /slots in 2 s and used no CPU" in srv["state_why"]
+    assert all(h.endpoint in srv["state_why"] for h in hosts)
+    assert f"demo: unresponsive: {srv['state_why']}" in status_text(env).splitlines()
+
+    stalled.resume()  # the host answers again: so does the server, and the request it held completes
+    deadline = time.monotonic() + 60
+    while (srv := status(env)["servers"][0])["state"] != "healthy":
+        assert time.monotonic() < deadline, srv
+        time.sleep(0.5)
+    assert srv["state_why"] is None
+    r = requests.post(f"{url}/completion", json={"prompt": "Hello", "n_predict": 4}, timeout=120)
+    assert r.status_code == 200, r.text

@@ -272,6 +272,7 @@ def status_text(snap: Any, width: int | None = None) -> str:
         rows.append([s.name, s.record.url, s.record.pid, state, cache, hit_rate, _vram_text(s), s.record.log])
     lines = [table(["name", "url", "pid", "state", "expert cache", "measured hit rate", "VRAM of budget", "log"], rows,
                    "llrllrrl")]
+    lines += [wrap_lines(f"{s.name}: {s.state}: {s.state_why}", width) for s in snap.servers if s.state_why]
     lines += [devices_status_text(snap.servers, width)] if any(s.devices for s in snap.servers) else []
     lines += [_traffic_text(s) for s in snap.servers if s.traffic and s.traffic.requests]
     lines += [f"{s.name}: {s.placement_why}" for s in snap.servers if s.placement_why]

@@ -149,3 +149,17 @@ def test_a_plan_over_several_devices_shows_a_line_per_device(recorded: Snapshot)
     assert outside == []
     # a plan on one device has no such line: the screenshot above stays as it was
     assert not any("this machine" in line for line in asyncio.run(_shown(recorded))[0].splitlines())
+
+
+def test_a_model_that_is_down_says_why_first(recorded: Snapshot) -> None:
+    """A server that ended (here: llama.cpp aborted it when a remote host dropped): the slots panel's
+    first line says so and why, as `moeplug status` does."""
+    from dataclasses import replace
+
+    why = ("Remote RPC server crashed or returned malformed response (ggml-rpc.cpp:566); now 192.168.1.20:50052 "
+           "does not answer (Connection refused)")
+    split = _split_over_devices(recorded)
+    down = replace(split, servers=[replace(split.servers[0], alive=False, healthy=False, state_why=why)])
+    summary, outside = asyncio.run(_shown(down))
+    assert summary.splitlines()[0] == f"down: {why}" and outside == []
+    assert "RPC0 192.168.1.20:50052: blk 0-3, 3/4 whole, 40 slots, 20.00 GiB" in summary.splitlines()

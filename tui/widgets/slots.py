@@ -1,5 +1,6 @@
 """The selected model's expert slots per MoE layer: planned, predicted and measured hit rates; for a
-plan split over several devices (GPUs, remote devices) a line per device."""
+plan split over several devices (GPUs, remote devices) a line per device; why a model is down, waits
+on a remote device or lost one."""
 
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ def layer_rows(s: ServerSnapshot) -> list[list[str]]:
 def summary_lines(s: ServerSnapshot | None) -> list[str]:
     if s is None:
         return ["no served model selected"]
+    why = [f"{s.state}: {s.state_why}"] if s.state_why else []  # down, waiting on or lost a remote host
     if not s.plan:
-        return ["the plan it runs is not known (launched by an older moeplug): the cache line says the slots"]
+        return why + ["the plan it runs is not known (launched by an older moeplug): the cache line says the slots"]
     p = s.plan
     c = s.cache_counters
     lines = [f"fit {p.fit_fraction:.0%} · hit pred {percent(p.predicted_hit_rate)} "
@@ -36,7 +38,7 @@ def summary_lines(s: ServerSnapshot | None) -> list[str]:
     lines += device_lines(s)
     lines += [f"⚠ {w}" for w in p.warnings or []]
     lines += [f"served with stock's placement: {s.placement_why}"] if s.placement == "stock" else []
-    return lines
+    return why + lines
 
 
 def device_lines(s: ServerSnapshot) -> list[str]:
