@@ -200,8 +200,14 @@ def swap_in(install: OllamaInstall, bin_dir: Path, build_id: str, progress: Prog
     for p in ours:
         if p.name not in originals:  # first time, or Ollama put a new one there since
             entry = _entry(lib / p.name)
+            # the backup as it was, its mode and links too: a second 'hook ollama' runs it to read its flags,
+            # on its own libraries (found through its links beside it)
             if entry["kind"] == "file":
                 shutil.copyfile(lib / p.name, bdir / p.name)
+                os.chmod(bdir / p.name, int(str(entry["mode"])))
+            elif entry["kind"] == "link":
+                (bdir / p.name).unlink(missing_ok=True)
+                os.symlink(str(entry["target"]), bdir / p.name)
             originals[p.name] = entry
     for p in sorted(ours, key=lambda p: p.name == SERVER):
         _put(_entry(p), lib / p.name, p)
