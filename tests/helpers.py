@@ -220,11 +220,12 @@ class RpcServer:
     this machine's CPU) on a loopback port, started, ended (SIGKILL: a host that drops), paused
     (SIGSTOP: a host that stops answering without closing) and resumed as a test asks."""
 
-    def __init__(self, build: Any, port: int | None = None) -> None:
+    def __init__(self, build: Any, log: Path | None = None) -> None:
         from moeplug.serving.server import free_port
 
         self.binary = build.binary("ggml-rpc-server")
-        self.port = port or free_port()
+        self.port = free_port()
+        self.log = log  # where its output goes (appended), None: nowhere
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -241,8 +242,13 @@ class RpcServer:
 
         if self.running():
             return self
-        self.proc = subprocess.Popen([str(self.binary), "-H", "127.0.0.1", "-p", str(self.port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        out = open(self.log, "ab") if self.log else subprocess.DEVNULL
+        try:
+            self.proc = subprocess.Popen([str(self.binary), "-H", "127.0.0.1", "-p", str(self.port)], stdout=out,
+                                         stderr=subprocess.STDOUT)
+        finally:
+            if self.log:
+                out.close()  # type: ignore[union-attr]
         deadline = time.monotonic() + timeout
         while True:  # a connection closed at once: the rpc-server drops it and accepts the next
             try:
@@ -251,6 +257,11 @@ class RpcServer:
             except OSError:
                 assert self.proc.poll() is None and time.monotonic() < deadline, f"{self.binary} did not listen"
                 time.sleep(0.1)
+
+    def clients(self) -> int:
+        """The clients it has accepted so far, as its log says (a connection that only checked the
+        port counts too)."""
+        return self.log.read_text(errors="replace").count("Accepted client connection") if self.log else 0
 
     def kill(self) -> None:
         if self.running():
