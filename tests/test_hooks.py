@@ -388,7 +388,7 @@ def test_router_runs_a_plan_on_its_remote_devices(remote_store: dict, tmp_path: 
     clients = [h.clients() for h in hosts]
     with open(log, "wb") as out:
         router = subprocess.Popen(["sh", "-c", json.loads(r.stdout)["router_command"]], stdout=out,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
+                                  stderr=subprocess.STDOUT, preexec_fn=os.setpgrp)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -410,7 +410,7 @@ def test_router_runs_a_plan_on_its_remote_devices(remote_store: dict, tmp_path: 
         assert all(h.clients() > n for h, n in zip(hosts, clients)), clients
     finally:
         if router.poll() is None:
-            os.killpg(router.pid, signal.SIGTERM)  # its own session: the router and its child
+            os.killpg(router.pid, signal.SIGTERM)  # its own process group: the router and its child
         router.wait(timeout=30)
 
 
