@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -106,10 +107,10 @@ def _addresses(endpoint: str) -> set[tuple[str, int]]:
 
 
 def _remote(hex_address: str) -> tuple[str, int]:
-    """/proc/net/tcp's 'HEXIP:HEXPORT' (the IP in the kernel's byte order, 32-bit words) as (IP, port)."""
+    """/proc/net/tcp's 'HEXIP:HEXPORT' (the IP as 32-bit words in the machine's byte order) as (IP, port)."""
     ip_hex, port_hex = hex_address.split(":")
     raw = bytes.fromhex(ip_hex)
-    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    words = raw if sys.byteorder == "big" else b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
     return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, words), int(port_hex, 16)
 
 
@@ -122,11 +123,18 @@ def closed_by_peer(pid: int, endpoints: list[str]) -> list[str]:
     say (another user's process, not Linux)."""
     if not endpoints:
         return []
+    inodes = set()
     try:
-        inodes = {os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1] for fd in os.listdir(f"/proc/{pid}/fd")
-                  if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:[")}
+        fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
         return []
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
     closed: set[tuple[str, int]] = set()
     for table in ("tcp", "tcp6"):
         try:
@@ -137,7 +145,7 @@ def closed_by_peer(pid: int, endpoints: list[str]) -> list[str]:
             cols = row.split()
             if len(cols) > 9 and cols[3] == CLOSE_WAIT and cols[9] in inodes:
                 closed.add(_remote(cols[2]))
-    return [e for e in endpoints if _addresses(e) & closed]
+    return [e for e in endpoints if _addresses(e) & closed] if closed else []
 
 
 def cpu_seconds(pid: int) -> float | None:
