@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -212,3 +213,71 @@ def one_line_error(r: Any, code: int | None, *words: str) -> str:
     for w in words:
         assert w in lines[0], (w, lines[0])
     return lines[0]
+
+
+class RpcServer:
+    """A remote device for the tests: the build's ggml-rpc-server (llama.cpp's rpc-server, backed by
+    this machine's CPU) on a loopback port, started, ended (SIGKILL: a host that drops), paused
+    (SIGSTOP: a host that stops answering without closing) and resumed as a test asks."""
+
+    def __init__(self, build: Any, log: Path | None = None) -> None:
+        from moeplug.serving.server import free_port
+
+        self.binary = build.binary("ggml-rpc-server")
+        self.port = free_port()
+        self.log = log  # where its output goes (appended), None: nowhere
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, timeout: float = 30) -> RpcServer:
+        """Started (again, on the same port) unless it runs, and listening."""
+        import socket
+        import time
+
+        if self.running():
+            return self
+        out = open(self.log, "ab") if self.log else subprocess.DEVNULL
+        try:
+            self.proc = subprocess.Popen([str(self.binary), "-H", "127.0.0.1", "-p", str(self.port)], stdout=out,
+                                         stderr=subprocess.STDOUT)
+        finally:
+            if self.log:
+                out.close()  # type: ignore[union-attr]
+        deadline = time.monotonic() + timeout
+        while True:  # a connection closed at once: the rpc-server drops it and accepts the next
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return self
+            except OSError:
+                assert self.proc.poll() is None and time.monotonic() < deadline, f"{self.binary} did not listen"
+                time.sleep(0.1)
+
+    def clients(self) -> int:
+        """The clients it has accepted so far, as its log says (a connection that only checked the
+        port counts too)."""
+        return self.log.read_text(errors="replace").count("Accepted client connection") if self.log else 0
+
+    def kill(self) -> None:
+        if self.running():
+            assert self.proc is not None
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+    def pause(self) -> None:
+        assert self.proc is not None and self.running()
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.running():
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        self.resume()
+        self.kill()

@@ -343,6 +343,112 @@ def test_llama_swap_single_file_keeps_everything_else(home: dict[str, str], tmp_
 
 
 # ---------------------------------------------------------------------------------------------
+# remote devices: a plan with --rpc, run by the router and by llama-swap's command
+
+
+@pytest.fixture(scope="module")
+def remote_store(patched_build, tmp_path_factory: pytest.TempPathFactory):
+    """XDG homes (the builds shared) holding the demo installed over two rpc-servers of the patched
+    build (its plan's server args carry --rpc), and the two servers, running."""
+    from helpers import RpcServer, xdg_homes
+
+    root = tmp_path_factory.mktemp("hooks-rpc")
+    env = xdg_homes(root)
+    hosts = [RpcServer(patched_build, root / f"rpc-server-{i}.log").start() for i in range(2)]
+    try:
+        r = moeplug(env, "install", "demo", "--ctx", "1024", "--no-serve", "--json", "--rpc",
+                    ",".join(h.endpoint for h in hosts), "--rpc-budget", "848MiB,848MiB")
+        assert r.returncode == 0, r.stderr[-3000:]
+        plan = json.loads(r.stdout)["plan"]
+        assert dict(flag_pairs(plan["server_args"]))["--rpc"] == ",".join(h.endpoint for h in hosts)
+        yield {"env": env, "hosts": hosts, "plan": plan}
+    finally:
+        for h in hosts:
+            h.stop()
+
+
+def ran_on(log: str, hosts: list) -> bool:
+    """llama.cpp's log (at -lv 4, as moeplug serves) says it used a device of each host."""
+    return all(re.search(rf"using device RPC\d+ \({re.escape(h.endpoint)}\)", log) for h in hosts)
+
+
+def test_router_runs_a_plan_on_its_remote_devices(remote_store: dict, tmp_path: Path) -> None:
+    env, hosts, plan = remote_store["env"], remote_store["hosts"], remote_store["plan"]
+    rpc = ",".join(h.endpoint for h in hosts)
+    preset = tmp_path / "router.ini"
+    port = free_port()
+    r = moeplug(env, "hook", "llama-server", "--preset", str(preset), "--port", str(port), "--json")
+    assert r.returncode == 0, r.stderr
+    block = re.search(r"^; >>> moeplug demo (.*?)^; <<< moeplug demo$", preset.read_text(), re.S | re.M)[1]
+    assert f"; runs on the remote devices of {rpc}: an rpc-server serves one client at a time" in block
+    assert f"\nrpc = {rpc}\n" in block and "\ntensor-split = " in block
+    assert "--models-max 1" in json.loads(r.stdout)["router_command"]  # an rpc-server serves one client at a time
+
+    log = tmp_path / "router.log"
+    clients = [h.clients() for h in hosts]
+    with open(log, "wb") as out:
+        router = subprocess.Popen(["sh", "-c", json.loads(r.stdout)["router_command"]], stdout=out,
+                                  stderr=subprocess.STDOUT, preexec_fn=os.setpgrp)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if requests.get(f"{url}/models", timeout=2).ok:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert router.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        r2 = requests.post(f"{url}/v1/chat/completions", timeout=300, json={
+            "model": "demo", "max_tokens": 8, "messages": [{"role": "user", "content": "Hello"}]})
+        assert r2.status_code == 200, r2.text
+        args = {m["id"]: m["status"] for m in requests.get(f"{url}/models", timeout=10).json()["data"]}["demo"]["args"]
+        assert args[args.index("--rpc") + 1] == rpc
+        assert args[args.index("--tensor-split") + 1] == ",".join(map(str, plan["tensor_split"]))
+        # the child (its log at the router's verbosity names no device) connected to both hosts
+        assert all(h.clients() > n for h, n in zip(hosts, clients)), clients
+    finally:
+        if router.poll() is None:
+            os.killpg(router.pid, signal.SIGTERM)  # its own process group: the router and its child
+        router.wait(timeout=30)
+
+
+def test_llama_swaps_command_runs_a_plan_on_its_remote_devices(remote_store: dict, tmp_path: Path) -> None:
+    env, hosts = remote_store["env"], remote_store["hosts"]
+    folder = tmp_path / "swap.d"
+    folder.mkdir()
+    r = moeplug(env, "hook", "llama-swap", "--config-dir", str(folder))
+    assert r.returncode == 0, r.stderr
+    entry = yaml.safe_load((folder / "moeplug.yaml").read_text())["models"]["demo"]
+    valid_for_llama_swap({"models": {"demo": entry}})
+    argv = shlex.split(entry["cmd"])
+    assert argv[argv.index("--rpc") + 1] == ",".join(h.endpoint for h in hosts)
+
+    port = free_port()  # as llama-swap runs it: ${PORT} given, the entry's environment added
+    log = tmp_path / "swap-demo.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([a.replace("${PORT}", str(port)) for a in argv], stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **dict(e.split("=", 1) for e in entry.get("env", []))})
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if requests.get(f"http://127.0.0.1:{port}{entry['checkEndpoint']}", timeout=2).ok:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        r2 = requests.post(f"http://127.0.0.1:{port}/completion", json={"prompt": "Hello", "n_predict": 8}, timeout=300)
+        assert r2.status_code == 200, r2.text
+        assert ran_on(log.read_text(errors="replace"), hosts), log.read_text()[-3000:]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+# ---------------------------------------------------------------------------------------------
 # the watcher
 
 

@@ -300,3 +300,63 @@ def test_profile_dir_no_match_two_matches_corrupt_slots_auto(ollama, patched_bui
     (corrupt / "p.slots").unlink()  # no slots file: auto, on the CPU device a quarter of the experts
     lines = run(corrupt, slots=None)
     assert len(lines) == 2 and "slots 8 from auto" in lines[0] and lines[1].startswith("moe-cache: 4 layers x 8 slots"), lines
+
+
+def test_the_environment_carries_the_plans_remote_devices(ollama, patched_build, tmp_path: Path) -> None:
+    """A model installed with --rpc: Ollama's environment gets llama.cpp's LLAMA_ARG_RPC with its hosts
+    (and one model loaded at a time: an rpc-server serves one client), and a llama-server started as
+    Ollama starts it runs on them; the drop-in follows a re-plan without them; plans that name
+    different hosts leave it out (one environment for every model), and the hook says why."""
+    from helpers import RpcServer
+
+    lib, prefix = ollama["lib"], ollama["prefix"]
+    units = Path(os.environ["MOEPLUG_SYSTEMD_DIR"])
+    units.mkdir(parents=True, exist_ok=True)
+    (units / "ollama.service").write_text("[Service]\nExecStart=/usr/local/bin/ollama serve\n")
+    dropin = units / "ollama.service.d" / "moeplug.conf"
+    hosts = [RpcServer(patched_build).start() for _ in range(2)]
+    rpc = ",".join(h.endpoint for h in hosts)
+    try:
+        r = moeplug(None, "install", "ollama:beta", "--rpc", rpc, "--rpc-budget", "848MiB,848MiB", "--no-serve",
+                    "--ctx", "1024", "--profile-tokens", "16", "--json")
+        assert r.returncode == 0, r.stderr[-3000:]
+        args = json.loads(r.stdout)["plan"]["server_args"]
+        assert args[args.index("--rpc") + 1] == rpc
+        r = moeplug(None, "hook", "ollama", "--ollama-dir", str(prefix), "--json")
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout)
+        assert doc["environment"]["LLAMA_ARG_RPC"] == rpc and doc["environment"]["OLLAMA_MAX_LOADED_MODELS"] == "1"
+        assert doc["remote_devices"].startswith(f"LLAMA_ARG_RPC={rpc} (the plan of beta-latest): every model Ollama starts")
+        assert f"Environment=LLAMA_ARG_RPC={rpc}\n" in dropin.read_text()
+        assert "remote devices: LLAMA_ARG_RPC=" in doc["next"]
+
+        # llama-server as Ollama starts it (its flags alone, no --rpc), in that environment: on both hosts
+        tokens, log = answer(lib / "llama-server", ollama["blobs"]["beta"], tmp_path / "beta.log", doc["environment"])
+        assert tokens
+        for i, h in enumerate(hosts):
+            assert f"using device RPC{i} ({h.endpoint})" in log, log[-3000:]
+
+        # a re-plan without remote devices: the drop-in no longer names them (Ollama reads it at its restart)
+        r = moeplug(None, "install", "ollama:beta", "--rpc", "none", "--no-serve", "--ctx", "1024", "--json")
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "LLAMA_ARG_RPC" not in dropin.read_text() and "OLLAMA_MAX_LOADED_MODELS" not in dropin.read_text()
+        assert "Environment=LLAMA_ARG_MOE_CACHE_SLOTS=auto\n" in dropin.read_text()
+
+        # two plans on different hosts: one environment cannot hold both lists, so it holds none
+        for model, given, budgets in (("beta", rpc, "848MiB,848MiB"), ("alpha", hosts[0].endpoint, "1GiB")):
+            r = moeplug(None, "install", f"ollama:{model}", "--rpc", given, "--rpc-budget", budgets, "--no-serve",
+                        "--ctx", "1024", "--json")
+            assert r.returncode == 0, r.stderr[-3000:]
+        assert "LLAMA_ARG_RPC" not in dropin.read_text()
+        r = moeplug(None, "hook", "ollama", "--ollama-dir", str(prefix), "--json")
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout)
+        assert "LLAMA_ARG_RPC" not in doc["environment"]
+        assert doc["remote_devices"].startswith(f"the installed plans name different remote devices (alpha-latest: "
+                                                f"{hosts[0].endpoint}; beta-latest: {rpc})")
+    finally:
+        for h in hosts:
+            h.stop()
+        assert moeplug(None, "hook", "remove", "ollama").returncode == 0
+        (units / "ollama.service").unlink()
+    assert tree_digest(lib) == ollama["stock"] and not dropin.exists()

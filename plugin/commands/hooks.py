@@ -94,8 +94,10 @@ def cmd_ollama(args: argparse.Namespace) -> int:
 
     out = Output.for_args(args)
     install = ollama.find_install(Path(args.ollama_dir) if args.ollama_dir else None)
-    record, next_step = add_ollama_hook(install, _installed(args), out.progress)
-    doc = {"hook": asdict(record), "file": str(install.lib_dir / ollama.SERVER), "environment": ollama.environment(),
+    models = _installed(args)
+    record, next_step = add_ollama_hook(install, models, out.progress)
+    doc = {"hook": asdict(record), "file": str(install.lib_dir / ollama.SERVER),
+           "environment": ollama.environment(models), "remote_devices": ollama.rpc_environment(models)[1],
            "next": next_step}
     return out.result(doc, lambda d: (f"Ollama at {install.lib_dir} now runs moeplug's llama-server; every model "
                                       f"finds its profile and slots in {d['environment']['LLAMA_ARG_MOE_CACHE_PROFILE']}"

@@ -15,7 +15,7 @@ from moeplug.commands.options import (JOBS, TOKENS, Number, add_backend, add_jso
                              add_spec_options, add_threads)
 from moeplug.planner.estimates import DEFAULT_UBATCH, MIN_UBATCH
 from moeplug.core.output import Output, fitted_table, human_bytes, shell_lines, table, terminal_width, wrap_lines
-from moeplug.planner.record import Plan, describe_slots
+from moeplug.planner.record import Plan, describe_blocks, describe_slots
 from moeplug.planner.request import UBATCH_AUTO
 from moeplug.serving.server import HOST
 from moeplug.serving.launch import cache_summary, slot_range, streamed_text
@@ -262,7 +262,9 @@ def _hit_rate_text(counters: dict[str, Any] | None, counted: bool = True) -> str
     return f"{counters['hit_rate']:.1%} of {counters['selections']}"
 
 
-def status_text(snap: Any) -> str:
+def status_text(snap: Any, width: int | None = None) -> str:
+    """The served models for people; width: fit the devices' table in that many columns (None: as wide
+    as it comes)."""
     if not snap.servers:
         return "no model is being served ('moeplug serve NAME' starts one)"
     rows = []
@@ -274,9 +276,27 @@ def status_text(snap: Any) -> str:
         rows.append([s.name, s.record.url, s.record.pid, state, cache, hit_rate, _vram_text(s), s.record.log])
     lines = [table(["name", "url", "pid", "state", "expert cache", "measured hit rate", "VRAM of budget", "log"], rows,
                    "llrllrrl")]
+    lines += [wrap_lines(f"{s.name}: {s.state}: {s.state_why}", width) for s in snap.servers if s.state_why]
+    lines += [devices_status_text(snap.servers, width)] if any(s.devices for s in snap.servers) else []
     lines += [_traffic_text(s) for s in snap.servers if s.traffic and s.traffic.requests]
     lines += [f"{s.name}: {s.placement_why}" for s in snap.servers if s.placement_why]
     return "\n".join(lines)
+
+
+def devices_status_text(servers: list[Any], width: int | None = None) -> str:
+    """A row per device of each served model whose plan splits its layers over several: where the
+    device is (this machine, or its rpc-server), its blocks, whole layers, slots and budget; in
+    `width` columns, each device's figures under its name where the table is wider."""
+    head = ["model", "device", "where", "blocks", "whole layers", "slots", "budget"]
+    rows = [[s.name, d["device"], d["endpoint"] or "this machine", describe_blocks(d["blocks"], d["output"]),
+             f"{d['whole_layers']} of {d['moe_layers']}", str(d["slots"]), human_bytes(d["budget_bytes"])]
+            for s in servers for d in s.devices]
+    text = table(head, rows, "lllllrr")
+    if width is None or max(len(line) for line in text.splitlines()) <= width:
+        return text
+    return fitted_table(["device", "where, blocks, whole layers, slots, budget"],
+                        [[f"{r[0]} {r[1]}", f"{r[2]}; blocks {r[3]}; {r[4]} whole; {r[5]} slots; budget {r[6]}"]
+                         for r in rows], width)
 
 
 def _traffic_text(s: Any) -> str:
@@ -305,7 +325,7 @@ def _vram_text(s: Any) -> str:
 def cmd_status(args: argparse.Namespace) -> int:
     from moeplug.serving.monitor import snapshot
 
-    return Output.for_args(args).result(snapshot(), status_text)
+    return Output.for_args(args).result(snapshot(), lambda snap: status_text(snap, terminal_width()))
 
 
 @dataclass

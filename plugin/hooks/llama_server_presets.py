@@ -36,6 +36,10 @@ def section(cmd: ModelCommand) -> str:
         lines.append(f"; profile {cmd.profile} sha256:{cmd.profile_sha256[:16]}")
     for key, value in cmd.env:
         lines.append(f"; needs {key}={value} in the router's environment (children inherit it)")
+    remote = dict(flag_pairs(cmd.server_args)).get("--rpc")
+    if remote:
+        lines.append(f"; runs on the remote devices of {remote}: an rpc-server serves one client at a time, so "
+                     f"one such model loaded at a time (--models-max 1)")
     lines.append(f"[{cmd.name}]")
     for key, value in [("model", str(cmd.model)), *_keys(cmd)]:
         if re.search(r"[;#\r\n]", value) or value != value.strip():

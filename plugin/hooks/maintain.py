@@ -46,7 +46,8 @@ def _write(record: HookRecord, commands: list[ModelCommand], models: Sequence[In
     if record.target == "llama-swap-file":
         return llama_swap.write_file(path, commands, ttl, schema)
     if record.target == "ollama":
-        return ollama.write_slots_files(models)
+        slots = ollama.write_slots_files(models)
+        return ollama.refresh_environment(models) or slots
     raise MoeplugError(f"unknown hook target '{record.target}'")
 
 
@@ -111,7 +112,7 @@ def add_ollama_hook(install: ollama.OllamaInstall, models: Sequence[Installed],
         _write(record, [], models)
         record.models = sorted(m.name for m in models if m.profile)
         put_hook(record)
-        _, next_step = ollama.write_environment()
+        _, next_step = ollama.write_environment(models)
     return record, f"{bundled.version} backed up; {next_step}"
 
 

@@ -12,7 +12,10 @@ What this relies on, read from Ollama's source (ollama/ollama, not copied):
   `--split-mode --main-gpu`, `--no-jinja --chat-template`; env: Ollama's own environment plus
   `LD_LIBRARY_PATH` (llama-server's folder first), `LLAMA_MEDIA_MARKER`, `GGML_BACKEND_PATH` (a GPU
   variant's backend library) and `LLAMA_ARG_FIT_TARGET` (for projector models, unless inherited).
-  So `LLAMA_ARG_MOE_CACHE_*` set on `ollama serve` reach every llama-server it starts.
+  So `LLAMA_ARG_MOE_CACHE_*` set on `ollama serve` reach every llama-server it starts; and so does
+  `LLAMA_ARG_RPC` (llama.cpp's variable for `--rpc`, which Ollama does not pass), the remote devices
+  (machine.rpc) of the installed plans: one list for every model, as the environment is every
+  runner's (`rpc_environment`).
 
 The swap backs up every file it replaces (bytes, mode, links) under moeplug's state folder and
 restores them exactly; the swapped binary is recognised by its sha256, so an Ollama update that
@@ -34,7 +37,7 @@ from typing import Sequence
 
 from moeplug.core.errors import MoeplugError
 from moeplug.core.fsutil import atomic_path, sha256_file, write_text_atomic
-from moeplug.hooks.command import Installed
+from moeplug.hooks.command import Installed, flag_pairs
 from moeplug.core.paths import data_dir, state_dir
 from moeplug.core.progress import Note, ProgressFn, silent
 from moeplug.planner.costs import DEFAULT_COSTS
@@ -200,8 +203,14 @@ def swap_in(install: OllamaInstall, bin_dir: Path, build_id: str, progress: Prog
     for p in ours:
         if p.name not in originals:  # first time, or Ollama put a new one there since
             entry = _entry(lib / p.name)
+            # the backup as it was, its mode and links too: a second 'hook ollama' runs it to read its flags,
+            # on its own libraries (found through its links beside it)
             if entry["kind"] == "file":
                 shutil.copyfile(lib / p.name, bdir / p.name)
+                os.chmod(bdir / p.name, int(str(entry["mode"])))
+            elif entry["kind"] == "link":
+                (bdir / p.name).unlink(missing_ok=True)
+                os.symlink(str(entry["target"]), bdir / p.name)
             originals[p.name] = entry
     for p in sorted(ours, key=lambda p: p.name == SERVER):
         _put(_entry(p), lib / p.name, p)
@@ -250,16 +259,43 @@ def profiles_dir() -> Path:
     return data_dir() / "profiles"
 
 
-def environment() -> dict[str, str]:
+def environment(models: Sequence[Installed] = ()) -> dict[str, str]:
     """What `ollama serve` needs: every model finds its profile and planned slots in moeplug's store,
     the slots follow the prompt as under `moeplug serve` (server_flags.DYNAMIC_ARGS), and short prompts
     go to the GPU as moeplug's plans send them (plan.SHORT_PROMPT_OFFLOAD): for the layers whose GPU
-    copies their experts from the slots alone, so a model without a profile runs as Ollama ran it."""
+    copies their experts from the slots alone, so a model without a profile runs as Ollama ran it; and
+    the installed models' remote devices (rpc_environment)."""
     from moeplug.planner.server_flags import DYNAMIC_ARGS, OFFLOAD_MIN_BATCH_FLAG, env_of
 
     return {"LLAMA_ARG_MOE_CACHE_PROFILE": str(profiles_dir()), "LLAMA_ARG_MOE_CACHE_SLOTS": "auto",
             "LLAMA_ARG_MOE_CACHE_MAX_BATCH": "512",
-            **env_of(DYNAMIC_ARGS + [OFFLOAD_MIN_BATCH_FLAG, str(DEFAULT_COSTS.short_prompt_offload)])}
+            **env_of(DYNAMIC_ARGS + [OFFLOAD_MIN_BATCH_FLAG, str(DEFAULT_COSTS.short_prompt_offload)]),
+            **rpc_environment(models)[0]}
+
+
+RPC_VAR = "LLAMA_ARG_RPC"  # llama.cpp's environment variable for --rpc (common/arg.cpp)
+
+
+def rpc_environment(models: Sequence[Installed]) -> tuple[dict[str, str], str | None]:
+    """The remote devices the installed models' plans run on, as Ollama's runners can be given them,
+    and a note for people: LLAMA_ARG_RPC with the --rpc list the plans share (every model Ollama starts
+    adds those devices, since `ollama serve`'s environment is every runner's; Ollama places the layers,
+    not the plan's --tensor-split), and OLLAMA_MAX_LOADED_MODELS=1 beside it (an rpc-server serves one
+    client at a time: a second runner would wait for the first at its start). Where the plans name
+    different lists, one environment cannot hold them: none, and the note says so. A model served with
+    stock's placement (the install's check) runs without its remote devices, as under `moeplug serve`."""
+    lists = {m.name: dict(flag_pairs(m.plan.server_args)).get("--rpc") for m in models if m.placement != "stock"}
+    lists = {name: value for name, value in lists.items() if value}
+    if not lists:
+        return {}, None
+    if len(set(lists.values())) > 1:
+        named = "; ".join(f"{name}: {value}" for name, value in sorted(lists.items()))
+        return {}, (f"the installed plans name different remote devices ({named}): Ollama's environment is every "
+                    f"model's and holds one --rpc list, so it holds none; plan them with the same --rpc")
+    value, plans = next(iter(lists.values())), f"plan{'s' if len(lists) > 1 else ''} of {', '.join(sorted(lists))}"
+    return {RPC_VAR: value, "OLLAMA_MAX_LOADED_MODELS": "1"}, (
+        f"{RPC_VAR}={value} (the {plans}): every model Ollama starts adds these remote devices, one model loaded "
+        f"at a time (OLLAMA_MAX_LOADED_MODELS=1: an rpc-server serves one client at a time)")
 
 
 def systemd_dirs() -> list[Path]:
@@ -276,17 +312,37 @@ def dropin_path() -> Path | None:
     return None
 
 
-def write_environment() -> tuple[Path | None, str]:
-    """The drop-in written (path) and what to do next, or (None, the shell lines)."""
-    env = environment()
+def dropin_text(env: dict[str, str]) -> str:
+    return "\n".join([f"{SLOTS_HEADER} ('moeplug hook ollama'); 'moeplug hook remove ollama' removes it", "[Service]",
+                      *(f"Environment={k}={v}" for k, v in env.items()), ""])
+
+
+def write_environment(models: Sequence[Installed] = ()) -> tuple[Path | None, str]:
+    """The drop-in written (path) and what to do next, or (None, the shell lines); the remote
+    devices' note (rpc_environment) after either."""
+    env = environment(models)
+    note = rpc_environment(models)[1]
+    after = f"\nremote devices: {note}" if note else ""
     path = dropin_path()
     if path is None:
         lines = "\n".join(f"export {k}={v}" for k, v in env.items())
-        return None, f"no ollama.service here: set these where 'ollama serve' runs, then restart it:\n{lines}"
-    text = "\n".join([f"{SLOTS_HEADER} ('moeplug hook ollama'); 'moeplug hook remove ollama' removes it", "[Service]",
-                      *(f"Environment={k}={v}" for k, v in env.items()), ""])
+        return None, f"no ollama.service here: set these where 'ollama serve' runs, then restart it:\n{lines}{after}"
+    write_text_atomic(path, dropin_text(env))
+    return path, f"wrote {path}; run: systemctl daemon-reload && systemctl restart ollama{after}"
+
+
+def refresh_environment(models: Sequence[Installed]) -> bool:
+    """Bring moeplug's drop-in up to date with the installed models (their remote devices); True when
+    it changed (Ollama reads it at its next restart). Without one (no ollama.service: the shell lines)
+    nothing is written: 'moeplug hook ollama' prints the lines again."""
+    path = dropin_path()
+    if path is None or not path.exists() or not path.read_text().startswith(SLOTS_HEADER):
+        return False
+    text = dropin_text(environment(models))
+    if path.read_text() == text:
+        return False
     write_text_atomic(path, text)
-    return path, f"wrote {path}; run: systemctl daemon-reload && systemctl restart ollama"
+    return True
 
 
 def remove_environment() -> None:

@@ -161,3 +161,10 @@ def describe_slots(slots_per_layer: list[int] | int, n_expert: int) -> str:
     whole = sum(n >= n_expert for n in slots)
     plural = "s" if whole != 1 else ""
     return f"{span} of {n_expert} per layer" + (f" ({whole} whole layer{plural})" if whole and lo != hi else "")
+
+
+def describe_blocks(blocks: list[int], output: bool = False) -> str:
+    """A device's blocks (a contiguous run, as llama.cpp's layer split gives them): '0', '1-3' or
+    'none'; ' + output' where it holds the output layer."""
+    held = "none" if not blocks else str(blocks[0]) if len(blocks) == 1 else f"{blocks[0]}-{blocks[-1]}"
+    return held + (" + output" if output else "")

@@ -64,11 +64,17 @@ def metrics_page(url: str, timeout: float = 3) -> str | None:
     return r.text if r.status_code == 200 else None
 
 
-def slots(url: str, timeout: float = 5) -> list[dict[str, Any]] | None:
-    """/slots: each slot's state, or None where nothing answers or the answer is not a list (--no-slots)."""
+def slots(url: str, timeout: float = 5, timeouts: bool = False) -> list[dict[str, Any]] | None:
+    """/slots: each slot's state, or None where nothing answers or the answer is not a list (--no-slots).
+    timeouts: raise TimeoutError where the server took the request but did not answer in time (the
+    server's work loop answers /slots: one that waits, or is busy with a long batch)."""
     try:
         r = requests.get(f"{url}/slots", timeout=timeout)
         doc = r.json() if r.status_code == 200 else None
+    except requests.ReadTimeout:
+        if timeouts:
+            raise TimeoutError(f"{url}/slots: no answer in {timeout:g} s") from None
+        return None
     except (requests.RequestException, ValueError):
         return None
     return doc if isinstance(doc, list) else None

@@ -8,8 +8,11 @@ run with `--metrics`, llama-server's /metrics page: the expert cache's slot-hit 
 and per layer, moeplug.serving.metrics) and the server's own token and request counters. /slots gives
 the context in use. Per MoE layer it sets the slots of the plan the server runs beside the hit
 rate the profile predicts for them and the one measured. GPUs come from moeplug.machine.gpu (NVML), an empty
-list without an NVIDIA GPU. Nothing here prints or imports a UI toolkit; every call that can
-block (HTTP, NVML, reading a profile) is bounded by a timeout and belongs off a UI thread.
+list without an NVIDIA GPU. Per device of a plan split over several (GPUs of this machine, remote
+devices through llama.cpp's RPC backend) what it holds. Where a server is down, waits on a remote
+device, or lost one, moeplug.serving.liveness says why in one line. Nothing here prints or imports
+a UI toolkit; every call that can block (HTTP, NVML, reading a profile, a connection to a remote
+host) is bounded by a timeout and belongs off a UI thread.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from moeplug.planner.record import Plan
 from moeplug.serving.installed import InstalledModel, list_installed
 from moeplug.serving.metrics import CacheCounters, fetch_metrics_page, parse_cache_counters
 from moeplug.serving.launch import ServerRecord, read_records
-from moeplug.serving import client
+from moeplug.serving import client, liveness
 from moeplug.serving.server import health
 from moeplug.serving.traffic import LogTraffic, Traffic
 
@@ -161,6 +164,13 @@ class ServerSnapshot:
     profile: ProfileSummary | None = None  # with_profile only (the dashboard's plan panel)
     vram_bytes: int | None = None  # what the server process holds on every GPU (NVML), None without one
     traffic: Traffic | None = None  # its finished requests, from its log (moeplug.serving.traffic)
+    # remote devices (moeplug.serving.liveness): the rpc-servers whose connection the server's side closed
+    # (a live server: its next request ends it), whether its work loop waits (/slots unanswered, no CPU used),
+    # and after it went down the rpc-servers that take no connection (HOST:PORT -> why)
+    hosts_closed: list[str] = field(default_factory=list)
+    waiting: bool = False
+    hosts_not_answering: dict[str, str] = field(default_factory=dict)
+    state_why: str | None = None  # why it is down, unresponsive or lost a host, in one line
 
     @property
     def vram_budget_bytes(self) -> int | None:
@@ -179,7 +189,16 @@ class ServerSnapshot:
             return "unverified"  # its moeplug was killed before checking it: `moeplug stop` it or serve again
         if self.record.launcher is not None:
             return "starting"
-        return "healthy" if self.healthy else "starting/unhealthy"
+        if not self.healthy:
+            return "starting/unhealthy"
+        if self.hosts_closed:
+            return "host lost"  # an rpc-server closed its connection: the next request ends the server
+        return "unresponsive" if self.waiting else "healthy"
+
+    @property
+    def devices(self) -> list[dict[str, Any]]:
+        """Per device of its plan, where the plan splits the layers over several: what `status` shows."""
+        return plan_devices(self.plan)
 
     @property
     def model_present(self) -> bool:
@@ -206,8 +225,26 @@ class ServerSnapshot:
             "layers": [layer.to_json() for layer in self.layers],
             "vram_bytes": self.vram_bytes, "vram_budget_bytes": self.vram_budget_bytes,
             "traffic": self.traffic.to_json() if self.traffic else None,
-            "placement": self.placement, "placement_why": self.placement_why,
+            "placement": self.placement, "placement_why": self.placement_why, "devices": self.devices,
+            "state_why": self.state_why, "hosts_closed": self.hosts_closed,
+            "hosts_not_answering": self.hosts_not_answering,
         }
+
+
+def plan_devices(plan: Plan | None) -> list[dict[str, Any]]:
+    """Per device of a plan that splits the layers over several (in llama.cpp's order, remote ones
+    first): its name, where it is (`endpoint`: the rpc-server, None for this machine's), the blocks it
+    holds, its whole layers of its MoE layers, its slots and its budget; empty for a one-device plan."""
+    return [{"device": d.device, "endpoint": d.endpoint, "remote": d.endpoint is not None, "blocks": list(d.blocks),
+             "output": d.output, "moe_layers": d.moe_layers, "whole_layers": d.whole_layers, "slots": d.slots,
+             "budget_bytes": d.budget_bytes, "used_bytes": d.used_bytes, "headroom_bytes": d.headroom_bytes}
+            for d in (plan.devices or [] if plan else [])]
+
+
+def rpc_endpoints(args: list[str]) -> list[str]:
+    """The rpc-servers (HOST:PORT) a server's command line adds devices from (--rpc), in order."""
+    found = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--rpc"]
+    return list(dict.fromkeys(e.strip() for value in found for e in value.split(",") if e.strip()))
 
 
 @dataclass(frozen=True)
@@ -224,9 +261,8 @@ class Snapshot:
         return {"servers": [s.to_json() for s in self.servers], "gpus": [g.to_json() for g in self.gpus]}
 
 
-def _slots_info(url: str) -> tuple[int | None, int | None]:
-    """(tokens in the fullest llama-server slot, its n_ctx) from /slots, or (None, None)."""
-    found = client.slots(url, timeout=HTTP_TIMEOUT_S)
+def _slots_info(found: list[dict[str, Any]] | None) -> tuple[int | None, int | None]:
+    """(tokens in the fullest llama-server slot, its n_ctx) from /slots' answer, or (None, None)."""
     try:
         return max(int(s.get("n_prompt_tokens") or 0) for s in found), max(int(s["n_ctx"]) for s in found)
     except (ValueError, TypeError, KeyError, AttributeError):
@@ -314,30 +350,68 @@ def past_probe(record: ServerRecord, counters: CacheCounters | None,
 
 
 def server_snapshot(record: ServerRecord, installed: dict[str, InstalledModel] | None = None,
-                    now: float | None = None, with_profile: bool = False) -> ServerSnapshot:
+                    now: float | None = None, with_profile: bool = False,
+                    held: set[str] | None = None) -> ServerSnapshot:
     """Everything about one served model; a server that does not answer is down, never an error.
-    with_profile: also summarise its profile (analyzed once per profile file, then cached)."""
+    with_profile: also summarise its profile (analyzed once per profile file, then cached).
+    held: the rpc-servers that running servers hold (not asked whether they answer; None: every
+    running server's, read now)."""
     alive = record.alive()
     h = health(record.port, record.host) if alive else None
+    healthy = bool(h and h.get("status") == "ok")
     counters = metrics = None
     ctx_used = n_ctx = None
-    if alive:
+    endpoints = rpc_endpoints(record.args)
+    closed = liveness.closed_by_peer(record.pid, endpoints) if alive else []
+    waiting, found = False, None
+    if alive and healthy and record.launcher is None:  # a verified server: its work loop should answer
+        waiting, found = liveness.work_loop_waits(record.url, record.pid, HTTP_TIMEOUT_S)
+    elif alive:
+        found = client.slots(record.url, timeout=HTTP_TIMEOUT_S)
+    if alive and not waiting:
         if "--metrics" in record.args:
             page = fetch_metrics_page(record.port, timeout=HTTP_TIMEOUT_S, host=record.host)
             if page is not None:
                 counters, metrics = parse_cache_counters(page), parse_server_metrics(page)
                 counters, metrics = past_probe(record, counters, metrics)
-        ctx_used, n_ctx = _slots_info(record.url)
+        ctx_used, n_ctx = _slots_info(found)
+    not_answering: dict[str, str] = {}
+    if not alive and endpoints:
+        if held is None:
+            held = {e for r in read_records() if r.name != record.name and r.alive() for e in rpc_endpoints(r.args)}
+        not_answering = liveness.hosts_not_answering([e for e in endpoints if e not in held])
     model = (installed or {}).get(record.name)
     plan = _plan_of(record, model)
     layers = layer_slots(plan, record.model, counters) if plan else []
     profile = profile_summary(model.profile if model else None) if with_profile else None
-    return ServerSnapshot(record=record, alive=alive, healthy=bool(h and h.get("status") == "ok"),
+    return ServerSnapshot(record=record, alive=alive, healthy=healthy,
                           uptime_s=(now or time.time()) - record.started, cache_counters=counters, metrics=metrics,
                           ctx_used=ctx_used, n_ctx=n_ctx, plan=plan, layers=layers,
                           placement=model.placement if model else "moeplug",
                           placement_why=model.verdict.why() if model and model.verdict else None, profile=profile, vram_bytes=process_vram_bytes(record.pid) if alive else None,
-                          traffic=log_traffic(record) if alive else None)
+                          traffic=log_traffic(record) if alive else None, hosts_closed=closed, waiting=waiting,
+                          hosts_not_answering=not_answering,
+                          state_why=why_not_serving(record, alive, closed, waiting, not_answering, endpoints))
+
+
+def why_not_serving(record: ServerRecord, alive: bool, closed: list[str], waiting: bool, not_answering: dict[str, str],
+              endpoints: list[str]) -> str | None:
+    """One line: why a server is down (its log's last error line, and the remote hosts that take no
+    connection now), lost a remote host, or waits; None where nothing is amiss."""
+    if not alive:
+        why = liveness.last_error_line(record.log) or "its log names no error (ended from outside?)"
+        hosts = "; ".join(f"{e} {w}" for e, w in not_answering.items())
+        return why + (f"; now {hosts}" if hosts else "")
+    if closed:
+        return (f"{', '.join(closed)} closed {'its connection' if len(closed) == 1 else 'their connections'} (the "
+                f"rpc-server ended or restarted): llama.cpp does not connect again, and the next request that needs "
+                f"it ends this server; serve it again once the host is back")
+    if waiting:
+        on = (f"on a remote device ({', '.join(endpoints)}) that stopped answering, or a long batch there"
+              if endpoints else "stuck")
+        return (f"answers /health, but its work loop answered no /slots in {HTTP_TIMEOUT_S:g} s and used no CPU "
+                f"meanwhile: waiting {on}")
+    return None
 
 
 def snapshot(with_gpus: bool = True, with_profiles: bool = False) -> Snapshot:
@@ -345,5 +419,7 @@ def snapshot(with_gpus: bool = True, with_profiles: bool = False) -> Snapshot:
     installed = list_installed()
     by_name = {m.name: m for m in installed}
     now = time.time()
-    servers = [server_snapshot(r, by_name, now, with_profiles) for r in read_records()]
+    records = read_records()
+    held = {e for r in records if r.alive() for e in rpc_endpoints(r.args)}
+    servers = [server_snapshot(r, by_name, now, with_profiles, held) for r in records]
     return Snapshot(taken_at=now, servers=servers, gpus=gpus() if with_gpus else [], installed=installed)

@@ -112,3 +112,54 @@ def test_a_model_served_with_stocks_placement_says_why(recorded: Snapshot) -> No
     assert f"served with stock's placement: {why}" in summary_lines(served)
     assert why in plan_lines(served, recorded.taken_at)
     assert not any("stock's placement" in line for line in summary_lines(recorded.servers[0]))
+
+
+def _split_over_devices(recorded: Snapshot) -> Snapshot:
+    """The recorded model's plan split over a remote device (an rpc-server on the LAN) and this
+    machine's GPU, as llama.cpp orders them (remote first)."""
+    from dataclasses import replace
+
+    from moeplug.planner.multi_gpu import DevicePlan
+
+    gib = 1 << 30
+    devices = [DevicePlan("RPC0", 20 * gib, [0, 1, 2, 3], False, 4, 3, 40, 0, 0, 0, 0, 0, endpoint="192.168.1.20:50052"),
+               DevicePlan("CUDA0", 12 * gib, list(range(4, 12)), True, 8, 0, 212, 0, 0, 0, 0, 0)]
+    served = recorded.servers[0]
+    return replace(recorded, servers=[replace(served, plan=replace(served.plan, devices=devices))])
+
+
+async def _shown(snap: Snapshot, size: tuple[int, int] = SIZE) -> tuple[str, list[str]]:
+    """The slots panel's summary once the dashboard shows the snapshot, and the panels that do not fit."""
+    app = make_app(interval=0, snapshots=[snap])
+    async with app.run_test(size=size) as pilot:
+        while not isinstance(app.screen, MainScreen) or app.screen.refreshes < 1:
+            await pilot.pause(0.05)
+        outside = [sel for sel in ("#servers", "#slots", "#gpus", "#plan", "#activity", "Footer")
+                   if app.screen.query_one(sel).region.right > size[0] or app.screen.query_one(sel).region.bottom > size[1]]
+        return str(app.screen.query_one("#slots-summary", Static).render()), outside
+
+
+def test_a_plan_over_several_devices_shows_a_line_per_device(recorded: Snapshot) -> None:
+    """Each device of the plan in the slots panel: its name, where it is (this machine, or its
+    rpc-server), its blocks, whole layers of its MoE layers, slots and budget; at 80x24 too."""
+    summary, outside = asyncio.run(_shown(_split_over_devices(recorded)))
+    lines = summary.splitlines()
+    assert "RPC0 192.168.1.20:50052: blk 0-3, 3/4 whole, 40 slots, 20.00 GiB" in lines, lines
+    assert "CUDA0 this machine: blk 4-11 + output, 0/8 whole, 212 slots, 12.00 GiB" in lines, lines
+    assert outside == []
+    # a plan on one device has no such line: the screenshot above stays as it was
+    assert not any("this machine" in line for line in asyncio.run(_shown(recorded))[0].splitlines())
+
+
+def test_a_model_that_is_down_says_why_first(recorded: Snapshot) -> None:
+    """A server that ended (here: llama.cpp aborted it when a remote host dropped): the slots panel's
+    first line says so and why, as `moeplug status` does."""
+    from dataclasses import replace
+
+    why = ("Remote RPC server crashed or returned malformed response (ggml-rpc.cpp:566); now 192.168.1.20:50052 "
+           "does not answer (Connection refused)")
+    split = _split_over_devices(recorded)
+    down = replace(split, servers=[replace(split.servers[0], alive=False, healthy=False, state_why=why)])
+    summary, outside = asyncio.run(_shown(down))
+    assert summary.splitlines()[0] == f"down: {why}" and outside == []
+    assert "RPC0 192.168.1.20:50052: blk 0-3, 3/4 whole, 40 slots, 20.00 GiB" in summary.splitlines()

@@ -1,4 +1,6 @@
-"""The selected model's expert slots per MoE layer: planned, predicted and measured hit rates."""
+"""The selected model's expert slots per MoE layer: planned, predicted and measured hit rates; for a
+plan split over several devices (GPUs, remote devices) a line per device; why a model is down, waits
+on a remote device or lost one."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import DataTable, Static
 
+from moeplug.planner.record import describe_blocks
 from moeplug.serving.monitor import ServerSnapshot
 from moeplug.tui.format import percent, size, strip
 
@@ -22,8 +25,9 @@ def layer_rows(s: ServerSnapshot) -> list[list[str]]:
 def summary_lines(s: ServerSnapshot | None) -> list[str]:
     if s is None:
         return ["no served model selected"]
+    why = [f"{s.state}: {s.state_why}"] if s.state_why else []  # down, waiting on or lost a remote host
     if not s.plan:
-        return ["the plan it runs is not known (launched by an older moeplug): the cache line says the slots"]
+        return why + ["the plan it runs is not known (launched by an older moeplug): the cache line says the slots"]
     p = s.plan
     c = s.cache_counters
     lines = [f"fit {p.fit_fraction:.0%} · hit pred {percent(p.predicted_hit_rate)} "
@@ -31,9 +35,18 @@ def summary_lines(s: ServerSnapshot | None) -> list[str]:
              f"CPU read {size(s.cpu_bytes_per_token)}/token" if c else _uncounted(s)]
     hits = [x.measured_hit_rate if x.measured_hit_rate is not None else x.predicted_hit_rate for x in s.layers]
     lines.append(f"hit/layer {strip(hits)}")
+    lines += device_lines(s)
     lines += [f"⚠ {w}" for w in p.warnings or []]
     lines += [f"served with stock's placement: {s.placement_why}"] if s.placement == "stock" else []
-    return lines
+    return why + lines
+
+
+def device_lines(s: ServerSnapshot) -> list[str]:
+    """A line per device of a plan split over several (remote devices first, as llama.cpp orders
+    them): name, where (this machine, or its rpc-server), blocks, whole layers, slots, budget."""
+    return [f"{d['device']} {d['endpoint'] or 'this machine'}: blk {describe_blocks(d['blocks'], d['output'])}, "
+            f"{d['whole_layers']}/{d['moe_layers']} whole, {d['slots']} slots, {size(d['budget_bytes'])}"
+            for d in s.devices]
 
 
 def _uncounted(s: ServerSnapshot) -> str:
