@@ -265,7 +265,7 @@ def allocate_split(s: Setting, devices: list[SplitDevice]) -> tuple[Room, Alloca
     GPUs, or remote devices (machine.rpc) before this machine's GPUs."""
     split = plan_split(s.info, s.trunk, s.request.ctx, devices, s.costs, s.profile is not None, s.spec,
                        s.machine.costs.rpc_hop_s)
-    remote = [d.endpoint for d in devices if d.endpoint]
+    remote = list(dict.fromkeys(d.endpoint for d in devices if d.endpoint))  # one entry per rpc-server
     devices = split.devices
     total = {key: sum(getattr(d, key) for d in devices) for key in (
         "non_expert_bytes", "kv_cache_bytes", "compute_bytes", "margin_bytes", "draft_weights_bytes",
