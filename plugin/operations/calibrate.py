@@ -525,8 +525,9 @@ def calibrate(build: Any, model: Path | None = None, threads: int | None = None,
 
     return Calibration(fingerprint=fingerprint, cpu_expert_bytes_per_s=cpu_rate, round_trip_s=round_trip,
                        h2d_bytes_per_s=h2d, prompt_upload_bytes_per_s=prompt_rate, gpu_miss_bytes_per_s=None,
-                       rpc_hop_s=hop, rpc=[rpc[0].endpoint] if rpc else [], measured_at=_now(), threads=threads, build_id=build.build_id, model=str(model),
-                       machine=identity, notes=notes, runs=[r.to_json() for r in runs])
+                       rpc_hop_s=hop, rpc=[rpc[0].endpoint] if rpc else [], measured_at=_now(), threads=threads,
+                       build_id=build.build_id, model=str(model), machine=identity, notes=notes,
+                       runs=[r.to_json() for r in runs])
 
 
 def cost_model(cal: Calibration, source: str) -> CostModel:
