@@ -49,43 +49,19 @@ def sanitized_build():
     return build(resolve_options("cpu", stock=False, jobs=0, cuda_arch=None, sanitize=True))
 
 
-def start_rpc_servers(build, n: int, threads: int = 1) -> tuple[list[str], list]:
-    """n of the build's ggml-rpc-server on free loopback ports, each listening: their endpoints and
-    processes (the caller ends them)."""
-    import socket
-    import subprocess
-    import time
-
-    endpoints, procs = [], []
-    for _ in range(n):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        procs.append(subprocess.Popen([str(build.binary("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port),
-                                       "-t", str(threads)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        deadline = time.time() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.time() < deadline and procs[-1].poll() is None, "ggml-rpc-server did not listen"
-                time.sleep(0.1)
-        endpoints.append(f"127.0.0.1:{port}")
-    return endpoints, procs
-
-
 @pytest.fixture
 def rpc_hosts(patched_build):
     """Two rpc-servers of the patched build on loopback (CPU devices), as a user runs them on other
-    machines: their endpoints, and the processes (a test may end one); both ended afterwards."""
-    endpoints, procs = start_rpc_servers(patched_build, 2)
+    machines: their endpoints, and the helpers.RpcServer of each (a test may end one); both ended
+    afterwards."""
+    from helpers import RpcServer
+
+    servers = [RpcServer(patched_build).start() for _ in range(2)]
     try:
-        yield endpoints, procs
+        yield [s.endpoint for s in servers], servers
     finally:
-        for proc in procs:
-            proc.terminate()
-            proc.wait(timeout=10)
+        for server in servers:
+            server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -93,10 +69,11 @@ def rpc_devices(patched_build):
     """Two devices without a GPU: two rpc-servers of the patched build on loopback, backed by the CPU.
     Yields the environment and the llama.cpp flags that add the devices RPC0 and RPC1 (the build has
     llama.cpp's RPC backend compiled in)."""
-    endpoints, procs = start_rpc_servers(patched_build, 2)
+    from helpers import RpcServer
+
+    servers = [RpcServer(patched_build).start() for _ in range(2)]
     try:
-        yield {"env": {}, "args": ["--rpc", ",".join(endpoints)]}
+        yield {"env": {}, "args": ["--rpc", ",".join(s.endpoint for s in servers)]}
     finally:
-        for proc in procs:
-            proc.terminate()
-            proc.wait(timeout=10)
+        for server in servers:
+            server.stop()

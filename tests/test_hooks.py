@@ -41,6 +41,19 @@ LLAMA_SWAP = ROOT.parent / "shared" / "data" / "llama-swap"
 SWAP_CONFIG = ROOT / "tests" / "data" / "llama-swap" / "config.yaml"
 
 
+def wait_for_router(url: str, router: subprocess.Popen, log: Path, timeout: float = 60) -> None:
+    """Until the router answers /models; its log's end where it exits or the time runs out first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if requests.get(f"{url}/models", timeout=2).ok:
+                return
+        except requests.ConnectionError:
+            pass
+        assert router.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def store(patched_build, tmp_path_factory: pytest.TempPathFactory):
     """XDG homes holding two installed models, demo and other, both with slots in RAM; other's plan
@@ -113,15 +126,7 @@ def test_router_starts_each_model_with_moeplugs_flags_and_swaps(home: dict[str, 
                                   start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if requests.get(f"{url}/models", timeout=2).ok:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert router.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.2)
+        wait_for_router(url, router, log)
 
         models = installed()
         for name in ("demo", "other"):
@@ -391,15 +396,7 @@ def test_router_runs_a_plan_on_its_remote_devices(remote_store: dict, tmp_path: 
                                   stderr=subprocess.STDOUT, preexec_fn=os.setpgrp)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if requests.get(f"{url}/models", timeout=2).ok:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert router.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.2)
+        wait_for_router(url, router, log)
         r2 = requests.post(f"{url}/v1/chat/completions", timeout=300, json={
             "model": "demo", "max_tokens": 8, "messages": [{"role": "user", "content": "Hello"}]})
         assert r2.status_code == 200, r2.text
