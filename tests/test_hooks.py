@@ -41,12 +41,12 @@ LLAMA_SWAP = ROOT.parent / "shared" / "data" / "llama-swap"
 SWAP_CONFIG = ROOT / "tests" / "data" / "llama-swap" / "config.yaml"
 
 
-def wait_for_router(url: str, router: subprocess.Popen, log: Path, timeout: float = 60) -> None:
-    """Until the router answers /models; its log's end where it exits or the time runs out first."""
+def wait_for_router(url: str, router: subprocess.Popen, log: Path, timeout: float = 60, path: str = "/models") -> None:
+    """Until the router (or a server) answers `path`; its log's end where it exits or the time runs out first."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            if requests.get(f"{url}/models", timeout=2).ok:
+            if requests.get(f"{url}{path}", timeout=2).ok:
                 return
         except requests.ConnectionError:
             pass
@@ -428,15 +428,7 @@ def test_llama_swaps_command_runs_a_plan_on_its_remote_devices(remote_store: dic
         proc = subprocess.Popen([a.replace("${PORT}", str(port)) for a in argv], stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, **dict(e.split("=", 1) for e in entry.get("env", []))})
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if requests.get(f"http://127.0.0.1:{port}{entry['checkEndpoint']}", timeout=2).ok:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.2)
+        wait_for_router(f"http://127.0.0.1:{port}", proc, log, 120, entry["checkEndpoint"])
         r2 = requests.post(f"http://127.0.0.1:{port}/completion", json={"prompt": "Hello", "n_predict": 8}, timeout=300)
         assert r2.status_code == 200, r2.text
         assert ran_on(log.read_text(errors="replace"), hosts), log.read_text()[-3000:]
