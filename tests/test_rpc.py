@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from helpers import moeplug, one_line_error, xdg_homes
+from moeplug.commands.install import plan_text
 from moeplug.core.errors import MoeplugError
 from moeplug.core.sizes import GIB, MIB
 from moeplug.machine.rpc import RemoteDevice, exposure, parse_rpc
@@ -76,6 +77,9 @@ def test_a_remote_device_holds_whole_layers_before_this_machines_gpu(qwen3) -> N
     # the layers the remote device holds whole are layers this machine's CPU no longer computes
     assert plan.modelled_host_ms < alone.modelled_host_ms
     assert plan.to_json()["devices"][0]["endpoint"] == HOST and "endpoint" not in plan.to_json()["devices"][1]
+    text = plan_text(plan)  # the table says where each device is and which hop the plan paid
+    assert f"RPC0    {HOST}" in text and "CUDA0   this machine" in text
+    assert "hop to a remote device" in text and "1.00 ms there and back a step (a LAN's, not measured" in text
 
 
 def test_a_remote_device_is_used_only_where_the_hop_pays(qwen3) -> None:

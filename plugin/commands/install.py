@@ -30,11 +30,23 @@ def _costs(p: Plan) -> str:
         " ('moeplug calibrate' measures this machine's)"
 
 
+def _hop(p: Plan) -> str:
+    """A plan's hop to a remote device, and where it comes from."""
+    from moeplug.planner.costs import DEFAULT_COSTS, CostModel
+
+    costs = CostModel.from_json(p.cost_model) if p.cost_model else DEFAULT_COSTS
+    measured = costs.rpc_hop_s != DEFAULT_COSTS.rpc_hop_s
+    return (f"{costs.rpc_hop_s * 1e3:.2f} ms there and back a step" +
+            (f" ({costs.source})" if measured else " (a LAN's, not measured: 'moeplug calibrate --rpc HOST:PORT')"))
+
+
 def plan_text(p: Plan, width: int | None = None) -> str:
     """The plan for people; width: fit that many columns (the terminal's: output.terminal_width), the
     long values, server args and notes broken over lines; None: one line each."""
+    remote = any(d.endpoint for d in p.devices or [])
     rows = [
-        ["VRAM budget", human_bytes(p.vram_budget_bytes) if p.vram_budget_bytes else "no GPU"],
+        ["budget, every device" if remote else "VRAM budget",
+         human_bytes(p.vram_budget_bytes) if p.vram_budget_bytes else "no GPU"],
         ["non-expert weights", human_bytes(p.non_expert_vram_bytes)],
         [f"KV cache ({p.ctx} tokens)", human_bytes(p.kv_cache_bytes)],
         ["compute buffer + CUDA pool", human_bytes(p.compute_bytes)],
@@ -58,6 +70,7 @@ def plan_text(p: Plan, width: int | None = None) -> str:
                                        + ")") if p.prompt_tokens else "the profile's prompts"],
         ["prompt batch", f"{p.ubatch} tokens (-ub), " + _ubatch_source(p)],
         *([["costs (CPU, bus)", _costs(p)]] if p.backend == "cuda" else []),
+        *([["hop to a remote device", _hop(p)]] if remote else []),
     ]
     lines = [fitted_table(["plan", ""], rows, width)] + ([devices_text(p)] if p.devices else [])
     lines += [shell_lines("server args: ", p.server_args, width)]  # quoted: -ot has | ( )
