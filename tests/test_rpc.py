@@ -234,3 +234,23 @@ def test_hosts_that_are_not_rpc_servers_are_one_line_errors(patched_build, tmp_p
     one_line_error(moeplug(home, "plan", "demo", "--rpc", "127.0.0.1:99999"), 2, "--rpc", "out of range")
     one_line_error(moeplug(home, "plan", "demo", "--rpc-budget", "1GiB"), None, "no --rpc host")
     assert not installed.exists()
+
+
+@pytest.mark.native
+def test_serving_with_a_host_gone_names_the_host(patched_build, rpc_hosts, tmp_path: Path) -> None:
+    """Installed over a host that has since ended: `serve` says which host does not answer, in one
+    line, before llama.cpp would abort on it; and a server that still ends while loading names
+    llama.cpp's abort message, not a debugger's backtrace."""
+    endpoints, servers = rpc_hosts
+    home = xdg_homes(tmp_path)
+    r = moeplug(home, "install", "demo", "--ctx", "1024", "--rpc", endpoints[0], "--no-check", "--no-serve")
+    assert r.returncode == 0, r.stderr[-3000:]
+    servers[0].kill()
+    one_line_error(moeplug(home, "serve", "demo"), 1, endpoints[0], "does not answer")
+    from moeplug.serving.server import start_server
+
+    with pytest.raises(MoeplugError) as err:  # past the check: llama.cpp itself meets the host gone
+        with start_server(patched_build.binary("llama-server"), Path(home["XDG_DATA_HOME"]) / "moeplug" / "models" /
+                          "demo-qwen3moe-q8_0.gguf", tmp_path / "gone.log", ["--rpc", endpoints[0], "-ngl", "99"]) as srv:
+            srv.wait_healthy(timeout=120)
+    assert "Failed to connect to" in str(err.value) and "#" not in str(err.value).split("(log:")[0], err.value

@@ -275,9 +275,12 @@ def launch_installed(m: InstalledModel, build: Any, serving: ServeOptions) -> An
     """An installed model's llama-server launched and verified (serving.launch_verified) with its plan,
     or with stock's placement where the install's check found the plan slower here (the same binary;
     operations.bench.stock_args). The caller holds the model's lock."""
+    from moeplug.machine.rpc import parse_rpc, reachable
     from moeplug.serving.launch import launch_verified
 
     plan = m.plan
+    for host in parse_rpc(",".join(m.request.rpc)) if m.request and m.request.rpc else ():
+        reachable(host)  # llama.cpp aborts on a host that does not answer: say which, before it starts
     args, env = (stock_args(plan), {}) if m.placement == "stock" else (plan.server_args, m.server_env())
     return launch_verified(m.name, Path(m.path), build.binary("llama-server"), m.build_id, args, plan.ctx, env=env,
                            plan=plan, **serving.launch_options())

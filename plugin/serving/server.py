@@ -100,8 +100,11 @@ class Server:
         if "couldn't bind HTTP server socket" in text:
             return (f"port {self.port} on {self.host} was taken before llama-server could listen on it; pick another "
                     f"with --port, or leave it out for a free one (log: {self.log_path})")
+        from moeplug.serving.liveness import last_error_line
+
         how = f"was killed (signal {-rc})" if rc < 0 else f"exited with code {rc}"
-        return f"llama-server {how} while loading: {log_tail(self.log_path) or '(nothing logged)'} (log: {self.log_path})"
+        why = last_error_line(self.log_path) or log_tail(self.log_path) or "(nothing logged)"
+        return f"llama-server {how} while loading: {why} (log: {self.log_path})"
 
     def complete(self, prompt: str | Sequence[int | str], n_predict: int = 16, seed: int = 42, **params: Any) -> dict[str, Any]:
         """A greedy /completion; the reply includes the generated token ids."""
