@@ -11,5 +11,5 @@ t=$SECONDS; tar c -C ~/.local/share/moeplug/builds $CAR | xz -T16 -6 | split -b 
 BID=$(python3 -c "from moeplug.native.build import build_id, resolve_options, load_spec; print(build_id(load_spec(), resolve_options(None, False, 0, None)))")
 echo "carried $CAR resolved $BID"
 [ -e ~/.local/share/moeplug/builds/$BID ] || ln -s ~/.local/share/moeplug/builds/$CAR ~/.local/share/moeplug/builds/$BID
-OUT=$R bash native/bench/device/queue/5-calibrate.sh 2>&1 | grep -v "^BIN=" | tee $R/calibrate.txt; pack
+OUT=$R bash native/bench/device/queue/5-calibrate.sh  # now calibrate.sh beside this file 2>&1 | grep -v "^BIN=" | tee $R/calibrate.txt; pack
 echo "total $SECONDS s"
