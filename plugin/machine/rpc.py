@@ -26,11 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from moeplug.core.errors import MoeplugError
+from moeplug.core.sizes import MIB
 
 DEFAULT_RPC_PORT = 50052  # rpc-server's own default
 PROBE_TIMEOUT_S = 10.0
-_DEVICE_LINE = re.compile(r"^\s*(RPC\d+): (\S+) \((\d+) MiB, (\d+) MiB free\)\s*$")
-_MIB = 1 << 20
+# a device as llama.cpp lists one ("  RPC0: 127.0.0.1:50052 (24105 MiB, 24105 MiB free)": llama-server
+# --list-devices; "  CPU: AMD EPYC (...)": ggml-rpc-server's own list)
+_DEVICE_LINE = re.compile(r"^\s*(\S+): (.*) \((\d+) MiB, (\d+) MiB free\)\s*$")
 
 
 @dataclass(frozen=True)
@@ -111,16 +113,37 @@ def exposure(host: str) -> str | None:
             f"on its devices; keep it on loopback or a private network")
 
 
-def reachable(host: RpcHost, timeout: float = PROBE_TIMEOUT_S) -> None:
-    """A one-line error where nothing accepts a connection at the host's port."""
+def device_line(line: str) -> tuple[str, str, int, int] | None:
+    """A device as llama.cpp lists one: its name, description, total and free bytes; None for another line."""
+    m = _DEVICE_LINE.match(line)
+    return (m[1], m[2], int(m[3]) * MIB, int(m[4]) * MIB) if m else None
+
+
+def no_answer(host: RpcHost, timeout: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why nothing accepts a connection at the host's port (a connection opened and closed at once),
+    or None where something does."""
     try:
         socket.create_connection((host.host, host.port), timeout=timeout).close()
     except socket.gaierror:
-        raise MoeplugError(f"--rpc {host.endpoint}: the host name does not resolve") from None
+        return "does not resolve"
     except TimeoutError:
-        raise MoeplugError(f"--rpc {host.endpoint}: the host does not answer (no connection in {timeout:g} s)") from None
+        return f"takes no connection in {timeout:g} s"
     except OSError as exc:
-        raise MoeplugError(f"--rpc {host.endpoint}: the host does not answer ({exc.strerror or exc})") from None
+        return f"does not answer ({exc.strerror or exc})"
+    return None
+
+
+def reachable(host: RpcHost, timeout: float = PROBE_TIMEOUT_S) -> None:
+    """A one-line error where nothing accepts a connection at the host's port."""
+    why = no_answer(host, timeout)
+    if why:
+        raise MoeplugError(f"--rpc {host.endpoint}: the host {why}")
+
+
+def check_hosts(endpoints: tuple[str, ...] | list[str]) -> None:
+    """reachable() for each of these HOST:PORT entries: the one-line error before anything starts."""
+    for host in parse_rpc(",".join(endpoints)) if endpoints else ():
+        reachable(host)
 
 
 def remote_devices(server: Path, hosts: tuple[RpcHost, ...], env: dict[str, str] | None = None,
@@ -146,8 +169,8 @@ def remote_devices(server: Path, hosts: tuple[RpcHost, ...], env: dict[str, str]
         failed = re.search(r"(handshake failed|Failed to connect to|crashed or returned malformed)[^\n]*", text)
         why = failed[0].strip() if failed else f"llama-server exited {r.returncode}"
         raise MoeplugError(f"--rpc {rpc_arg(hosts)}: not an rpc-server of this llama.cpp ({why})")
-    devices = [RemoteDevice(m[1], m[2], int(m[3]) * _MIB, int(m[4]) * _MIB)
-               for m in (_DEVICE_LINE.match(line) for line in r.stdout.splitlines()) if m]
+    devices = [RemoteDevice(*d) for d in map(device_line, r.stdout.splitlines())
+               if d is not None and re.fullmatch(r"RPC\d+", d[0])]
     missing = [h.endpoint for h in hosts if not any(d.endpoint == h.endpoint for d in devices)]
     if missing:
         raise MoeplugError(f"--rpc {', '.join(missing)}: the rpc-server offers no device")

@@ -165,10 +165,9 @@ def remote_for(request: PlanRequest, build: Any, progress: ProgressFn = silent) 
 def rpc_build() -> Any:
     """The newest patched, unsanitized build here with ggml-rpc-server (what lists remote devices when
     no model's build is at hand), or an error saying how to make one."""
-    from moeplug.native.build import installed_builds
+    from moeplug.serving.rpc_server import rpc_builds
 
-    found = [b for b in installed_builds() if not b.manifest.get("stock") and not b.manifest.get("sanitize")
-             and (b.bin_dir / "ggml-rpc-server").exists()]
+    found = rpc_builds()
     if not found:
         raise MoeplugError("--rpc: no build with llama.cpp's RPC backend here: run 'moeplug native build' first")
     return max(found, key=lambda b: b.path.stat().st_mtime)
@@ -243,12 +242,11 @@ def installed_record(text: str, choices: PlanChoices, backend: str | None, jobs:
                      prompt_sets: list[str] | None, progress: ProgressFn) -> tuple[InstalledModel, Any]:
     """The model found or fetched, inspected, built for, profiled and planned, its record written and
     the hooks refreshed; and its build. The caller holds the model's lock."""
-    from moeplug.machine.rpc import parse_rpc, reachable
+    from moeplug.machine.rpc import check_hosts
     from moeplug.native.build import build, resolve_options
 
     ref = parse_ref(text)
-    for host in parse_rpc(",".join(choices.rpc)) if choices.rpc else ():  # before the long steps
-        reachable(host)
+    check_hosts(choices.rpc or ())  # before the long steps
     resolved = locate(text, progress=progress)
     info = inspect_model(resolved.path)
     require_moe(info)
@@ -275,12 +273,11 @@ def launch_installed(m: InstalledModel, build: Any, serving: ServeOptions) -> An
     """An installed model's llama-server launched and verified (serving.launch_verified) with its plan,
     or with stock's placement where the install's check found the plan slower here (the same binary;
     operations.bench.stock_args). The caller holds the model's lock."""
-    from moeplug.machine.rpc import parse_rpc, reachable
+    from moeplug.machine.rpc import check_hosts
     from moeplug.serving.launch import launch_verified
 
     plan = m.plan
-    for host in parse_rpc(",".join(m.request.rpc)) if m.request and m.request.rpc else ():
-        reachable(host)  # llama.cpp aborts on a host that does not answer: say which, before it starts
+    check_hosts(m.request.rpc if m.request else ())  # llama.cpp would abort on one: say which first
     args, env = (stock_args(plan), {}) if m.placement == "stock" else (plan.server_args, m.server_env())
     return launch_verified(m.name, Path(m.path), build.binary("llama-server"), m.build_id, args, plan.ctx, env=env,
                            plan=plan, **serving.launch_options())

@@ -33,7 +33,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from moeplug.machine.rpc import parse_rpc
+from moeplug.machine.rpc import no_answer, parse_rpc
 from moeplug.serving import client
 
 TAIL_BYTES = 256 * 1024  # an abort's message and the backtrace after it fit in far less
@@ -77,16 +77,7 @@ def hosts_not_answering(endpoints: list[str], timeout: float = PROBE_TIMEOUT_S) 
     connection opened and closed at once, as `moeplug plan --rpc` checks a host; all at once, so
     the whole check takes about `timeout` at most). Never ask a host a running server holds."""
     def why(endpoint: str) -> str | None:
-        host = parse_rpc(endpoint)[0]
-        try:
-            socket.create_connection((host.host, host.port), timeout=timeout).close()
-        except socket.gaierror:
-            return "does not resolve"
-        except TimeoutError:
-            return f"takes no connection in {timeout:g} s"
-        except OSError as exc:
-            return f"does not answer ({exc.strerror or exc})"
-        return None
+        return no_answer(parse_rpc(endpoint)[0], timeout)
 
     if not endpoints:
         return {}

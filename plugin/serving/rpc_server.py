@@ -23,7 +23,6 @@ import errno
 import ipaddress
 import os
 import pty
-import re
 import signal
 import socket
 import subprocess
@@ -37,15 +36,12 @@ from moeplug.core.errors import MoeplugError
 from moeplug.core.paths import logs_dir
 from moeplug.core.progress import Note, ProgressFn, silent
 from moeplug.machine.probes import usable_cores
-from moeplug.machine.rpc import DEFAULT_RPC_PORT, exposure
+from moeplug.machine.rpc import DEFAULT_RPC_PORT, device_line, exposure
 
 BINARY = "ggml-rpc-server"
 DEFAULT_HOST = "127.0.0.1"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 START_TIMEOUT_S = 120.0  # a GPU's backend can take a while to initialise
-# "  CPU: AMD EPYC (24105 MiB, 24105 MiB free)", as the server lists what it serves or could serve
-_DEVICE_LINE = re.compile(r"^\s+(\S+): (.*) \((\d+) MiB, (\d+) MiB free\)\s*$")
-_MIB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -107,17 +103,24 @@ def served_build(progress: ProgressFn = silent) -> Any:
     build here that has one, of the backend `moeplug native build` would choose here (CUDA where nvcc
     and a GPU are: a CPU build would serve the CPU alone), the current one first, else the newest;
     where there is none, the current one, made now."""
-    from moeplug.native.build import build, build_id, installed_builds, resolve_options
+    from moeplug.native.build import build, build_id, resolve_options
     from moeplug.native.lock import load_spec
 
     opts = resolve_options(None, stock=False, jobs=0, cuda_arch=None)
-    current = build_id(load_spec(), opts)
-    found = [b for b in installed_builds() if not b.manifest.get("stock") and not b.manifest.get("sanitize")
-             and b.manifest.get("backend") == opts.backend and b.binary(BINARY).exists()]
+    found = rpc_builds(opts.backend)
     if found:
+        current = build_id(load_spec(), opts)
         return max(found, key=lambda b: (b.build_id == current, b.path.stat().st_mtime))
     progress(Note(f"no build here has {BINARY}: building one ('moeplug native build')"))
     return build(opts, progress=progress)
+
+
+def rpc_builds(backend: str | None = None) -> list[Any]:
+    """The patched, unsanitized builds here that have ggml-rpc-server (of `backend`; None: any)."""
+    from moeplug.native.build import installed_builds
+
+    return [b for b in installed_builds() if not b.manifest.get("stock") and not b.manifest.get("sanitize")
+            and backend in (None, b.manifest.get("backend")) and b.binary(BINARY).exists()]
 
 
 class _Output(threading.Thread):
@@ -175,10 +178,10 @@ class RpcServer:
         start = next((i for i, line in enumerate(lines) if line.strip() == "Devices:"), len(lines))
         found = []
         for line in lines[start + 1:]:
-            m = _DEVICE_LINE.match(line)
-            if not m:
+            d = device_line(line)
+            if d is None:
                 break
-            found.append(ServedDevice(m[1], m[2], int(m[3]) * _MIB, int(m[4]) * _MIB))
+            found.append(ServedDevice(*d))
         return found
 
     def use(self) -> str:
@@ -211,7 +214,7 @@ class RpcServer:
         lines = [line.strip() for line in self.output.lines() if line.strip()]
         unknown = next((line for line in lines if line.startswith("error: unknown device:")), None)
         if unknown:
-            available = [m[1] for m in map(_DEVICE_LINE.match, self.output.lines()) if m]
+            available = [d[0] for d in map(device_line, self.output.lines()) if d]
             return (f"--device {unknown.split(':', 2)[2].strip()}: no such device here (available: "
                     f"{', '.join(available) or 'none'})")
         if not up and "Failed to create server socket" in lines:
