@@ -179,7 +179,8 @@ def test_a_host_that_ends_mid_serve_status_says_lost_then_down_and_why(served: d
         assert time.monotonic() < deadline, srv
         time.sleep(0.5)
     # why, in one line: llama.cpp's abort message from the log, and the host that takes no connection now
-    assert srv["state_why"].startswith("Remote RPC server crashed or returned malformed response (ggml-rpc.cpp:"), srv
+    assert srv["state_why"].startswith(("Remote RPC server crashed or returned malformed response (ggml-rpc.cpp:",
+                                          "send failed"))  # llama.cpp's line, as the abort raced the log, srv
     assert srv["hosts_not_answering"] == {dropped.endpoint: "does not answer (Connection refused)"}
     assert srv["state_why"].endswith(f"; now {dropped.endpoint} does not answer (Connection refused)")
     assert "\n" not in srv["state_why"]
