@@ -1,15 +1,19 @@
-"""The floats of a committed golden JSON file, compared to a stated tolerance; everything else
-compared exactly.
+"""The floats of a committed golden JSON file: written to SIGNIFICANT significant digits and compared
+to a stated tolerance, everything else compared exactly.
 
 A modelled time or hit rate is a sum of many products, and its last bits depend on the CPU: numpy
 picks its summation and its math kernels by the instruction set, and two CPUs can disagree in the
-17th digit of the same plan. The rest of a golden document (integers such as slot counts and bytes,
-booleans, strings such as flags and names, None, the keys of every object and the length of every
-list) must be equal, and a float must stay a float.
+17th digit of the same plan. Those digits are not written, and no comparison sees them. The rest of
+a golden document (integers such as slot counts and bytes, booleans, strings such as flags and
+names, None, the keys of every object and the length of every list) must be equal, and a float must
+stay a float.
 
-Compared: the value computed now against the golden one (`differences`), within REL_TOL of the
-larger of the two, or ABS_TOL near zero: millions of times a last bit (2.2e-16 of the value) and far
-below what a change to the planner moves.
+Written: every float rounded to SIGNIFICANT significant digits (`rounded`). Compared: the value
+computed now, unrounded, against the written one (`differences`), within REL_TOL of the larger of
+the two, or ABS_TOL near zero. REL_TOL is at least one unit in the last written digit: at most half
+of it is taken by the rounding when the file was written, the rest (5e-9 of the value or more) is
+room for the arithmetic, millions of times a last bit (2.2e-16 of the value) and far below what a
+change to the planner moves.
 """
 
 from __future__ import annotations
@@ -17,8 +21,20 @@ from __future__ import annotations
 import math
 from typing import Any
 
-REL_TOL = 1e-8
+SIGNIFICANT = 9
+REL_TOL = 10.0 ** (1 - SIGNIFICANT)
 ABS_TOL = 1e-12  # near zero: a difference of two equal sums, 0.0 on one CPU and 1e-16 on another
+
+
+def rounded(doc: Any) -> Any:
+    """doc (parsed JSON) with every float rounded to SIGNIFICANT significant digits."""
+    if isinstance(doc, float):
+        return float(f"{doc:.{SIGNIFICANT}g}") if math.isfinite(doc) else doc
+    if isinstance(doc, list):
+        return [rounded(v) for v in doc]
+    if isinstance(doc, dict):
+        return {k: rounded(v) for k, v in doc.items()}
+    return doc
 
 
 def same_float(golden: float, now: float) -> bool:

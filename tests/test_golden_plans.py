@@ -3,8 +3,9 @@
 The planner's arithmetic is spread over many functions; a change that means to move code without
 changing behaviour must leave every plan here the same (its JSON, its server arguments and its
 environment): exactly in its integers, flags, bytes and names, and in its modelled floats to the
-precision golden_floats.py states (1e-8 of the value), since their last bits differ between CPUs.
-A change that means to change plans rewrites the files on purpose:
+precision golden_floats.py states (9 significant digits written, compared to one unit in the
+last), since their last bits differ between CPUs. A change that means to change plans rewrites the
+files on purpose:
 
     .venv/bin/python tests/test_golden_plans.py --write
 
@@ -28,7 +29,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from golden_floats import differences
+from golden_floats import differences, rounded
 
 from moeplug.planner.fit_estimate import DeviceNeed
 from moeplug.model.inspect import inspect_model
@@ -242,8 +243,8 @@ def plan_doc(case: Case, inputs: dict[str, tuple[Path, Path]], root: Path) -> di
 
 
 def golden_text(doc: dict[str, Any]) -> str:
-    """What is committed for a case: its document as JSON."""
-    return json.dumps(doc, indent=1, sort_keys=True) + "\n"
+    """What is committed for a case: its document, the floats rounded as golden_floats writes them."""
+    return json.dumps(rounded(doc), indent=1, sort_keys=True) + "\n"
 
 
 def golden_doc(case: Case) -> dict[str, Any]:
@@ -288,6 +289,13 @@ def test_plan_is_the_golden_one(case: Case, planned: Planned) -> None:
 
 def test_every_golden_file_has_a_case() -> None:
     assert sorted(p.stem for p in GOLDEN.glob("*.json")) == sorted(c.name for c in CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_golden_files_are_as_written(case: Case) -> None:
+    """Each file is what --write writes: its floats to the written precision, nothing edited by hand."""
+    text = (GOLDEN / f"{case.name}.json").read_text()
+    assert golden_text(json.loads(text)) == text
 
 
 def test_header_only_models_read_as_the_full_shape(planned: Planned) -> None:
