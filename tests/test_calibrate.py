@@ -196,3 +196,67 @@ def test_calibrate_rpc_to_a_host_that_does_not_answer_writes_nothing(patched_bui
     assert r.stdout == ""
     assert not (Path(env["XDG_DATA_HOME"]) / "moeplug" / "calibration").exists()
     assert not (Path(env["XDG_DATA_HOME"]) / "moeplug" / "models").exists()  # not even the demo model made
+
+
+# ---------------------------------------------------------------------------------------------
+# which model it measures with, and a demo-measured file replaced
+
+
+def test_calibrate_takes_the_installed_model_and_replaces_a_demo_measured_file(patched_build, tmp_path: Path) -> None:
+    """In a home calibrated on the demo model (nothing installed yet), a real model installed: `moeplug
+    calibrate` with no model measures with it, says so, and replaces the demo's file without --force;
+    the file records the model and how each figure was measured; run again, it is reused."""
+    env = xdg_homes(tmp_path / "home")
+    r = run_cli_process("calibrate", "--json", env=env, timeout=180)
+    assert r.returncode == 0, r.stderr
+    first = json.loads(r.stdout)
+    assert Path(first["model"]).name.startswith("demo-") and first["methods"]["cpu_expert_bytes_per_s"] == "cpu-run"
+    model = tmp_path / "small-moe.gguf"
+    made = run_cli_process("dev", "make-model", "--out", str(model), "--layers", "3", "--experts", "8", "--used", "2",
+                           "--embd", "256", "--expert-ff", "256", env=env, timeout=120)
+    assert made.returncode == 0, made.stderr
+    r = run_cli_process("install", str(model), "--ctx", "512", "--no-serve", "--profile-tokens", "8", env=env,
+                        timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = run_cli_process("calibrate", "--json", env=env, timeout=180)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["reused"] is False and doc["model"] == str(model) and doc["path"] == first["path"]
+    assert "measuring with small-moe" in r.stderr and "measured on the demo model" in r.stderr
+    assert not any("demo model" in n for n in doc["notes"])
+    assert doc["methods"]["cpu_expert_bytes_per_s"] == ("cpu-run" if not gpus() else "gpu-split")
+    written = json.loads(Path(doc["path"]).read_text())
+    assert written["model"] == str(model) and written["measured_at"] == doc["measured_at"]
+    again = run_cli_process("calibrate", "--json", env=env, timeout=180)
+    assert again.returncode == 0 and json.loads(again.stdout)["reused"] is True, again.stderr
+    # the table says how each figure was measured and with which model
+    shown = run_cli_process("calibrate", env=env, timeout=180).stdout
+    assert "(cpu-run)" in shown or "(gpu-split)" in shown
+    assert "small-moe.gguf" in shown
+
+
+def test_split_costs_take_the_rate_and_the_round_trip_apart() -> None:
+    """calibrate's three GPU runs turned into figures (operations.calibrate._split_costs) on a real model
+    file's tensor sizes: times made from a known rate and round trip give them back; where the down
+    projections alone do not resolve a rate, the rate comes from the whole layers at the fitted round
+    trip; where moving layers saved nothing, nothing is claimed."""
+    from moeplug.model.demo import ensure_demo_model
+    from moeplug.model.inspect import inspect_model
+    from moeplug.operations.calibrate import METHOD_GPU_LAYERS, METHOD_GPU_SPLIT, _down_bytes_per_expert, _split_costs
+
+    info = inspect_model(ensure_demo_model())
+    moved = [layer.block for layer in info.layers][-2:]
+    by_block = {layer.block: layer for layer in info.layers}
+    full = sum(info.n_expert_used * by_block[b].bytes_per_expert for b in moved)
+    down = sum(info.n_expert_used * _down_bytes_per_expert(by_block[b]) for b in moved)
+    assert 0 < down < full
+    rate, trip, rest = 5e9, 80e-6, 0.010
+    got = _split_costs(info, moved, rest + 2 * trip + full / rate, rest, rest + 2 * trip + down / rate)
+    assert got.method == METHOD_GPU_SPLIT
+    assert got.cpu_rate == pytest.approx(rate) and got.round_trip == pytest.approx(trip)
+    # the split run no faster than every layer in RAM: the rate from the whole layers, the fitted round trip
+    whole = rest + 2 * trip + full / rate
+    got = _split_costs(info, moved, whole, rest, whole, fallback_round_trip=trip)
+    assert got.method == METHOD_GPU_LAYERS and got.round_trip is None and got.cpu_rate == pytest.approx(rate)
+    got = _split_costs(info, moved, rest, rest, rest)
+    assert got.cpu_rate is None and got.round_trip is None and "not resolved" in got.note

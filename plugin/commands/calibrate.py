@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import textwrap
+from pathlib import Path
 from typing import Any
 
 from moeplug.commands.options import THREADS, RpcHosts, add_json
@@ -15,17 +16,25 @@ def _rate(v: float | None) -> str:
     return "not measured" if v is None else f"{v / 1e9:.2f} GB/s"
 
 
+def _how(c: Any, key: str) -> str:
+    """' (gpu-split)': how a figure was measured, where the file says."""
+    return f" ({c.methods[key]})" if key in c.methods and getattr(c, key) is not None else ""
+
+
 def calibrated_text(done: Any) -> str:
     c = done.calibration
     rows = [["fingerprint", c.fingerprint or "-"],
-            ["CPU expert throughput", _rate(c.cpu_expert_bytes_per_s) + (f" at {c.threads} threads" if c.threads else "")],
-            ["round trip per layer", "not measured" if c.round_trip_s is None else f"{c.round_trip_s * 1e6:.0f} us"],
+            ["CPU expert throughput", _rate(c.cpu_expert_bytes_per_s) + (f" at {c.threads} threads" if c.threads else "")
+             + _how(c, "cpu_expert_bytes_per_s")],
+            ["round trip per layer", ("not measured" if c.round_trip_s is None else f"{c.round_trip_s * 1e6:.0f} us")
+             + _how(c, "round_trip_s")],
             ["host to device (pinned)", _rate(c.h2d_bytes_per_s)],
             ["prompt batch uploads", _rate(c.prompt_upload_bytes_per_s)],
             ["GPU on misses in RAM", _rate(c.gpu_miss_bytes_per_s)],
             *([["hop to a remote device", f"{c.rpc_hop_s * 1e6:.0f} us to {', '.join(c.rpc) or '?'}"]]
               if c.rpc_hop_s is not None else []),
-            ["measured", c.measured_at or "-"]]
+            ["measured", c.measured_at or "-"],
+            ["with", Path(c.model).name if c.model else "-"]]
     lines = [table(["calibration", ""], rows, "ll")]
     lines.append(f"{'reused' if done.reused else 'written'}: {done.path}")
     lines += [textwrap.fill(n, 80, initial_indent="note: ", subsequent_indent="      ") for n in c.notes]
@@ -47,14 +56,16 @@ def register(sub: Any) -> None:
         "calibrate", help="measure this machine's CPU and bus for the planner (one file per machine)",
         description="Measure, with the model's own build, what the planner's costs are on this machine: the CPU's "
         "expert throughput at the server's threads, and with a GPU the host-to-device rate from pinned memory, a "
-        "layer's round trip and a prompt batch's uploads (llama-bench, under a minute). Writes one JSON file per "
+        "layer's round trip and a prompt batch's uploads (llama-bench, under a minute; with a GPU the CPU's rate "
+        "and the round trip come from runs that move layers' experts and down projections between RAM and VRAM). Writes one JSON file per "
         "machine fingerprint (GPUs, driver, CPU, RAM, build) under the data dir's calibration/; a later run "
         "shows that file unless --force. Without a GPU the bus is not measured. With --rpc, also the hop to a remote "
         "device (the demo model with every layer on the first host's first device, against every layer here). "
         "Exit codes: 0 measured or "
         "reused, 1 an error (a failed run, a damaged file), 2 a usage error.")
     p.add_argument("model", nargs="?", default=None,
-                   help="an installed model's name, or a model reference or path (default: the demo model)")
+                   help="an installed model's name, or a model reference or path (default: the largest installed model; "
+                        "with none installed, the demo model, whose figures install measures again with a real one)")
     p.add_argument("--threads", "-t", type=THREADS, default=None, metavar="N",
                    help="CPU threads to measure at, 1-4096 (default: the physical cores, llama.cpp's default)")
     p.add_argument("--force", action="store_true", help="measure again even where this machine has a file")

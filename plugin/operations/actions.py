@@ -222,12 +222,26 @@ class Calibrated:
         return {**self.calibration.to_json(), "path": str(self.path), "reused": self.reused}
 
 
+def largest_installed() -> str | None:
+    """The name of the largest installed model whose file is here, the demo aside (None: none)."""
+    from moeplug.model.demo import demo_model_path
+
+    sizes = {m.name: Path(m.path).stat().st_size for m in list_installed()
+             if Path(m.path).is_file() and Path(m.path).name != demo_model_path().name}
+    return max(sizes, key=lambda n: sizes[n]) if sizes else None
+
+
 def model_and_build(text: str | None, progress: ProgressFn = silent) -> tuple[Path | None, Any]:
-    """The model to measure with and its build: an installed model's own build, or for a model
-    reference or path (None: the demo model) the current patched build (made where missing)."""
+    """The model to measure with and its build: an installed model's own build (None: the largest installed,
+    the demo aside), or for a model reference or path (None with nothing installed: the demo model) the
+    current patched build (made where missing)."""
     from moeplug.native.build import build, resolve_options
     from moeplug.serving.installed import installed_dir
 
+    if text is None:
+        text = largest_installed()
+        if text is not None:
+            progress(Note(f"measuring with {text}, the largest model installed ('moeplug calibrate MODEL' for another)"))
     if text and (installed_dir() / f"{text}.json").exists():
         m = read_installed(text)
         return Path(m.path), installed_build(m)
@@ -240,11 +254,13 @@ def model_and_build(text: str | None, progress: ProgressFn = silent) -> tuple[Pa
 def calibrate_model(text: str | None, threads: int | None = None, force: bool = False,
                     progress: ProgressFn = silent, rpc: tuple[str, ...] = ()) -> Calibrated:
     """`moeplug calibrate [MODEL] [--rpc HOST:PORT,...]`: this fingerprint's file where there is one (and
-    it was measured at the threads asked, where asked, and to the first rpc-server asked, where asked),
+    it was measured at the threads asked, where asked, and to the first rpc-server asked, where asked; and,
+    measuring with a real model, not on the demo model or by an older moeplug: calibrate.remeasure_reason),
     else a new measurement written to it; force: measure again."""
     from moeplug.machine.rpc import parse_rpc, reachable
-    from moeplug.operations.calibrate import (calibrate, calibration_path, machine_fingerprint, stored_calibration,
-                                              write_calibration)
+    from moeplug.model.demo import demo_model_path
+    from moeplug.operations.calibrate import (calibrate, calibration_path, machine_fingerprint, remeasure_reason,
+                                              stored_calibration, write_calibration)
 
     hosts = parse_rpc(",".join(rpc)) if rpc else ()
     for host in hosts:  # before a build or the demo model is made
@@ -253,9 +269,12 @@ def calibrate_model(text: str | None, threads: int | None = None, force: bool = 
     path = calibration_path(machine_fingerprint(build.build_id)[0])
     if not force:
         stored = stored_calibration(build)
-        if (stored is not None and (threads is None or stored.threads == threads)
+        stale = remeasure_reason(stored) if model is not None and model.name != demo_model_path().name else None
+        if (stored is not None and stale is None and (threads is None or stored.threads == threads)
                 and (not hosts or stored.rpc == [hosts[0].endpoint])):
             progress(Note(f"this machine is calibrated: {path} ('--force' measures again)"))
             return Calibrated(stored, path, reused=True)
+        if stored is not None and stale is not None:
+            progress(Note(f"measuring again with {model.name}: {stale}"))
     cal = calibrate(build, model, threads, progress, rpc=hosts)
     return Calibrated(cal, write_calibration(cal, path), reused=False)

@@ -4,22 +4,28 @@ kept in one JSON file per machine for the planner's cost model (moeplug.planner.
 The planner's figures were fitted on one machine (an H200 on PCIe 5, 16 cores); a user's CPU and bus
 may be several times slower or faster. A calibration measures them here, in well under a minute:
 
-- `cpu_expert_bytes_per_s`: llama-bench decoding a few tokens with every weight on the CPU (`-ngl 0`),
-  at the given threads; the time per token turned into bytes per second over the weights a token
-  reads: the experts it uses in every MoE layer (the model's bytes per expert, experts used per token)
-  and the other weights (attention, router, norms, shared experts, the output matrix; one row of the
-  token embedding). The other weights are taken at the experts' rate, which takes their share of the
-  time out of the experts' figure; what a token costs besides weights (building the graph, the
-  threads' synchronisation, sampling) stays in it, so the figure is low on a tiny model. Its notes
-  say how it was derived, with the numbers.
-- with a GPU and a CUDA build, llama-bench again with the dense weights on the GPU (`-ngl 999`), once
-  with every layer's experts in RAM (`-ncmoe` over every block) and once with the experts of the last
-  blocks in VRAM (as many as fit, at most half the MoE layers). Between the two, per moved MoE layer:
-  - `round_trip_s`: the decode time per token less what the CPU spent on the moved experts (at the
-    rate above): a layer's activations to the CPU and its result back;
-  - `prompt_upload_bytes_per_s`: a 512-token prompt batch (one ubatch) uploads every expert of a layer
-    in RAM (stock's path, with the load mode the planner would choose): the moved layers' expert bytes
-    over the difference in the batch's time.
+Each figure comes from the measurement that isolates it, on the model being served (install passes
+the model it installs; `moeplug calibrate` with no model takes the largest installed one), and the
+file records how (`methods`, METHOD_*) and on which model (`model`):
+
+- `cpu_expert_bytes_per_s`, `round_trip_s`: with a GPU and a CUDA build, three llama-bench decode runs
+  with the dense weights on the GPU (`-ngl 999`): every layer's experts in RAM (`-ncmoe` over every
+  block); the experts of the last blocks in VRAM (as many as fit, at most half the MoE layers); and
+  those blocks' experts in VRAM but their down projections in RAM (`-ot`). A layer whose experts the
+  CPU computes costs a round trip (its activations to the CPU, the result back) plus its experts'
+  bytes at the CPU's rate, which is what the planner charges; the first and third runs differ in
+  the moved layers' up and gate projections alone (the rate), the third and second in their round
+  trips and down projections (the round trip): _split_costs, METHOD_GPU_SPLIT. Where that does not
+  resolve, the rate comes from the first two runs at the fitted round trip (METHOD_GPU_LAYERS).
+  Without a GPU (or where no layer's experts fit beside the dense weights), the rate comes from
+  llama-bench with every weight on the CPU (`-ngl 0`): the time per token turned into bytes per second
+  over the weights a token reads (the experts it uses and the other weights, taken at the experts'
+  rate); attention and a token's fixed costs stay in it, so it reads low (0.79x of the GPU runs' on
+  an H200), and very low on a tiny model (METHOD_CPU_RUN). That run is made with a GPU too, its note
+  beside the GPU runs' figure.
+- `prompt_upload_bytes_per_s`: a 512-token prompt batch (one ubatch) uploads every expert of a layer
+  in RAM (stock's path, with the load mode the planner would choose): the moved layers' expert bytes
+  over the difference in the batch's time between the first two GPU runs.
 - `h2d_bytes_per_s`: copies of 256 MiB from pinned memory to GPU 0 through libcudart (moeplug.machine.bus).
 - `gpu_miss_bytes_per_s`: the GPU computing misses read over the bus from host memory; llama-bench has
   no way to run that path, so it is None with a note (the planner keeps its fitted share).
@@ -39,6 +45,8 @@ API (for the planner's side, `install` and the CLI):
     calibrate(build, model=None, threads=None, progress=silent, rpc=()) -> Calibration
         measures now (build: a moeplug.native.BuildResult; model None: the demo model, noted;
         rpc: machine.rpc.RpcHost entries, the hop to the first measured too)
+    remeasure_reason(cal) -> str | None          why a stored calibration is measured again before a plan
+                                                 trusts it (none, the demo's, an older moeplug's)
     measure_rpc_hop(build, hosts, done=None, progress=silent) -> (seconds, note, runs)
                                                  the hop alone (calibrate's part with rpc)
     machine_fingerprint(build_id) -> (str, dict) this machine's fingerprint and identity
@@ -98,6 +106,13 @@ GIB = 1 << 30
 VRAM_HEADROOM = 1536 << 20  # KV cache, compute buffer and CUDA's own memory beside the weights
 TASK = "calibrating"
 
+# how each figure was measured (Calibration.methods): what a later install trusts or measures again
+METHOD_CPU_RUN = "cpu-run"  # llama-bench with every weight on the CPU: attention and fixed costs charged to experts
+METHOD_GPU_SPLIT = "gpu-split"  # the three GPU runs: rate and round trip each from what isolates it (_split_costs)
+METHOD_GPU_LAYERS = "gpu-layers"  # two GPU runs, more and fewer layers' experts in RAM
+METHOD_PINNED = "pinned-copies"  # 256 MiB copies from pinned memory to GPU 0 (moeplug.machine.bus)
+METHOD_RPC_HOP = "rpc-hop"  # the demo model on the first remote device against here (measure_rpc_hop)
+
 # the keys of a calibration file: (type, what a value must be); rates must be positive
 RATES = ("cpu_expert_bytes_per_s", "h2d_bytes_per_s", "prompt_upload_bytes_per_s", "gpu_miss_bytes_per_s")
 CLI_KEYS = ("path", "reused")  # what `moeplug calibrate --json` adds beside the record: read back, ignored
@@ -123,6 +138,8 @@ class Calibration:
     machine: dict[str, Any] = field(default_factory=dict)  # {"gpus": [...], "cpu": {...}, "ram_gib": N}
     notes: list[str] = field(default_factory=list)
     runs: list[dict[str, Any]] = field(default_factory=list)  # each llama-bench run: its flags and times
+    # figure -> how it was measured (METHOD_*); a figure absent: not measured, or a file written by hand
+    methods: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -160,7 +177,7 @@ def _checked(doc: Any, source: str) -> dict[str, Any]:
         if key in CLI_KEYS:
             continue
         optional = key != "cpu_expert_bytes_per_s"
-        if value is None and optional and key not in ("fingerprint", "machine", "notes", "runs", "rpc"):
+        if value is None and optional and key not in ("fingerprint", "machine", "notes", "runs", "rpc", "methods"):
             out[key] = None
         elif key in RATES:
             if not _number(value) or value <= 0:
@@ -192,6 +209,11 @@ def _checked(doc: Any, source: str) -> dict[str, Any]:
             out[key] = value
         elif key == "rpc":
             out[key] = _endpoints(value, bad(key, "a list of rpc-servers, HOST:PORT"))
+        elif key == "methods":
+            if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                      for k, v in value.items()):
+                raise bad(key, "an object of figure names to how each was measured")
+            out[key] = value
     out.setdefault("fingerprint", "")
     return out
 
@@ -332,6 +354,75 @@ def _moved_blocks(info: ModelInfo, free_vram: int) -> list[int]:
     return moved
 
 
+def _down_in_ram(blocks: list[int]) -> str:
+    """llama-bench's -ot value that puts these blocks' routed down projections (plain or chunked) in RAM."""
+    return "blk\\.(" + "|".join(str(b) for b in sorted(blocks)) + ")\\.ffn_down_(ch|)exps=CPU"
+
+
+def _down_bytes_per_expert(layer: Any) -> int:
+    """One expert's bytes in a layer's down projection (its bias too, where it has one)."""
+    return sum(t.n_bytes // t.shape[-1] for key, t in layer.tensors.items() if key.startswith("ffn_down_"))
+
+
+@dataclass
+class _Split:
+    """The CPU's expert rate beside the GPU and a layer's round trip, from the three GPU runs; None where a
+    figure was not resolved (note says why)."""
+
+    cpu_rate: float | None
+    round_trip: float | None
+    method: str
+    note: str
+
+
+def _split_costs(info: ModelInfo, moved: list[int], all_ram_s: float, fewer_s: float, split_s: float,
+                 fallback_round_trip: float = DEFAULT_COSTS.round_trip_s) -> _Split:
+    """What a token costs per MoE layer whose experts the CPU computes, taken apart. Three decode runs with
+    the dense weights on the GPU: every layer's experts in RAM (all_ram_s), the `moved` layers' experts in
+    VRAM (fewer_s), and those layers' experts in VRAM but their down projections in RAM (split_s). A moved
+    layer costs `round trip + its experts' bytes / rate` in the first run, `round trip + its down
+    projections' bytes / rate` in the third (the activations still go to the CPU and back once), nothing
+    in the second:
+
+        all_ram - split = (expert bytes - down bytes) / rate      -> the CPU's rate beside the GPU
+        split - fewer   = layers x round trip + down bytes / rate -> the round trip
+
+    Both are what the planner charges a layer with misses on the CPU (planner.allocate), measured on the
+    model itself at the server's threads; neither carries attention or a token's fixed costs, which the
+    all-CPU run charges to the experts. Where the two runs with experts in RAM do not differ enough to
+    resolve a rate, the rate comes from the first two runs with the round trip at `fallback_round_trip`."""
+    layers = {layer.block: layer for layer in info.layers}
+    used = info.n_expert_used
+    full = sum(used * layers[b].bytes_per_expert for b in moved)
+    down = sum(used * _down_bytes_per_expert(layers[b]) for b in moved)
+    runs = (f"{all_ram_s * 1e3:.3f} ms a token with every layer's experts in RAM, {fewer_s * 1e3:.3f} with the last "
+            f"{len(moved)} layers' in VRAM, {split_s * 1e3:.3f} with their down projections alone in RAM")
+    moved_s, split_saved = all_ram_s - fewer_s, all_ram_s - split_s
+    # the up and gate projections left in VRAM must save at least a twentieth of what the whole layers saved
+    # for their bytes to give a rate: below that, a run's noise is the figure
+    if 0 < down < full and moved_s > 0 and split_saved > 0.05 * moved_s:
+        rate = (full - down) / split_saved
+        round_trip = (split_s - fewer_s - down / rate) / len(moved)
+        if round_trip < 0:
+            return _Split(rate, 0.0, METHOD_GPU_SPLIT,
+                          f"CPU beside the GPU: {human_bytes(full - down)} of up and gate projections a token "
+                          f"cost {split_saved * 1e3:.3f} ms ({runs}); round trip taken as 0: the down projections "
+                          f"alone cost no more than their bytes at that rate")
+        return _Split(rate, round_trip, METHOD_GPU_SPLIT,
+                      f"CPU beside the GPU and round trip: {human_bytes(full - down)} of up and gate projections a "
+                      f"token cost {split_saved * 1e3:.3f} ms, and {len(moved)} layers' down projections "
+                      f"({human_bytes(down)}) {(split_s - fewer_s) * 1e3:.3f} ms ({runs})")
+    if moved_s > len(moved) * fallback_round_trip:
+        rate = full / (moved_s - len(moved) * fallback_round_trip)
+        return _Split(rate, None, METHOD_GPU_LAYERS,
+                      f"CPU beside the GPU: {len(moved)} layers' experts ({human_bytes(full)} a token) cost "
+                      f"{moved_s * 1e3:.3f} ms less their round trips at the fitted {fallback_round_trip * 1e6:.0f} us "
+                      f"({runs}); the down projections alone did not resolve the round trip")
+    return _Split(None, None, METHOD_GPU_LAYERS,
+                  f"CPU beside the GPU not resolved: {len(moved)} layers' experts in VRAM saved "
+                  f"{moved_s * 1e3:.3f} ms a token ({runs}); the all-CPU run's figure stands")
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
@@ -387,6 +478,7 @@ def calibrate(build: Any, model: Path | None = None, threads: int | None = None,
         # one that does not answer or is no rpc-server
         remote_devices(build.binary("llama-server"), rpc)
     notes: list[str] = []
+    methods: dict[str, str] = {}
     if model is None:
         from moeplug.model.demo import ensure_demo_model
 
@@ -406,7 +498,7 @@ def calibrate(build: Any, model: Path | None = None, threads: int | None = None,
     use_gpu = bool(found) and gpu_build
     moved = _moved_blocks(info, found[0].free_bytes) if use_gpu else []
     dense_fits = use_gpu and found[0].free_bytes > info.non_expert_bytes + VRAM_HEADROOM
-    total = 1 + (1 if found else 0) + (1 if dense_fits else 0) + (1 if dense_fits and moved else 0) + 2 * bool(rpc)
+    total = 1 + (1 if found else 0) + (1 if dense_fits else 0) + (2 if dense_fits and moved else 0) + 2 * bool(rpc)
     done = 0
     runs: list[_Bench] = []
 
@@ -433,6 +525,7 @@ def calibrate(build: Any, model: Path | None = None, threads: int | None = None,
         raise MoeplugError("calibrate: llama-bench reported no decode time for the CPU run")
     expert_b, other_b = _per_token_bytes(info)
     cpu_rate = (expert_b + other_b) / cpu.token_s
+    methods["cpu_expert_bytes_per_s"] = METHOD_CPU_RUN
     notes.append(f"CPU: {cpu.token_s * 1e3:.3f} ms a token with every weight on the CPU at {threads} threads, "
                  f"reading {human_bytes(expert_b)} of experts and {human_bytes(other_b)} of other weights; the "
                  f"other weights taken at the experts' rate (their {other_b / (expert_b + other_b):.0%} of the time "
@@ -449,11 +542,13 @@ def calibrate(build: Any, model: Path | None = None, threads: int | None = None,
         if h2d is None:
             notes.append(f"host-to-device rate not measured: {why}")
         else:
+            methods["h2d_bytes_per_s"] = METHOD_PINNED
             progress(Note(f"  bus: {h2d / 1e9:.1f} GB/s host to device (pinned, 256 MiB copies)"))
     else:
         notes.append("no GPU: the bus is not measured (round trip, uploads and host-to-device rate are None)")
 
-    # --- the GPU build: experts of every layer in RAM, then of fewer ---
+    # --- the GPU build: every layer's experts in RAM, then the last layers' in VRAM, then their down projections
+    # alone back in RAM: the CPU's rate and the round trip each from what isolates it (_split_costs) ---
     round_trip = prompt_rate = None
     if found and not gpu_build:
         notes.append(f"a {build.manifest.get('backend', 'CPU')} build: the round trip and the prompt uploads "
@@ -468,61 +563,58 @@ def calibrate(build: Any, model: Path | None = None, threads: int | None = None,
         lm = ["-lm", "none"] if load_mode == "pinned" else []
         common = ["-ngl", "999", "-p", str(PROMPT_BATCH), "-ub", str(PROMPT_BATCH), "-n", str(GEN_TOKENS),
                   "-t", str(threads), *lm]
-        all_ram = _Bench("gpu: every layer's experts in RAM", [*common, "-ncmoe", str(info.n_layer)])
-        try:
-            runs.append(_run_bench(tool, model, all_ram))
-        except _BenchFailed as exc:
-            notes.append(f"the GPU run with every expert in RAM failed ({exc}): round trip and uploads not measured")
-            moved = []
-        step()
+        gpu_runs = [_Bench("gpu: every layer's experts in RAM", [*common, "-ncmoe", str(info.n_layer)])]
+        if moved:
+            gpu_runs += [_Bench(f"gpu: experts of the last {len(moved)} MoE layers in VRAM",
+                                [*common, "-ncmoe", str(min(moved))]),
+                         _Bench(f"gpu: the last {len(moved)} MoE layers' experts in VRAM but their down projections",
+                                [*common, "-ncmoe", str(min(moved)), "-ot", _down_in_ram(moved)])]
+        for bench in gpu_runs:
+            try:
+                runs.append(_run_bench(tool, model, bench))
+            except _BenchFailed as exc:
+                notes.append(f"the run '{bench.label}' failed ({exc}): the GPU's figures are not measured")
+                break
+            finally:
+                step()
+        all_ram = gpu_runs[0]
         if not moved and all_ram.token_s is not None:
             notes.append("no MoE layer's experts fit in GPU 0's free memory beside the other weights: the round "
                          "trip and the prompt uploads are not measured")
-        if moved and all_ram.token_s is not None:
-            fewer = _Bench(f"gpu: experts of the last {len(moved)} MoE layers in VRAM",
-                           [*common, "-ncmoe", str(min(moved))])
-            try:
-                runs.append(_run_bench(tool, model, fewer))
-            except _BenchFailed as exc:
-                notes.append(f"the GPU run with {len(moved)} layers' experts in VRAM failed ({exc}): round trip and "
-                             "uploads not measured")
-            step()
-            layers = {layer.block: layer for layer in info.layers}
-            moved_used = sum(info.n_expert_used * layers[b].bytes_per_expert for b in moved)
-            moved_all = sum(layers[b].expert_bytes for b in moved)
-            if fewer.token_s is not None and all_ram.token_s is not None:
-                per_layer = (all_ram.token_s - fewer.token_s - moved_used / cpu_rate) / len(moved)
-                if per_layer > 0:
-                    round_trip = per_layer
-                    notes.append(f"round trip: {all_ram.token_s * 1e3:.3f} against {fewer.token_s * 1e3:.3f} ms a "
-                                 f"token with {len(moved)} fewer MoE layers' experts in RAM, less their experts at "
-                                 f"the CPU's rate, per layer")
-                    progress(Note(f"  round trip: {round_trip * 1e6:.0f} us a layer"))
-                else:
-                    notes.append(f"round trip not resolved: {len(moved)} fewer layers in RAM saved "
-                                 f"{(all_ram.token_s - fewer.token_s) * 1e3:.3f} ms a token, no more than their "
-                                 f"experts at the CPU's rate")
-            if fewer.batch_s is not None and all_ram.batch_s is not None:
-                dt = all_ram.batch_s - fewer.batch_s
-                if dt > 0 and h2d and moved_all / dt > 1.2 * h2d:
-                    # above what the bus carries: the batch did not upload every moved expert (run
-                    # 2026-12-05-user-machine-h200: 184 GB/s over a 55 GB/s bus), so this is no upload rate
-                    notes.append(f"prompt uploads not resolved: {human_bytes(moved_all)} more experts in RAM cost a "
-                                 f"{PROMPT_BATCH}-token batch {dt * 1e3:.2f} ms more, {moved_all / dt / 1e9:.0f} GB/s, "
-                                 f"above the bus's {h2d / 1e9:.0f} GB/s: the rate stays the bus-scaled default")
-                elif dt > 0:
-                    prompt_rate = moved_all / dt
-                    notes.append(f"prompt uploads: a {PROMPT_BATCH}-token batch took {dt * 1e3:.2f} ms more with "
-                                 f"{human_bytes(moved_all)} more experts in RAM ({load_mode} memory, stock's path)")
-                    progress(Note(f"  prompt uploads: {prompt_rate / 1e9:.1f} GB/s"))
-                else:
-                    notes.append("prompt uploads not resolved: the prompt batch was no slower with more experts in RAM")
+        if moved and all(b.token_s is not None for b in gpu_runs):
+            split = _split_costs(info, moved, *(b.token_s for b in gpu_runs))
+            notes.append(split.note)
+            if split.cpu_rate is not None:
+                cpu_rate, methods["cpu_expert_bytes_per_s"] = split.cpu_rate, split.method
+                progress(Note(f"  CPU beside the GPU: {cpu_rate / 1e9:.1f} GB/s of expert weights"))
+            if split.round_trip is not None:
+                round_trip, methods["round_trip_s"] = split.round_trip, split.method
+                progress(Note(f"  round trip: {round_trip * 1e6:.0f} us a layer"))
+        if moved and all_ram.batch_s is not None and gpu_runs[1].batch_s is not None:
+            fewer = gpu_runs[1]
+            moved_all = sum(layer.expert_bytes for layer in info.layers if layer.block in moved)
+            dt = all_ram.batch_s - fewer.batch_s
+            if dt > 0 and h2d and moved_all / dt > 1.2 * h2d:
+                # above what the bus carries: the batch did not upload every moved expert (run
+                # 2026-12-05-user-machine-h200: 184 GB/s over a 55 GB/s bus), so this is no upload rate
+                notes.append(f"prompt uploads not resolved: {human_bytes(moved_all)} more experts in RAM cost a "
+                             f"{PROMPT_BATCH}-token batch {dt * 1e3:.2f} ms more, {moved_all / dt / 1e9:.0f} GB/s, "
+                             f"above the bus's {h2d / 1e9:.0f} GB/s: the rate stays the bus-scaled default")
+            elif dt > 0:
+                prompt_rate = moved_all / dt
+                methods["prompt_upload_bytes_per_s"] = METHOD_GPU_LAYERS
+                notes.append(f"prompt uploads: a {PROMPT_BATCH}-token batch took {dt * 1e3:.2f} ms more with "
+                             f"{human_bytes(moved_all)} more experts in RAM ({load_mode} memory, stock's path)")
+                progress(Note(f"  prompt uploads: {prompt_rate / 1e9:.1f} GB/s"))
+            else:
+                notes.append("prompt uploads not resolved: the prompt batch was no slower with more experts in RAM")
     if found:
         notes.append("the GPU's rate on misses read from host memory is not measured (llama-bench has no way to "
                      "run that path): the planner keeps its fitted share")
     hop = None
     if rpc:
         hop, note, hop_runs = measure_rpc_hop(build, rpc, step, progress)
+        methods["rpc_hop_s"] = METHOD_RPC_HOP
         notes.append(note)
         runs += hop_runs
     progress(Note(f"  measured in {time.monotonic() - t0:.0f} s"))
@@ -531,7 +623,7 @@ def calibrate(build: Any, model: Path | None = None, threads: int | None = None,
                        h2d_bytes_per_s=h2d, prompt_upload_bytes_per_s=prompt_rate, gpu_miss_bytes_per_s=None,
                        rpc_hop_s=hop, rpc=[rpc[0].endpoint] if rpc else [], measured_at=_now(), threads=threads,
                        build_id=build.build_id, model=str(model), machine=identity, notes=notes,
-                       runs=[r.to_json() for r in runs])
+                       runs=[r.to_json() for r in runs], methods=methods)
 
 
 def cost_model(cal: Calibration, source: str) -> CostModel:
@@ -539,6 +631,27 @@ def cost_model(cal: Calibration, source: str) -> CostModel:
     return CostModel.from_measured(cal.cpu_expert_bytes_per_s, cal.h2d_bytes_per_s, cal.round_trip_s,
                                    cal.prompt_upload_bytes_per_s, cal.gpu_miss_bytes_per_s, cal.rpc_hop_s,
                                    source=source)
+
+
+def measured_on_demo(cal: Calibration) -> bool:
+    """Whether a calibration was measured on the demo model (or names no model): too small a model for
+    the CPU's figure (a token's fixed costs outweigh its experts there)."""
+    from moeplug.model.demo import demo_model_path
+
+    return cal.model is None or Path(cal.model).name == demo_model_path().name
+
+
+def remeasure_reason(cal: Calibration | None) -> str | None:
+    """Why this machine's stored calibration is to be measured again with a real model before a plan
+    trusts it (None: it stands): there is none, it was measured on the demo model, or by a moeplug that
+    took the CPU's figure from the all-CPU run alone (a file without `methods`)."""
+    if cal is None:
+        return "this machine has no calibration yet"
+    if measured_on_demo(cal):
+        return "its calibration was measured on the demo model"
+    if not cal.methods:
+        return "its calibration was made by an older moeplug (the CPU's figure from the all-CPU run alone)"
+    return None
 
 
 def costs_for(build: Any, calibration: Path | None = None) -> CostModel:

@@ -136,7 +136,7 @@ def probe_machine(info: ModelInfo, request: PlanRequest, build: Any = None,
     remote, remote_notes = remote_for(request, build, progress)
     facts = MachineFacts(ram_available=available_ram_bytes(), cpu_cores=usable_cores(), need=need,
                          draft_need=draft_need_for(request.spec, request.ctx, fit_tool if one_gpu else None),
-                         costs=machine_costs(request, build, bool(found), progress),
+                         costs=machine_costs(request, build, bool(found), progress, info.path),
                          notes=((note,) if note else ()) + remote_notes, remote=remote)
     return replace(request, vram_budget=budget), facts
 
@@ -173,16 +173,24 @@ def rpc_build() -> Any:
     return max(found, key=lambda b: b.path.stat().st_mtime)
 
 
-def machine_costs(request: PlanRequest, build: Any, has_gpu: bool, progress: ProgressFn = silent) -> CostModel:
-    """The costs a plan uses (operations.calibrate.costs_for); on a machine with a GPU and no calibration
-    for this build yet, calibrated now, once (the GPU's figures are what a plan's choices turn on)."""
-    from moeplug.operations.calibrate import calibrate, costs_for, stored_calibration, write_calibration
+def machine_costs(request: PlanRequest, build: Any, has_gpu: bool, progress: ProgressFn = silent,
+                  model: Path | None = None) -> CostModel:
+    """The costs a plan uses (operations.calibrate.costs_for): a calibration file the request names, else
+    this machine's own. On a machine
+    with a GPU whose calibration for this build is missing, was measured on the demo model or by an
+    older moeplug (calibrate.remeasure_reason), `model` (a real one, not the demo) is measured now, once:
+    the GPU's figures are what a plan's choices turn on."""
+    from moeplug.model.demo import demo_model_path
+    from moeplug.operations.calibrate import calibrate, costs_for, remeasure_reason, stored_calibration, write_calibration
 
     path = Path(request.calibration) if request.calibration else None
     build = build if getattr(build, "build_id", None) else None  # a build given by its folder alone: no calibration
-    if path is None and has_gpu and build is not None and stored_calibration(build) is None:
-        progress(Note("calibrating this machine once: what its CPU and bus cost ('moeplug calibrate' to see it)"))
-        write_calibration(calibrate(build, progress=progress))
+    real = model is not None and model.name != demo_model_path().name
+    if path is None and has_gpu and build is not None and real:
+        why = remeasure_reason(stored_calibration(build))
+        if why is not None:
+            progress(Note(f"calibrating this machine with {model.name}: {why} ('moeplug calibrate' shows it)"))
+            write_calibration(calibrate(build, model, progress=progress))
     return costs_for(build, path)
 
 
