@@ -169,8 +169,28 @@ def served_text(name: str, srv: Any) -> str:
 
 def install_text(done: Any, width: int | None = None) -> str:
     lines = [f"installed {done.name}: {done.model}", f"profile  {done.profile}", plan_text(done.plan, width)]
-    lines += [f"check    {done.verdict.line()}", f"         {done.verdict.why()}"] if done.verdict else []
+    lines += check_lines(done.verdict, width) if done.verdict else []
     return "\n".join(lines + ([served_text(done.name, done.server)] if done.server else []))
+
+
+def check_lines(verdict: Any, width: int | None = None) -> list[str]:
+    """The install's check: a row per candidate (its decode and prefill t/s, its ratios to stock's
+    placement, its rounds; the one served starred), each plan in a few words, then the verdict's line."""
+    rows = [[("* " if c.name == verdict.chosen else "  ") + c.name, _tps(c.decode_tps), _x(c.decode),
+             _x(c.decode_lowest), _tps(c.prefill_tps), _x(c.prefill), str(c.rounds)] for c in verdict.candidates]
+    if not rows:
+        return [f"check    {verdict.line()}", f"         {verdict.why()}"]
+    plans = [wrap_lines(f"  {c.name}: {c.summary}; {c.costs}", width) for c in verdict.candidates if c.name != "stock"]
+    return [table(["check", "decode", "vs stock", "lowest", "prefill", "vs stock", "rounds"], rows, "lrrrrrr"),
+            *plans, f"check    {verdict.line()}", f"         {verdict.why()}"]
+
+
+def _tps(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f} t/s"
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
 
 
 # the server's prompt batch (-ub): an option of install, plan and serve, and bench's --stock-ubatch
@@ -350,11 +370,8 @@ class Listing:
 
 
 def _placement(m: Any) -> str:
-    """What an installed model is served with, and the check's ratio where it ran."""
-    if m.verdict is None:
-        return "its plan (not checked)"
-    what = "stock's placement" if m.placement == "stock" else "its plan"
-    return f"{what} (decode {m.verdict.decode:.2f}x here)" if m.verdict.decode is not None else what
+    """What an installed model is served with, the check's ratio and when it ran."""
+    return "its plan (not checked)" if m.verdict is None else m.verdict.served()
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -384,14 +401,14 @@ def register(sub: Any) -> None:
                    help="tokens generated per profiling prompt (default 256; demo 32; 0: the default)")
     p.add_argument("--prompts", default="codeish,chatty", help="bundled prompt sets (or .txt files) to profile with")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
-                   help="before serving, run the plan against stock llama-server --fit at the same budget on a few "
-                        "held-out prompts (about a minute) and serve stock's placement where the plan decodes "
-                        "slower here (default: on where there is an NVIDIA GPU; --check forces it, --no-check "
-                        "skips it)")
+                   help="before serving, run the plan, the plan made with the fitted figures (where it differs) "
+                        "and stock llama-server --fit at the same budget side by side on held-out prompts (a few "
+                        "minutes, rounds repeated where the two fastest are close) and serve the fastest "
+                        "(default: on where there is an NVIDIA GPU; --check forces it, --no-check skips it)")
     p.add_argument("--check-min", type=CHECK_MIN, metavar="RATIO",
-                   help="the share of stock's decode speed the plan must reach in the check to be served "
-                        "(default 0.95: a smaller loss is within what one short round resolves; 1.1: serve "
-                        "the slots only where they win by a tenth)")
+                   help="the share of stock's decode speed the best plan must reach in the check to be served "
+                        "(default 1.0: stock's placement where it decodes faster; 1.1: serve the slots only where "
+                        "they win by a tenth)")
     p.add_argument("--no-serve", action="store_true", help="stop after planning")
     add_prefill_weight(p)
     add_threads(p)

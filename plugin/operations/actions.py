@@ -49,10 +49,9 @@ def install(text: str, choices: PlanChoices = PlanChoices(), serving: ServeOptio
             check_min: float | None = None, progress: ProgressFn = silent) -> Installed:
     """`moeplug install`: the model installed (operations.install.install), checked against stock
     --fit here (operations.check; check None: where there is a GPU; stock's placement kept where the
-    plan decodes below check_min of stock's, None: CHECK_SLOWER), and with serving options (None: not)
+    best plan decodes below check_min of stock's, None: CHECK_BAR), and with serving options (None: not)
     served."""
     from moeplug.machine.gpu import gpus
-    from moeplug.operations.check import CHECK_SLOWER, check_plan
     from moeplug.serving.launch import model_lock
 
     if serving is not None:
@@ -60,15 +59,37 @@ def install(text: str, choices: PlanChoices = PlanChoices(), serving: ServeOptio
     done, build = install_model(text, choices, backend=backend, jobs=jobs, profile_tokens=profile_tokens,
                                 prompt_sets=prompt_sets, progress=progress)
     if check if check is not None else bool(gpus()):
-        verdict = check_plan(done.name, CHECK_SLOWER if check_min is None else check_min, progress)
-        with model_lock(done.name, progress):
-            write_installed(replace(read_installed(done.name), verdict=verdict))
-        progress(Note(f"{done.name}: {verdict.why()}"))
-        done.verdict = verdict
+        m = checked(done.name, check_min, progress)
+        done.verdict, done.plan = m.verdict, m.plan
     if serving is not None:
         with model_lock(done.name, progress):
             done.server = launch_installed(read_installed(done.name), build, serving)
     return done
+
+
+def checked(name: str, bar: float | None = None, progress: ProgressFn = silent) -> InstalledModel:
+    """The installed model's placements run side by side here and the fastest kept with it (operations.check;
+    bar None: CHECK_BAR): its verdict, and where the plan made with the fitted figures won, that plan and
+    those figures for its later re-plans; the hooks follow what is served."""
+    from moeplug.hooks import refresh_hooks
+    from moeplug.operations.check import CHECK_BAR, check_plan, costs_kept
+    from moeplug.serving.launch import find_record, model_lock
+
+    served = find_record(name)
+    if served is not None and served.alive():
+        raise MoeplugError(f"'{name}' is being served (pid {served.pid}): 'moeplug stop {name}' first, so that the "
+                           f"check has the GPU to itself")
+    with model_lock(name, progress):
+        m = read_installed(name)
+    verdict, plan = check_plan(m, CHECK_BAR if bar is None else bar, progress)
+    with model_lock(name, progress):
+        m = read_installed(name)
+        request = replace(m.asked(), costs=costs_kept(verdict))
+        m = replace(m, plan=plan, request=request, verdict=verdict)
+        write_installed(m)
+    refresh_hooks(list_installed(), progress)
+    progress(Note(f"{name}: {verdict.why()}"))
+    return m
 
 
 @dataclass

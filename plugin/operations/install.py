@@ -18,8 +18,8 @@ from moeplug.machine.gpu import gpus, one_budget_note, vram_budgets
 from moeplug.core.output import human_bytes
 from moeplug.planner.plan import make_plan
 from moeplug.planner.record import Plan, outdated
-from moeplug.planner.costs import CostModel
-from moeplug.planner.request import MachineFacts, PlanChoices, PlanRequest
+from moeplug.planner.costs import DEFAULT_COSTS, CostModel
+from moeplug.planner.request import COSTS_FITTED, MachineFacts, PlanChoices, PlanRequest
 from moeplug.planner.server_flags import stock_args
 from moeplug.profile.format import Profile
 from moeplug.machine.probes import available_ram_bytes, usable_cores
@@ -175,14 +175,16 @@ def rpc_build() -> Any:
 
 def machine_costs(request: PlanRequest, build: Any, has_gpu: bool, progress: ProgressFn = silent,
                   model: Path | None = None) -> CostModel:
-    """The costs a plan uses (operations.calibrate.costs_for): a calibration file the request names, else
-    this machine's own. On a machine
+    """The costs a plan uses (operations.calibrate.costs_for): the fitted figures where the request asks
+    for them (PlanRequest.costs), a calibration file it names, else this machine's own. On a machine
     with a GPU whose calibration for this build is missing, was measured on the demo model or by an
     older moeplug (calibrate.remeasure_reason), `model` (a real one, not the demo) is measured now, once:
     the GPU's figures are what a plan's choices turn on."""
     from moeplug.model.demo import demo_model_path
     from moeplug.operations.calibrate import calibrate, costs_for, remeasure_reason, stored_calibration, write_calibration
 
+    if request.costs == COSTS_FITTED:
+        return DEFAULT_COSTS
     path = Path(request.calibration) if request.calibration else None
     build = build if getattr(build, "build_id", None) else None  # a build given by its folder alone: no calibration
     real = model is not None and model.name != demo_model_path().name

@@ -24,6 +24,11 @@ from moeplug.planner.speculation import KeepInstalled, Speculation
 # the planner's choice of the server's prompt batch (-ub): PlanRequest.ubatch's value for "auto"
 UBATCH_AUTO = 0
 POLICIES = ("auto", "static", "dynamic")
+# the figures a plan is made with (PlanRequest.costs): this machine's (a calibration file named, else its own
+# calibration, else the fitted ones), or the fitted figures whatever was measured, where the install's check
+# found the plan made with them the faster one here (operations.check)
+COSTS_MACHINE, COSTS_FITTED = "machine", "fitted"
+COSTS = (COSTS_MACHINE, COSTS_FITTED)
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ class PlanRequest:
     # per remote device in llama.cpp's order (None: each device's free memory)
     rpc: tuple[str, ...] = ()
     rpc_budget: list[int] | None = None
+    costs: str = COSTS_MACHINE  # COSTS
 
     def check(self) -> None:
         """The one-line errors for choices no plan can take."""
@@ -61,6 +67,8 @@ class PlanRequest:
             raise MoeplugError(f"--prompt-tokens {self.prompt_tokens}: 0 or more")
         if self.policy not in POLICIES:
             raise MoeplugError(f"slot policy {self.policy!r}: one of {', '.join(POLICIES)}")
+        if self.costs not in COSTS:
+            raise MoeplugError(f"costs {self.costs!r}: one of {', '.join(COSTS)}")
         if self.rpc_budget and not self.rpc:
             raise MoeplugError("--rpc-budget: there is no --rpc host to give budgets to")
         if self.rpc and self.spec is not None and self.spec.kind != "ngram":
@@ -78,7 +86,8 @@ class PlanRequest:
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self) | {"spec": self.spec.to_json() if self.spec else None, "rpc": list(self.rpc)}
-        return doc if self.rpc else {k: v for k, v in doc.items() if k not in ("rpc", "rpc_budget")}
+        left_out = (() if self.rpc else ("rpc", "rpc_budget")) + (() if self.costs != COSTS_MACHINE else ("costs",))
+        return {k: v for k, v in doc.items() if k not in left_out}
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> PlanRequest:
@@ -140,5 +149,7 @@ class PlanChoices:
                               vram_budget=self.vram_budget, rpc=self.rpc, rpc_budget=self.rpc_budget)
         if self.rpc == ():
             request = replace(request, rpc_budget=None)
+        if self.calibration is not None:  # a calibration named now: its figures, not the fitted ones a check chose
+            request = replace(request, costs=COSTS_MACHINE)
         budget = request.vram_budget if budget_kept or self.vram_budget is not None else None
         return replace(request, ctx=ctx, spec=spec, vram_budget=budget)

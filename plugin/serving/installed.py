@@ -25,40 +25,88 @@ SLOTS_ON_CPU_ENV = {"LLAMA_MOE_CACHE_DEVICE": "CPU"}
 PLACEMENTS = ("moeplug", "stock")  # what a model is served with: its plan, or stock --fit's placement
 
 
+# the placements the install's check runs (operations.check): the plan made with this machine's figures, the
+# plan made with the figures fitted on the GPU machine (where it differs), stock --fit's placement
+CANDIDATES = ("plan", "fitted", "stock")
+
+
+@dataclass
+class Candidate:
+    """One placement the check ran, and what it measured: t/s are each the median over the prompts of a
+    prompt's median over its rounds; ratios are to stock's placement, per prompt, then the median (and
+    the lowest) over the prompts."""
+
+    name: str  # CANDIDATES
+    costs: str  # the figures its plan was made with (CostModel.describe), "" for stock's placement
+    args: list[str]  # its llama-server's flags
+    rounds: int  # rounds it ran (the close ones run more)
+    decode_tps: float | None = None
+    prefill_tps: float | None = None
+    decode: float | None = None  # its decode over stock's (1.0 for stock's own)
+    decode_lowest: float | None = None
+    decode_interval: list[float] | None = None  # the 95% interval of `decode` over the rounds
+    prefill: float | None = None
+    summary: str = ""  # its plan in a few words: "17 whole layers, 30% of the rest in slots, static"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 @dataclass
 class Verdict:
-    """What the check measured and which placement it serves."""
+    """What the check measured and which placement it serves: every candidate's figures, the one served
+    (`chosen`), and for the best plan its ratios to stock (decode, prefill, decode_lowest), which say
+    how far the slots ran ahead of or behind stock's placement."""
 
     placement: str  # PLACEMENTS
-    decode: float | None  # moeplug's decode t/s over stock's, the median over the prompts
+    decode: float | None  # the best plan's decode t/s over stock's, the median over the prompts
     prefill: float | None
     decode_lowest: float | None
     prompts: int
     budget_bytes: int | list[int] | None
     checked_at: float
-    bar: float = 0.95  # the share of stock's decode below which stock's placement is served
+    bar: float = 1.0  # the share of stock's decode the best plan must reach to be served
+    chosen: str = "plan"  # CANDIDATES: the one served
+    candidates: list[Candidate] = field(default_factory=list)  # each one run, in CANDIDATES' order
+    rounds: int = 1  # rounds every candidate ran
+    seconds: float | None = None  # how long the check took
 
     def line(self) -> str:
-        """'here: decode 1.31x, prefill 1.12x of stock --fit at 12.00 GiB, 3 prompts'"""
+        """'here: decode 1.31x, prefill 1.12x of stock --fit at 12.00 GiB, 4 prompts, 2 rounds'"""
         budget = self.budget_bytes
         at = ("no GPU" if budget is None else human_bytes(sum(budget)) if isinstance(budget, list)
               else human_bytes(budget))
         return (f"here: decode {_ratio(self.decode)}, prefill {_ratio(self.prefill)} of stock --fit at {at}, "
-                f"{self.prompts} prompts")
+                f"{self.prompts} prompts, {self.rounds} round{'s' if self.rounds != 1 else ''}")
 
     def why(self) -> str:
         """Why this placement is served, in one line."""
         if self.placement == "stock":
             return (f"serving stock's placement: the slots ran {_ratio(self.decode)} here, below {_ratio(self.bar)}; "
                     f"'moeplug bench' to look closer")
-        return "serving moeplug's plan: " + self.line()
+        which = " (made with the fitted figures, faster here than this machine's)" if self.chosen == "fitted" else ""
+        return f"serving moeplug's plan{which}: " + self.line()
+
+    def served(self) -> str:
+        """The placement served, its measured decode ratio and when, for list and status:
+        'its plan, decode 1.31x, 2026-12-07 14:02'."""
+        what = "stock's placement" if self.placement == "stock" else \
+            "its plan (fitted figures)" if self.chosen == "fitted" else "its plan"
+        ratio = f", slots {_ratio(self.decode)}" if self.placement == "stock" else f", decode {_ratio(self.decode)}"
+        return f"{what}{ratio if self.decode is not None else ''}, {self.when()}"
+
+    def when(self) -> str:
+        """'checked 2026-12-07 14:02' (local time)."""
+        return "checked " + time.strftime("%Y-%m-%d %H:%M", time.localtime(self.checked_at))
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_json(cls, doc: dict[str, Any] | None) -> Verdict | None:
-        return cls(**doc) if doc else None
+        if not doc:
+            return None
+        return cls(**(doc | {"candidates": [Candidate(**c) for c in doc.get("candidates") or []]}))
 
 
 def _ratio(r: float | None) -> str:

@@ -31,7 +31,7 @@ def plan_lines(s: ServerSnapshot | None, now: float) -> list[str]:
         lines.append(f"planned for {p.prefill_weight:g} per generated, "
                      + (f"prompts of {p.prompt_tokens}" if p.prompt_tokens else "the profile's prompts")
                      + (", learned" if p.workload else "") + f", -ub {p.ubatch}")
-        if s.placement == "stock":
+        if s.placement_why or s.placement == "stock":
             lines.append(s.placement_why or "served with stock's placement")
         lines.append(f"args {shlex.join(p.server_args)}")
         lines += [f"note: {n}" for n in p.notes or []]
