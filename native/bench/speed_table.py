@@ -40,8 +40,8 @@ ROWS = [
         "text-unseen", budget="12 GiB", moeplug="35-128 of 128 per layer (19 whole layers)"),
     Row("the same", "2026-12-02-new-prompt-prefill/call2-qwen3-12-16.json",
         "text-unseen", budget="16 GiB", moeplug="35-128 of 128 per layer (42 whole layers), no copies ahead"),
-    Row("Qwen3-30B-A3B shape, random token ids", "2026-12-02-new-prompt-prefill/call2-qwen3-12-16.json",
-        "random", budget="12 GiB", moeplug="35-128 of 128 per layer (19 whole layers)"),
+    Row("`moeplug install` from a fresh home on an H100, then `moeplug bench` (Qwen3 shape, held-out text)",
+        "2026-12-07-install-chooses-h100/bench-12gib/bench.json", "text"),
     Row("Qwen3-30B-A3B shape, 4096-token prompts, the batch the planner chose", "2026-12-04-long-prompt-plans/call2-qwen3-weight10.json",
         "random", budget="12 GiB", moeplug="28-128 of 128 per layer (16 whole layers), -ub auto=2048, prompts of 4096 planned for"),
     Row("Qwen3-30B-A3B shape, 12-token prompts", "2026-12-04-short-prompts-flag/flag-12-tokens/a.json",
@@ -116,7 +116,11 @@ def _moeplug_bench_row(row: Row, data: dict) -> tuple[str, str, str, str]:
     budget = f"{data['budget_bytes'] / 2**30:g} GiB"
     stock = data["sides"]["stock"]
     extra = " ".join(f"{k}={v}" for k, v in (data["sides"]["moeplug"].get("env") or {}).items())
-    conditions = (f"{data['rounds']} rounds, {len(w['rows'])} turns; stock: patched build (moeplug's own), "
+    # runs before bench recorded its stock side's build ran stock's flags on moeplug's own build
+    build = (_build(stock["binary"]) if stock.get("binary") else "patched build") + \
+        (" (moeplug's own)" if not stock.get("binary") or "-moeplug-" in stock["binary"] else "")
+    what = "turns" if row.workload == "chat" else "prompts"
+    conditions = (f"{data['rounds']} rounds, {len(w['rows'])} {what}; stock: {build}, "
                   f"{_flags(stock['args'])}; moeplug: the installed plan{', ' + extra if extra else ''}")
     return budget, _ratio(w["prefill"]), _ratio(w["decode"]), conditions
 
