@@ -53,18 +53,20 @@ def assert_chosen_by_the_rule(verdict: Verdict) -> None:
     stock = verdict.candidates[-1]
     assert stock.decode == pytest.approx(1.0) and stock.summary == "stock --fit"
     chosen, best = choose(verdict.candidates, verdict.bar)
-    assert verdict.chosen == chosen
+    assert verdict.chosen == chosen and verdict.speed == best.speed
     assert verdict.decode == best.decode and verdict.prefill == best.prefill
     assert verdict.placement == ("stock" if chosen == "stock" else "moeplug")
-    assert (chosen == "stock") == (best.decode < verdict.bar)
-    assert best.decode == max(c.decode for c in verdict.candidates if c.name != "stock")
+    assert (chosen == "stock") == (best.speed < verdict.bar)
+    assert best.speed == max(c.speed for c in verdict.candidates if c.name != "stock")
+    assert stock.speed == pytest.approx(1.0) and all(c.prefill_weight == stock.prefill_weight
+                                                     for c in verdict.candidates)
 
 
 def test_choose_serves_the_fastest_plan_unless_stock_is_faster() -> None:
-    """The rule on recorded figures: the faster plan wins; stock's placement where the best plan's median
-    decode is below the bar (1.0 by default: stock's decodes faster)."""
-    def cand(name: str, decode: float) -> Candidate:
-        return Candidate(name, "", ["-m", "x"], 2, decode_tps=100 * decode, decode=decode)
+    """The rule on recorded figures: the faster plan wins; stock's placement where the best plan's speed
+    is below the bar (1.0 by default: stock's is faster)."""
+    def cand(name: str, speed: float) -> Candidate:
+        return Candidate(name, "", ["-m", "x"], 2, decode_tps=100 * speed, decode=speed, speed=speed)
 
     stock = cand("stock", 1.0)
     assert choose([cand("plan", 1.30), cand("fitted", 1.45), stock], CHECK_BAR)[0] == "fitted"
@@ -72,6 +74,20 @@ def test_choose_serves_the_fastest_plan_unless_stock_is_faster() -> None:
     assert choose([cand("plan", 0.97), stock], CHECK_BAR)[0] == "stock"
     assert choose([cand("plan", 1.30), stock], 1.5)[0] == "stock"  # the bar asked for
     assert choose([cand("plan", 0.97), stock], 0.95)[0] == "plan"
+
+
+def test_the_speed_weighs_prompts_as_the_plan_does() -> None:
+    """A candidate's speed: generated tokens a second with the plan's prompt tokens prefilled for each,
+    per prompt and round (Contender.mixed); decode alone at weight 0."""
+    from moeplug.operations.bench import Side
+    from moeplug.operations.check import Contender
+    from moeplug.serving.measure import Timed
+
+    side = Side([], {})
+    side.timed["text"] = {0: [Timed(prompt_tokens=100, prefill=[2000.0], decode=100.0)]}
+    assert Contender("plan", None, "", side, 0.0).mixed() == {0: [100.0]}
+    # 1 generated token: 10 ms; 4 prompt tokens at 2000 t/s: 2 ms
+    assert Contender("plan", None, "", side, 4.0).mixed()[0] == [pytest.approx(1 / 0.012)]
 
 
 def test_the_check_runs_the_candidates_and_keeps_every_figure(home: dict[str, str]) -> None:
@@ -120,7 +136,7 @@ def test_three_candidates_the_fastest_served_and_kept(home: dict[str, str], rpc_
     assert "the calibration file" in plan.costs and "fitted figures" in fitted.costs
     assert_chosen_by_the_rule(verdict)
     record = installed(home)
-    best = max((plan, fitted), key=lambda c: c.decode)
+    best = max((plan, fitted), key=lambda c: c.speed)
     assert record["plan"]["server_args"] == best.args  # the best plan kept, whichever was served
     assert record["request"].get("costs", "machine") == ("fitted" if best is fitted else "machine")
     shown = moeplug(home, "list").stdout
@@ -139,7 +155,7 @@ def test_a_plan_slower_here_serves_stocks_placement_and_says_so(home: dict[str, 
     try:
         doc = json.loads(r.stdout)
         assert doc["verdict"]["placement"] == "stock", doc["verdict"]
-        assert doc["verdict"]["bar"] == 50 and 0 < doc["verdict"]["decode"] < 50
+        assert doc["verdict"]["bar"] == 50 and 0 < doc["verdict"]["speed"] < 50
         assert doc["verdict"]["chosen"] == "stock" and len(doc["verdict"]["candidates"]) == 2
         assert "serving stock's placement: the slots ran" in r.stderr and "below 50.00x" in r.stderr
         args = doc["server"]["args"]

@@ -406,9 +406,9 @@ def register(sub: Any) -> None:
                         "minutes, rounds repeated where the two fastest are close) and serve the fastest "
                         "(default: on where there is an NVIDIA GPU; --check forces it, --no-check skips it)")
     p.add_argument("--check-min", type=CHECK_MIN, metavar="RATIO",
-                   help="the share of stock's decode speed the best plan must reach in the check to be served "
-                        "(default 1.0: stock's placement where it decodes faster; 1.1: serve the slots only where "
-                        "they win by a tenth)")
+                   help="the share of stock's speed the best plan must reach in the check to be served "
+                        "(generated tokens a second with the plan's prompt tokens prefilled for each; default 1.0: "
+                        "stock's placement where it is faster; 1.1: serve the slots only where they win by a tenth)")
     p.add_argument("--no-serve", action="store_true", help="stop after planning")
     add_prefill_weight(p)
     add_threads(p)

@@ -12,12 +12,15 @@ slower than the one made with the fitted figures. What settles it is running the
 - "stock": stock --fit's placement at the same budget, through the same binary.
 
 Each runs CHECK_ROUNDS rounds of the bundled held-out prompts (which no default profile is made from),
-the order turned every round; where the two fastest differ by less than CLOSE and the rounds do not
-resolve which is ahead, those two run more rounds, up to CHECK_MAX_ROUNDS. They are judged on decode,
-the rate a user waits on after the prompt: the plan decoding fastest (the median over the prompts
-of its ratio to stock's) is served, unless it is below `bar` (1.0 unless the user sets `--check-min`:
-stock's placement decodes faster), then stock's placement through the same binary. The verdict keeps every candidate's figures (serving.installed.Verdict);
-`moeplug bench NAME` looks closer, `moeplug install MODEL --no-check` serves the plan unchecked.
+the order turned every round. They are judged on their speed for the workload the plan is made for:
+per prompt and round, generated tokens a second with the plan's prefill_weight prompt tokens
+prefilled for each (1 / (1 / decode + prefill_weight / prefill); decode alone where the weight is 0),
+over stock's, the median over the prompts. Where the two fastest differ by less than CLOSE and the
+rounds do not resolve which is ahead, those two run more rounds, up to CHECK_MAX_ROUNDS. The plan of
+the highest speed is served, unless it is below `bar` (1.0 unless the user sets `--check-min`: stock's
+placement is faster), then stock's placement through the same binary. The verdict keeps every
+candidate's figures, decode and prefill apart too (serving.installed.Verdict); `moeplug bench NAME`
+looks closer, `moeplug install MODEL --no-check` serves the plan unchecked.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from moeplug.planner.server_flags import stock_args
 from moeplug.serving.installed import Candidate, InstalledModel, Verdict
 from moeplug.serving.measure import median_ratio_interval
 
-CHECK_BAR = 1.0  # stock's placement is served where the best plan decodes below this share of stock's
+CHECK_BAR = 1.0  # stock's placement is served where the best plan's speed is below this share of stock's
 CHECK_PROMPTS = 4  # held-out prompts each round
 CHECK_PREDICT = 48  # tokens each answer decodes
 CHECK_ROUNDS = 2  # rounds every candidate runs
@@ -56,9 +59,21 @@ class Contender:
     plan: Plan | None
     costs: str
     side: Side
+    prefill_weight: float = 0.0  # prompt tokens a generated token, as the plan weighs them (mixed)
 
     def decode(self) -> dict[int, list[float]]:
         return self.side.samples("text", "decode")
+
+    def mixed(self) -> dict[int, list[float]]:
+        """Per prompt, each round's generated tokens a second with prefill_weight prompt tokens prefilled for
+        each: 1 / (1 / decode + prefill_weight / prefill), the rate the check judges by."""
+        out: dict[int, list[float]] = {}
+        for i, rounds in self.side.timed.get("text", {}).items():
+            rates = [1.0 / (1.0 / t.decode + self.prefill_weight / t.prefill_median) for t in rounds
+                     if t.decode and t.prefill_median]
+            if rates:
+                out[i] = rates
+        return out
 
 
 def plan_summary(plan: Plan) -> str:
@@ -91,16 +106,17 @@ def contenders(m: InstalledModel, progress: ProgressFn = silent) -> list[Contend
         return Side(list(args), dict(env), binary=binary, build_id=build.build_id)
 
     mine = m.plan
-    out = [Contender("plan", mine, _costs_of(mine), side(mine.server_args, m.server_env()))]
+    weight = mine.prefill_weight
+    out = [Contender("plan", mine, _costs_of(mine), side(mine.server_args, m.server_env()), weight)]
     if mine.cost_model is not None:
         fitted = fitted_plan(m)
         env = m.server_env() | fitted.server_env()
         if fitted.server_args != mine.server_args or env != m.server_env():
-            out.append(Contender("fitted", fitted, GPU_MACHINE, side(fitted.server_args, env)))
+            out.append(Contender("fitted", fitted, GPU_MACHINE, side(fitted.server_args, env), weight))
         else:
             progress(Note(f"{m.name}: the fitted figures plan the same server flags as this machine's: one plan "
                           f"to check"))
-    out.append(Contender("stock", None, "", side(stock_args(mine), {})))
+    out.append(Contender("stock", None, "", side(stock_args(mine), {}), weight))
     return out
 
 
@@ -119,25 +135,25 @@ def _pairs(mine: dict[int, list[float]], theirs: dict[int, list[float]]) -> list
 
 
 def _median_ratio(a: Contender, b: Contender) -> float | None:
-    r = _ratios(a.decode(), b.decode())
+    r = _ratios(a.mixed(), b.mixed())
     return statistics.median(r) if r else None
 
 
 def close_pair(ranked: list[Contender]) -> bool:
-    """Whether the two fastest (ranked by decode, fastest first) are within CLOSE of each other with
-    their order not resolved by the rounds so far (the 95% interval of their ratio reaches 1.0)."""
+    """Whether the two fastest (ranked, fastest first) are within CLOSE of each other with their order not
+    resolved by the rounds so far (the 95% interval of their ratio reaches 1.0)."""
     if len(ranked) < 2:
         return False
     a, b = ranked[0], ranked[1]
     ratio = _median_ratio(a, b)
     if ratio is None or ratio >= 1.0 + CLOSE:
         return False
-    interval = median_ratio_interval(_pairs(a.decode(), b.decode()))
+    interval = median_ratio_interval(_pairs(a.mixed(), b.mixed()))
     return interval is None or interval[0] <= 1.0
 
 
 def ranked(cands: list[Contender]) -> list[Contender]:
-    """The candidates fastest first, by their median decode over stock's placement (stock's own: 1.0)."""
+    """The candidates fastest first, by their speed over stock's placement (Contender.mixed; stock's own: 1.0)."""
     stock = cands[-1]
 
     def key(c: Contender) -> float:
@@ -151,21 +167,23 @@ def candidate_record(c: Contender, stock: Contender) -> Candidate:
     """What a candidate measured, against stock's placement."""
     decode = _ratios(c.decode(), stock.decode())
     prefill = _ratios(c.side.samples("text", "prefill"), stock.side.samples("text", "prefill"))
+    speed = _ratios(c.mixed(), stock.mixed())
     rounds = max((len(v) for v in c.decode().values()), default=0)
     return Candidate(c.name, c.costs, list(c.side.args), rounds, _median_tps(c.decode()),
                      _median_tps(c.side.samples("text", "prefill")),
                      statistics.median(decode) if decode else None, min(decode) if decode else None,
                      median_ratio_interval(_pairs(c.decode(), stock.decode())),
                      statistics.median(prefill) if prefill else None,
-                     plan_summary(c.plan) if c.plan else "stock --fit")
+                     plan_summary(c.plan) if c.plan else "stock --fit",
+                     statistics.median(speed) if speed else None, c.prefill_weight)
 
 
 def choose(records: list[Candidate], bar: float) -> tuple[str, Candidate]:
-    """The candidate to serve and the best plan: the plan of the highest median decode over stock's,
-    unless that is below `bar` (1.0: stock's placement decodes faster), then stock's placement."""
+    """The candidate to serve and the best plan: the plan of the highest speed over stock's placement
+    (Candidate.speed), unless that is below `bar` (1.0: stock's placement is faster), then stock's."""
     plans = [r for r in records if r.name != "stock"]
-    best = max(plans, key=lambda r: -1.0 if r.decode is None else r.decode)
-    return ("stock" if best.decode is None or best.decode < bar else best.name), best
+    best = max(plans, key=lambda r: -1.0 if r.speed is None else r.speed)
+    return ("stock" if best.speed is None or best.speed < bar else best.name), best
 
 
 def check_plan(m: InstalledModel, bar: float = CHECK_BAR, progress: ProgressFn = silent) -> tuple[Verdict, Plan]:
@@ -212,12 +230,12 @@ def check_plan(m: InstalledModel, bar: float = CHECK_BAR, progress: ProgressFn =
     stock = cands[-1]
     records = [candidate_record(c, stock) for c in cands]
     chosen, best = choose(records, bar)
-    progress(Note("  " + "; ".join(f"{r.name} decode {_tps(r.decode_tps)}" + (f" ({r.decode:.2f}x)" if r.name != "stock"
-                                                                            and r.decode is not None else "")
+    progress(Note("  " + "; ".join(f"{r.name} decode {_tps(r.decode_tps)}" + (f" ({r.speed:.2f}x)" if r.name != "stock"
+                                                                            and r.speed is not None else "")
                                    for r in records)))
     verdict = Verdict(chosen if chosen == "stock" else "moeplug", best.decode, best.prefill, best.decode_lowest,
                       len(texts), m.plan.vram_budget_bytes, time.time(), bar, chosen, records, CHECK_ROUNDS,
-                      round(time.monotonic() - t0, 1))
+                      round(time.monotonic() - t0, 1), best.speed)
     kept = next(c.plan for c in cands if c.name == best.name)
     return verdict, kept if kept is not None else m.plan
 
@@ -230,5 +248,5 @@ def costs_kept(verdict: Verdict) -> str:
     """The figures the model's later re-plans use (PlanRequest.costs): the fitted ones where the check
     found the plan made with them the faster."""
     best = max((c for c in verdict.candidates if c.name != "stock"),
-               key=lambda c: -1.0 if c.decode is None else c.decode, default=None)
+               key=lambda c: -1.0 if c.speed is None else c.speed, default=None)
     return COSTS_FITTED if best is not None and best.name == "fitted" else COSTS_MACHINE

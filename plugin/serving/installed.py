@@ -46,7 +46,11 @@ class Candidate:
     decode_lowest: float | None = None
     decode_interval: list[float] | None = None  # the 95% interval of `decode` over the rounds
     prefill: float | None = None
-    summary: str = ""  # its plan in a few words: "17 whole layers, 30% of the rest in slots, static"
+    summary: str = ""  # its plan in a few words: "17 whole layers, 3833 slots, dynamic"
+    # what the check judges by: generated tokens a second with prefill_weight prompt tokens prefilled for each,
+    # over stock's (operations.check); None in a verdict from before it was kept (judged by decode then)
+    speed: float | None = None
+    prefill_weight: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -59,17 +63,18 @@ class Verdict:
     how far the slots ran ahead of or behind stock's placement."""
 
     placement: str  # PLACEMENTS
-    decode: float | None  # the best plan's decode t/s over stock's, the median over the prompts
+    decode: float | None  # the best plan's decode t/s over stock's, the median over the prompts (Candidate.decode)
     prefill: float | None
     decode_lowest: float | None
     prompts: int
     budget_bytes: int | list[int] | None
     checked_at: float
-    bar: float = 1.0  # the share of stock's decode the best plan must reach to be served
+    bar: float = 1.0  # the share of stock's speed (Candidate.speed) the best plan must reach to be served
     chosen: str = "plan"  # CANDIDATES: the one served
     candidates: list[Candidate] = field(default_factory=list)  # each one run, in CANDIDATES' order
     rounds: int = 1  # rounds every candidate ran
     seconds: float | None = None  # how long the check took
+    speed: float | None = None  # the best plan's Candidate.speed, what the check judged by (None: decode was)
 
     def line(self) -> str:
         """'here: decode 1.31x, prefill 1.12x of stock --fit at 12.00 GiB, 4 prompts, 2 rounds'"""
@@ -82,7 +87,8 @@ class Verdict:
     def why(self) -> str:
         """Why this placement is served, in one line."""
         if self.placement == "stock":
-            return (f"serving stock's placement: the slots ran {_ratio(self.decode)} here, below {_ratio(self.bar)}; "
+            judged = self.decode if self.speed is None else self.speed
+            return (f"serving stock's placement: the slots ran {_ratio(judged)} here, below {_ratio(self.bar)}; "
                     f"'moeplug bench' to look closer")
         which = " (made with the fitted figures, faster here than this machine's)" if self.chosen == "fitted" else ""
         return f"serving moeplug's plan{which}: " + self.line()
