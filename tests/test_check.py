@@ -113,6 +113,18 @@ def test_the_check_runs_the_candidates_and_keeps_every_figure(home: dict[str, st
     r = moeplug(home, "install", "demo", "--ctx", "1024", "--no-serve")
     assert r.returncode == 0 and "here: decode" not in r.stdout and "verdict" not in installed(home)
     assert "its plan (not checked)" in moeplug(home, "list").stdout
+    # a re-plan by `serve` is checked before it is served (forced here: no GPU), and served as checked
+    try:
+        r = moeplug(home, "serve", "demo", "--ctx", "2048", "--check", "--json")
+        assert r.returncode == 0, r.stderr[-3000:]
+        record = installed(home)
+        again = verdict_of(record)
+        assert record["plan"]["ctx"] == 2048 and "checking 2 placements" in r.stderr
+        assert_chosen_by_the_rule(again)
+        served = json.loads(r.stdout)["server"]["args"]
+        assert ("--moe-cache-slots" in served) == (again.placement == "moeplug")
+    finally:
+        moeplug(home, "stop", "demo")
 
 
 def test_three_candidates_the_fastest_served_and_kept(home: dict[str, str], rpc_hosts, tmp_path: Path) -> None:

@@ -273,7 +273,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     out = Output.for_args(args)
     served = serve(args.model, plan_choices(args, parse_spec(args.spec, args.spec_draft_max, keep=True)),
-                   serve_options(args), progress=out.progress)
+                   serve_options(args), check=args.check, progress=out.progress)
     return out.result(served, lambda s: served_text(s.name, s.server))
 
 
@@ -437,6 +437,9 @@ def register(sub: Any) -> None:
     p.add_argument("model", help="an installed name (see 'moeplug list')")
     add_plan_options(p, "re-plan for this budget, e.g. 12GiB, or 12GiB,12GiB for two GPUs (kept as the model's plan)",
                      "re-plan for this context size (kept as the model's plan)")
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
+                   help="a re-plan is checked before it is served, as install checks (default: on where there is an "
+                        "NVIDIA GPU; --check forces it, --no-check serves the new plan unchecked)")
     add_serve_options(p)
     add_prefill_weight(p, keep=True)
     add_threads(p, keep=True)

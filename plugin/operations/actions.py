@@ -116,12 +116,14 @@ def installed_up_to_date(progress: ProgressFn = silent) -> list[InstalledModel]:
 
 
 def serve(name: str, choices: PlanChoices = PlanChoices(), serving: ServeOptions = ServeOptions(),
-          progress: ProgressFn = silent) -> Served:
+          check: bool | None = None, progress: ProgressFn = silent) -> Served:
     """Launch an installed model again (detached) with its build: re-planned where choices are given
     (the new plan and choices become the model's own; the hooks follow) or where an older planner made
     its plan (plan.outdated; not where its profile is gone), else with the plan it was installed with.
-    Waits while another moeplug holds the model (an install, a re-profile), then reads the model as
-    that one left it."""
+    A re-plan is checked before it is served (checked; check None: where there is a GPU, as install
+    does), so that what is served is what ran fastest here. Waits while another moeplug holds the model
+    (an install, a re-profile), then reads the model as that one left it."""
+    from moeplug.machine.gpu import gpus
     from moeplug.serving.launch import model_lock
 
     warn_exposure(serving.host, progress)
@@ -131,9 +133,13 @@ def serve(name: str, choices: PlanChoices = PlanChoices(), serving: ServeOptions
         if choices.changes_plan:
             if choices.ctx is not None:
                 choices = replace(choices, ctx=context_size(inspect_model(m.path), choices.ctx, choices.ctx_override))
-            m = replan(m, choices)
+            replanned = replan(m, choices)
         else:
-            m = up_to_date(m, progress)
+            replanned = up_to_date(m, progress)
+    if replanned is not m and (check if check is not None else bool(gpus())):
+        checked(name, replanned.verdict.bar if replanned.verdict else None, progress)
+    with model_lock(name, progress):
+        m = read_installed(name)
         served = launch_installed(m, installed_build(m), serving)
     return Served(m.name, served)
 
