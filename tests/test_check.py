@@ -184,6 +184,12 @@ def test_a_plan_slower_here_serves_stocks_placement_and_says_so(home: dict[str, 
         assert moeplug(home, "stop", "demo").returncode == 0
         served = json.loads(moeplug(home, "serve", "demo", "--json").stdout)["server"]
         assert "--moe-cache-slots" not in served["args"] and "--fit" in served["args"]
+        assert "re-planned since" not in moeplug(home, "list").stdout
+        # re-planned and served unchecked (no GPU): the verdict stands, and list and status say it is older
+        assert moeplug(home, "stop", "demo").returncode == 0
+        assert moeplug(home, "serve", "demo", "--ctx", "2048").returncode == 0
+        assert "checked 20" in moeplug(home, "list").stdout and "re-planned since" in moeplug(home, "list").stdout
+        assert "re-planned since" in json.loads(moeplug(home, "status", "--json").stdout)["servers"][0]["placement_why"]
     finally:
         moeplug(home, "stop", "demo")
 

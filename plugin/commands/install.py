@@ -371,7 +371,7 @@ class Listing:
 
 def _placement(m: Any) -> str:
     """What an installed model is served with, the check's ratio and when it ran."""
-    return "its plan (not checked)" if m.verdict is None else m.verdict.served()
+    return "its plan (not checked)" if m.verdict is None else m.verdict.served(m.plan.server_args)
 
 
 def cmd_list(args: argparse.Namespace) -> int:

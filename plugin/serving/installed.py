@@ -93,13 +93,20 @@ class Verdict:
         which = " (made with the fitted figures, faster here than this machine's)" if self.chosen == "fitted" else ""
         return f"serving moeplug's plan{which}: " + self.line()
 
-    def served(self) -> str:
+    def served(self, plan_args: list[str] | None = None) -> str:
         """The placement served, its measured decode ratio and when, for list and status:
-        'its plan, decode 1.31x, 2026-12-07 14:02'."""
+        'its plan, decode 1.31x, checked 2026-12-07 14:02'; with the plan's server flags now
+        (`plan_args`), a plan re-planned since the check says so."""
         what = "stock's placement" if self.placement == "stock" else \
             "its plan (fitted figures)" if self.chosen == "fitted" else "its plan"
         ratio = f", slots {_ratio(self.decode)}" if self.placement == "stock" else f", decode {_ratio(self.decode)}"
-        return f"{what}{ratio if self.decode is not None else ''}, {self.when()}"
+        since = ", re-planned since" if plan_args is not None and self.stale(plan_args) else ""
+        return f"{what}{ratio if self.decode is not None else ''}, {self.when()}{since}"
+
+    def stale(self, plan_args: list[str]) -> bool:
+        """Whether the plan was made again since the check: its flags are none of the candidates' (a
+        verdict from before candidates were kept cannot tell, and is taken as current)."""
+        return bool(self.candidates) and all(c.args != plan_args for c in self.candidates if c.name != "stock")
 
     def when(self) -> str:
         """'checked 2026-12-07 14:02' (local time)."""

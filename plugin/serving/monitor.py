@@ -147,6 +147,15 @@ def profile_summary(path: str | None) -> ProfileSummary | None:
         return None
 
 
+def placement_why(model: Any) -> str | None:
+    """Why an installed model is served as it is, from its last check, and when (None: never checked)."""
+    v = model.verdict
+    if v is None:
+        return None
+    since = ", re-planned since" if v.stale(model.plan.server_args) else ""
+    return f"{v.why()} ({v.when()}{since})"
+
+
 @dataclass(frozen=True)
 class ServerSnapshot:
     record: ServerRecord
@@ -388,7 +397,7 @@ def server_snapshot(record: ServerRecord, installed: dict[str, InstalledModel] |
                           uptime_s=(now or time.time()) - record.started, cache_counters=counters, metrics=metrics,
                           ctx_used=ctx_used, n_ctx=n_ctx, plan=plan, layers=layers,
                           placement=model.placement if model else "moeplug",
-                          placement_why=f"{model.verdict.why()} ({model.verdict.when()})" if model and model.verdict else None, profile=profile, vram_bytes=process_vram_bytes(record.pid) if alive else None,
+                          placement_why=placement_why(model) if model else None, profile=profile, vram_bytes=process_vram_bytes(record.pid) if alive else None,
                           traffic=log_traffic(record) if alive else None, hosts_closed=closed, waiting=waiting,
                           hosts_not_answering=not_answering,
                           state_why=why_not_serving(record, alive, closed, waiting, not_answering, endpoints))
