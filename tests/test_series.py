@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from moeplug.native.series import FileChange, SeriesReport, check_limits, load_limits, measure_series, measure_tree
+from moeplug.native.series import SeriesReport, check_limits, limits_of, load_limits, measure_series, measure_tree, write_limits
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,9 +82,16 @@ def test_the_series_stays_within_its_limits() -> None:
     report = measure_series()
     limits = load_limits()
     assert check_limits(report, limits) == []
-    assert limits["code_changed"] == report.code_changed
-    assert limits["largest_block"] == max(report.largest_block.largest_block, 15)
-    assert {f.path: f.changed for f in report.code_files()} == limits["files"]
+    assert limits == limits_of(report)
+
+
+def test_written_limits_are_read_back_and_hold_the_figures(tree: Path, tmp_path: Path) -> None:
+    report = SeriesReport(tag="b1", n_patches=2, files=measure_tree(tree))
+    write_limits(report, tmp_path)
+    limits = load_limits(tmp_path)
+    assert limits == {"code_changed": 30, "negative_ids_changed": 5, "largest_block": 20,
+                      "files": {"src/a.cpp": 25, "src/k.cu": 5}}
+    assert check_limits(report, limits) == []
 
 
 def test_check_series_script_runs_the_command() -> None:

@@ -106,10 +106,12 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_check_series(args: argparse.Namespace) -> int:
-    from moeplug.native.series import check_limits, load_limits, measure_series, report_text
+    from moeplug.native.series import check_limits, load_limits, measure_series, report_text, write_limits
 
     out = Output.for_args(args)
     report = measure_series()
+    if args.write_limits:
+        write_limits(report)
     limits = load_limits()
     over = check_limits(report, limits)
     out.result({**report.to_json(), "limits": limits, "over": over}, lambda _: report_text(report, limits))
@@ -155,5 +157,7 @@ def register(sub: Any) -> None:
     p = native.add_parser("check-series",
                           help="apply the patch series to the pinned tree and print what it changes in each upstream "
                                "file, against native/series-limits.yaml (exit 1 above a limit)")
+    p.add_argument("--write-limits", action="store_true",
+                   help="write the series' figures into native/series-limits.yaml first (after a change lowered them)")
     add_json(p)
     p.set_defaults(func=cmd_check_series)

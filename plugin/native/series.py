@@ -230,6 +230,35 @@ def load_limits(root: Path | None = None) -> dict[str, Any]:
     return doc
 
 
+LIMITS_HEADER = """\
+# What the patch series may change in upstream llama.cpp files (tests and CMake aside), as
+# `moeplug native check-series` (native/check-series) measures it: lines added plus removed in all and per
+# file, the negative expert ids apart, and the largest block of consecutive added code lines outside them.
+# tests/test_series.py fails when a figure differs from its limit: a change that grows one is seen, and one
+# that lowers it writes the new figures (`moeplug native check-series --write-limits`).
+"""
+
+
+def limits_of(report: SeriesReport) -> dict[str, Any]:
+    top = report.largest_block
+    return {"code_changed": report.code_changed, "negative_ids_changed": report.exception_changed,
+            "largest_block": max(top.largest_block if top else 0, 15),
+            "files": {f.path: f.changed for f in report.code_files()}}
+
+
+def write_limits(report: SeriesReport, root: Path | None = None) -> Path:
+    """native/series-limits.yaml from the series' figures (the largest block's limit never below 15)."""
+    from moeplug.core.fsutil import write_text_atomic
+
+    doc = limits_of(report)
+    lines = [f"code_changed: {doc['code_changed']}", f"negative_ids_changed: {doc['negative_ids_changed']}",
+             f"largest_block: {doc['largest_block']}", "files:"]
+    lines += [f"  {path}: {n}" for path, n in doc["files"].items()]
+    path = (root or native_dir()) / LIMITS_FILE
+    write_text_atomic(path, LIMITS_HEADER + "\n".join(lines) + "\n")
+    return path
+
+
 def check_limits(report: SeriesReport, limits: dict[str, Any]) -> list[str]:
     """One line per figure above its limit (none: the series is within them)."""
     over = []
