@@ -12,18 +12,12 @@ from pathlib import Path
 
 import pytest
 import requests
-from helpers import moeplug, one_line_error, xdg_homes
+from helpers import moeplug, one_line_error
 
 from moeplug.model.download import check_disk
 from moeplug.core.errors import MoeplugError
 
-pytestmark = pytest.mark.native
-
-
-@pytest.fixture
-def home(patched_build, tmp_path: Path) -> dict[str, str]:
-    """Fresh XDG homes sharing the built binaries."""
-    return xdg_homes(tmp_path)
+pytestmark = [pytest.mark.native, pytest.mark.usefixtures("patched_build")]
 
 
 def complete(url: str) -> list[int]:
