@@ -8,6 +8,7 @@
 
 #include "gguf.h"
 #include "ggml-cpp.h"
+#include "ggml-moeplug.h"
 
 #include <algorithm>
 #include <cinttypes>
