@@ -1,6 +1,6 @@
 #include "moeplug-cache.h"
 
-#include "../src/llama-ext.h"  // llama_model_moeplug_cache_init (staging API)
+#include "../src/llama-moeplug-ext.h"  // llama_model_moeplug_cache_init (staging API)
 
 #include "common.h"
 #include "gguf.h"

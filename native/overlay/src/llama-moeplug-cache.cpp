@@ -3,6 +3,7 @@
 #include "llama-adapter.h"
 #include "llama-cparams.h"
 #include "llama-ext.h"
+#include "llama-moeplug-ext.h"
 #include "llama-impl.h"
 #include "llama-model.h"
 
