@@ -5,12 +5,14 @@
 // and asks libllama to keep them resident (llama_model_moeplug_cache_init).
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
 // the profile format this build reads and writes (native/PROFILE-FORMAT.md)
 #define COMMON_MOEPLUG_PROFILE_VERSION 1u
 
+struct common_arg;
 struct common_params;
 struct gguf_context;
 struct llama_model;
@@ -77,7 +79,7 @@ bool common_moeplug_cache_enable(llama_model * model, const std::string & model_
         const std::string & policy = "static", float half_life = 0.0f, int32_t uploads = 0, float stream = 0.0f,
         int32_t offload_min_batch = 0);
 
-// common_moeplug_cache_enable from params.moeplug_cache_*, when a profile is given (through
+// common_moeplug_cache_enable from params.moeplug (common/moeplug-params.h), when a profile is given (through
 // common_moeplug_cache_resolve); counts slot hits when the server's metrics endpoint is on; then,
 // with --moe-cache-record, starts recording and logs
 //   moe-cache: recording the router's selections of L layers
@@ -132,8 +134,12 @@ std::string common_moeplug_cache_metrics(const llama_model * model);
 // returns false when the file was refused
 bool common_moeplug_replay_load(llama_model * model, const std::string & path);
 
-// common_moeplug_replay_load of params.moeplug_route_replay, when given (true when not)
+// common_moeplug_replay_load of params.moeplug.route_replay, when given (true when not)
 bool common_moeplug_replay_init(llama_model * model, const common_params & params);
 
 // forgets which prompt each sequence replays (after the warm-up run)
 void common_moeplug_replay_reset(const llama_model * model);
+
+// moeplug's flags (--moe-cache-*, --moe-route-replay; each also read from its LLAMA_ARG_* variable), added to
+// common's parser where common_params_parser_init calls this; they set params.moeplug
+void common_moeplug_add_args(const common_params & params, const std::function<void(common_arg)> & add_opt);
