@@ -141,7 +141,7 @@ def test_cache_line_counts_the_layers_that_overlap() -> None:
 
 
 def test_cache_line_counts_the_layers_that_read_their_misses_in_place() -> None:
-    """With LLAMA_MOE_CACHE_DIRECT=1 (native patch 0028) the log names the layers whose GPU computes their
+    """With LLAMA_MOE_CACHE_DIRECT=1 (native patch 0026) the log names the layers whose GPU computes their
     misses too, read from pinned RAM; the parsed status keeps the count and the one-line summary names it."""
     from dataclasses import asdict
 

@@ -13,6 +13,7 @@
 #include "ggml-backend.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -877,4 +878,55 @@ void common_moeplug_add_args(const common_params & params, const std::function<v
             params.moeplug.route_replay = value;
         }
     ).set_env("LLAMA_ARG_MOE_ROUTE_REPLAY"));
+}
+
+void common_moeplug_bench_usage() {
+    const common_moeplug_params d;
+    printf("  --moe-cache-profile <file>                        expert slot cache: moe profile of the model\n");
+    printf("  --moe-cache-slots <n|n0,n1,...>                   expert slot cache: slots per MoE layer, or one count per layer\n");
+    printf("  --moe-cache-max-batch <n>                         expert slot cache: larger batches run without it (default: %d)\n", d.cache_max_batch);
+    printf("  --moe-route-replay <file>                         replay recorded router decisions: each test takes the next prompt\n");
+    printf("  --moe-cache-policy <static|dynamic>               expert slot cache: slots fixed, or following the prompt (default: %s)\n", d.cache_policy.c_str());
+    printf("  --moe-cache-half-life <n>                         expert slot cache, dynamic: tokens after which a count weighs half (default: 128)\n");
+    printf("  --moe-cache-uploads <n>                           expert slot cache, dynamic: experts uploaded per layer and batch at most (default: 4)\n");
+}
+
+bool common_moeplug_bench_arg(const std::string & arg, int argc, char ** argv, int & i, common_moeplug_params & mp, bool & invalid) {
+    static const char * const names[] = {
+        "--moe-cache-profile", "--moe-cache-slots", "--moe-cache-max-batch", "--moe-route-replay",
+        "--moe-cache-policy", "--moe-cache-half-life", "--moe-cache-uploads",
+    };
+    if (std::find(std::begin(names), std::end(names), arg) == std::end(names)) {
+        return false;
+    }
+    if (++i >= argc) {
+        invalid = true;
+        return true;
+    }
+    const std::string value = argv[i];
+    if (arg == "--moe-cache-profile") {
+        mp.cache_profile = value;
+    } else if (arg == "--moe-cache-slots") {
+        mp.cache_slots = value;
+    } else if (arg == "--moe-cache-max-batch") {
+        mp.cache_max_batch = std::stoi(value);
+    } else if (arg == "--moe-route-replay") {
+        mp.route_replay = value;
+    } else if (arg == "--moe-cache-policy") {
+        mp.cache_policy = value;
+        invalid = value != "static" && value != "dynamic";
+    } else if (arg == "--moe-cache-half-life") {
+        mp.cache_half_life = std::stof(value);
+    } else {
+        mp.cache_uploads = std::stoi(value);
+    }
+    return true;
+}
+
+bool common_moeplug_bench_load(llama_model * model, const std::string & model_path, const common_moeplug_params & mp) {
+    if (!mp.cache_profile.empty()) {
+        common_moeplug_cache_enable(model, model_path, mp.cache_profile, mp.cache_slots, mp.cache_max_batch, 1024, false,
+            mp.cache_policy, mp.cache_half_life, mp.cache_uploads);
+    }
+    return mp.route_replay.empty() || common_moeplug_replay_load(model, mp.route_replay);
 }

@@ -4,6 +4,8 @@
 // to one model, and the start-up call that reads a profile, picks each layer's hottest experts
 // and asks libllama to keep them resident (llama_model_moeplug_cache_init).
 
+#include "moeplug-params.h"
+
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -143,3 +145,11 @@ void common_moeplug_replay_reset(const llama_model * model);
 // moeplug's flags (--moe-cache-*, --moe-route-replay; each also read from its LLAMA_ARG_* variable), added to
 // common's parser where common_params_parser_init calls this; they set params.moeplug
 void common_moeplug_add_args(const common_params & params, const std::function<void(common_arg)> & add_opt);
+
+// llama-bench's side (it parses its own flags): the usage lines of moeplug's flags; whether argv[i] is one
+// of them (consumed with its value into mp, i advanced; invalid set on a missing or bad value); and, once a
+// model is loaded, the cache (a profile given) and route replay (a file given): false when the replay file
+// is refused (the benchmark stops)
+void common_moeplug_bench_usage();
+bool common_moeplug_bench_arg(const std::string & arg, int argc, char ** argv, int & i, common_moeplug_params & mp, bool & invalid);
+bool common_moeplug_bench_load(llama_model * model, const std::string & model_path, const common_moeplug_params & mp);
