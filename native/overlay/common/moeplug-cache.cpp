@@ -930,3 +930,14 @@ bool common_moeplug_bench_load(llama_model * model, const std::string & model_pa
     }
     return mp.route_replay.empty() || common_moeplug_replay_load(model, mp.route_replay);
 }
+
+std::string common_moeplug_profile_answer(const common_params & params, const llama_model * model, const std::string & reset,
+        std::string & err, bool & not_found) {
+    not_found = !params.moeplug.cache_record || model == nullptr;
+    if (not_found) {
+        err = !params.moeplug.cache_record ?
+            "This server does not record expert selections. Start it with `--moe-cache-record`" : "The model is not loaded";
+        return "";
+    }
+    return common_moeplug_record_profile(model, params.model.path, reset == "1" || reset == "true", err);
+}

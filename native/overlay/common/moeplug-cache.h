@@ -128,6 +128,12 @@ std::string common_moeplug_auto_slots(const std::string & profile_path, const co
 // the cache's counters in the Prometheus text format of llama-server's /metrics ("" without a cache)
 std::string common_moeplug_cache_metrics(const llama_model * model);
 
+// llama-server's GET /moe-cache/profile (?reset=1): the recording as a profile file's bytes
+// (common_moeplug_record_profile); or "" with err set, not_found telling a server that does not record,
+// or has no model loaded, from a profile that cannot be written
+std::string common_moeplug_profile_answer(const common_params & params, const llama_model * model, const std::string & reset,
+        std::string & err, bool & not_found);
+
 // route replay (src/llama-moeplug-replay.h): loads the replay file into the model and logs
 //   moe-replay: FILE, P prompts, T tokens, L layers x K of E[, with weights]
 // or, refusing a file that cannot be read or does not match the model (a benchmark switch must
