@@ -1,8 +1,11 @@
-"""Shared fixtures: synthetic models of every family, and real llama.cpp builds (shared helpers
-that are not fixtures live in helpers.py).
+"""Shared fixtures: a fresh home, synthetic models of every family, and real llama.cpp builds (shared
+helpers that are not fixtures live in helpers.py).
 
 The native builds go to the user's moeplug cache and data dirs (XDG), exactly where
-`moeplug native build` puts them, so a second test run reuses them.
+`moeplug native build` puts them, so a second test run reuses them. Every test that uses a build
+fixture (BUILD_FIXTURES, directly or through another fixture) carries the `native` marker, set here
+at collection, so that `pytest -m "not native"` builds nothing; a test that needs a build some other
+way (a command that builds) is marked in its file.
 """
 
 from __future__ import annotations
@@ -10,9 +13,32 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import fixture_spec
+from helpers import XDG, XdgHome, fixture_spec
 
 from moeplug.model.synth import ARCHS, make_model
+
+
+BUILD_FIXTURES = frozenset({"patched_build", "stock_build", "sanitized_build", "rpc_hosts", "rpc_devices"})
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The `native` marker on every test that uses a build fixture (before -m selects)."""
+    for item in items:
+        if BUILD_FIXTURES & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("native") is None:
+            item.add_marker(pytest.mark.native)
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> XdgHome:
+    """Fresh XDG data, state and config homes under tmp_path: set in this process (the library,
+    helpers.run_cli) and carried by the returned environment (helpers.XdgHome, a dict) for the
+    commands a test starts; the native builds shared through a link to the real builds folder, so a
+    test that needs one asks for its fixture too."""
+    h = XdgHome(tmp_path)
+    for var in XDG:
+        monkeypatch.setenv(var, h[var])
+    return h
 
 
 @pytest.fixture(scope="session")

@@ -145,23 +145,25 @@ def use_xdg_homes(mp: Any, root: Path) -> None:
         mp.setenv(var, env[var])
 
 
-class XdgHome:
-    """Fresh XDG data/state/config homes sharing the built binaries (a link to the real builds
-    folder), a llama-swap config folder and a router preset of the user's, and `moeplug` run in them."""
+class XdgHome(dict):
+    """Fresh XDG data/state/config homes under root sharing the built binaries (a link to the real
+    builds folder), a llama-swap config folder and a router preset of the user's, and `moeplug` run
+    in them. The object is the environment itself (a dict, for subprocess and helpers.moeplug), with
+    the homes' folders as attributes."""
 
-    def __init__(self, root: Path) -> None:
-        self.env = dict(os.environ)
-        for var in ("XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CONFIG_HOME"):
-            self.env[var] = str(root / var.lower())
-        shared = Path(self.env["XDG_DATA_HOME"]) / "moeplug" / "builds"
-        shared.parent.mkdir(parents=True)
-        shared.symlink_to(builds_dir())
+    def __init__(self, root: Path, share_builds: bool = True) -> None:
+        super().__init__(xdg_homes(root, share_builds))
+        self.root = root
         self.swap_dir = root / "llama-swap"
-        self.swap_dir.mkdir()
+        self.swap_dir.mkdir(parents=True)
         self.preset = root / "router.ini"
         self.preset.write_text("; mine\n[*]\nc = 2048\n")
-        self.data = Path(self.env["XDG_DATA_HOME"]) / "moeplug"
-        self.state = Path(self.env["XDG_STATE_HOME"]) / "moeplug"
+        self.data = Path(self["XDG_DATA_HOME"]) / "moeplug"
+        self.state = Path(self["XDG_STATE_HOME"]) / "moeplug"
+
+    @property
+    def env(self) -> dict[str, str]:
+        return self
 
     def argv(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "moeplug", *args]

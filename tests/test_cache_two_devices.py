@@ -66,7 +66,7 @@ def test_slots_on_two_devices_are_bitwise_stock(patched_build, rpc_devices, spli
 
 
 def test_misses_read_in_place_only_from_the_devices_own_host_memory(patched_build, rpc_devices, split_models) -> None:
-    """LLAMA_MOE_CACHE_DIRECT=1 (patches 0033-0034) has a device compute a layer's misses too, reading them where
+    """LLAMA_MOE_CACHE_DIRECT=1 (patch 0026) has a device compute a layer's misses too, reading them where
     they sit, only where they sit in that device's own host memory (pinned CUDA_Host on a GPU). An RPC device has
     none: no layer reads in place, the layers overlap as without the variable, and the logits stay bitwise stock's."""
     model, profile = split_models["qwen3moe"]
@@ -91,7 +91,7 @@ TIMELINE_SPLIT = re.compile(r"ggml_backend_sched_timeline_report: split +(\d+) (
 
 
 def test_sched_timeline_times_each_split(patched_build, rpc_devices, split_models) -> None:
-    """GGML_SCHED_TIMELINE=16 (patch 0030): every 16 graphs of as many splits, the host's time per
+    """GGML_SCHED_TIMELINE=16 (patch 0024): every 16 graphs of as many splits, the host's time per
     split (waiting and queuing its inputs, then queuing or computing its nodes) and in synchronize, a
     line per split naming its backend; the per-split means add up to the graph's, and the logits stay
     bitwise stock's. Here the CPU computes each partly resident layer's misses in splits of its own."""

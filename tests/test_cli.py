@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import run_cli
+from helpers import XdgHome, run_cli
 
 from moeplug.operations.actions import plan_model
 from moeplug.planner.request import PlanChoices
@@ -15,21 +15,14 @@ from moeplug.commands.main import default_subcommands
 from moeplug.core.progress import Note
 
 
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    for var in ("XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CONFIG_HOME"):
-        monkeypatch.setenv(var, str(tmp_path / var.lower()))
-    return tmp_path
-
-
-def test_plan_json_is_the_library_plan(fixture_models, home: Path) -> None:
+def test_plan_json_is_the_library_plan(fixture_models, home: XdgHome) -> None:
     model = str(fixture_models["gpt-oss"])
     r = run_cli("plan", model, "--vram-budget", "1GiB", "--ctx", "1024", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == plan_model(model, PlanChoices(ctx=1024, vram_budget=1 << 30)).to_json()
 
 
-def test_plan_for_people(fixture_models, home: Path) -> None:
+def test_plan_for_people(fixture_models, home: XdgHome) -> None:
     r = run_cli("plan", str(fixture_models["qwen3moe"]), "--vram-budget", "2GiB", "--ctx", "1024")
     assert r.returncode == 0, r.stderr
     assert "KV cache (1024 tokens)" in r.stdout and "8 of 8 per layer" in r.stdout
@@ -53,7 +46,7 @@ def test_profile_usage_errors_are_one_line(tmp_path: Path) -> None:
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "absent.gguf" in r.stderr
 
 
-def test_library_progress_goes_to_the_callback(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_library_progress_goes_to_the_callback(home: XdgHome, capsys: pytest.CaptureFixture[str]) -> None:
     from moeplug.model.demo import ensure_demo_model
 
     events: list[object] = []
@@ -65,7 +58,7 @@ def test_library_progress_goes_to_the_callback(home: Path, capsys: pytest.Captur
     assert events == []  # already made: nothing to report
 
 
-def test_stop_reports_and_returns_what_it_did(home: Path) -> None:
+def test_stop_reports_and_returns_what_it_did(home: XdgHome) -> None:
     from moeplug.operations.actions import stop
 
     events: list[object] = []
@@ -84,7 +77,7 @@ def _unbreakable(line: str) -> bool:
     return len(line.strip().removesuffix(" \\").split()) == 1
 
 
-def test_plan_table_fits_80_columns(fixture_models, home: Path) -> None:
+def test_plan_table_fits_80_columns(fixture_models, home: XdgHome) -> None:
     """`moeplug plan` as a user runs it on an 80-column terminal (COLUMNS=80): no line is wider, the
     long values wrap under their own column, and the server args stay one shell command."""
     import os
@@ -111,7 +104,7 @@ def test_plan_table_fits_80_columns(fixture_models, home: Path) -> None:
     assert wide.returncode == 0 and len(wide.stdout.splitlines()) < len(lines)  # one line a row where it fits
 
 
-def test_stop_says_was_not_running_alone(home: Path) -> None:
+def test_stop_says_was_not_running_alone(home: XdgHome) -> None:
     """`moeplug stop NAME` for a model not served: its one line, no "stopping" note before or after it."""
     import os
     import subprocess

@@ -1,7 +1,7 @@
 """Prompt batches with the expert slot cache on a GPU (skipped without one): the slots in VRAM, the
 other experts in pinned RAM, a batch of 32 tokens or more runs the stock pass and the GPU copies
-each expert it uses from its slot or over the bus (patches 0021-0023; a layer's gate and down experts
-on a second stream while the matmul before computes, 0024-0025). Its logits must be bitwise
+each expert it uses from its slot or over the bus (patches 0018-0020; a layer's gate and down experts
+on a second stream while the matmul before computes, 0021-0022). Its logits must be bitwise
 those of the same placement without the cache, where the scheduler copies every used expert from
 RAM: the same offload, the same kernels, the same bytes.
 
@@ -54,7 +54,7 @@ def test_prompt_batches_copy_the_slots_and_equal_stock(gpu_build, fixture_models
 @pytest.mark.parametrize("name", ["qwen3moe", "gpt-oss"])
 def test_short_prompt_batches_go_to_the_gpu_from_the_flags_threshold(gpu_build, fixture_models, tmp_path: Path,
                                                                       name: str) -> None:
-    """--moe-cache-offload-min-batch 8 (patches 0031-0032): batches of 10 tokens (the test's 100 prompt tokens in ten) take the one-pass path on the
+    """--moe-cache-offload-min-batch 8 (patch 0025): batches of 10 tokens (the test's 100 prompt tokens in ten) take the one-pass path on the
     GPU, which the moe-cache line names, and their logits are bitwise those of stock's own offload of the
     same batches (GGML_OP_OFFLOAD_MIN_BATCH=8 for the whole process, as before the flag). Without the
     variable, stock computes such a batch on the CPU and the cache's on the GPU: their logits differ
@@ -78,7 +78,7 @@ def test_short_prompt_batches_go_to_the_gpu_from_the_flags_threshold(gpu_build, 
 @pytest.mark.parametrize("name", ["qwen3moe", "gpt-oss"])
 def test_misses_read_in_place_equal_stock_full_offload(gpu_build, fixture_models, tmp_path: Path, name: str,
                                                        ubatch: str) -> None:
-    """LLAMA_MOE_CACHE_DIRECT=1 (patches 0033-0034): a decoded token's missed experts are computed on the GPU
+    """LLAMA_MOE_CACHE_DIRECT=1 (patch 0026): a decoded token's missed experts are computed on the GPU
     too, its kernels reading their rows from pinned RAM in place (-lm none), the resident ones on their slots.
     Every expert then runs the kernel it runs when stock keeps every expert in VRAM, on the same bytes, and each
     (expert, token) is zero in one of the two passes: the design predicts logits bitwise those of stock full

@@ -86,7 +86,7 @@ def store(patched_build, tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture
-def home(store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+def hooks_home(store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """The module's installed models, a fresh state home (no hooks yet); env for the CLI."""
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     return dict(os.environ)
@@ -106,11 +106,11 @@ def without_moeplug_blocks(text: str) -> str:
 # llama-server router mode
 
 
-def test_router_starts_each_model_with_moeplugs_flags_and_swaps(home: dict[str, str], tmp_path: Path) -> None:
+def test_router_starts_each_model_with_moeplugs_flags_and_swaps(hooks_home: dict[str, str], tmp_path: Path) -> None:
     preset = tmp_path / "router.ini"
     preset.write_text("; my router\n[*]\nc = 2048 ; shared by every model\n")
     port = free_port()
-    r = moeplug(home, "hook", "llama-server", "--preset", str(preset), "--port", str(port), "--json")
+    r = moeplug(hooks_home, "hook", "llama-server", "--preset", str(preset), "--port", str(port), "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["hook"]["models"] == ["demo", "other"] and doc["changed"]
@@ -171,7 +171,7 @@ USER_PRESET = (
 )
 
 
-def test_preset_update_keeps_the_users_sections_and_comments_byte_for_byte(home: dict[str, str],
+def test_preset_update_keeps_the_users_sections_and_comments_byte_for_byte(hooks_home: dict[str, str],
                                                                           tmp_path: Path) -> None:
     from moeplug.operations.install import replan
     from moeplug.planner.request import PlanChoices
@@ -179,7 +179,7 @@ def test_preset_update_keeps_the_users_sections_and_comments_byte_for_byte(home:
     preset = tmp_path / "router.ini"
     preset.write_bytes(USER_PRESET.encode())
     os.chmod(preset, 0o640)
-    assert moeplug(home, "hook", "llama-server", "--preset", str(preset)).returncode == 0
+    assert moeplug(hooks_home, "hook", "llama-server", "--preset", str(preset)).returncode == 0
     text = preset.read_bytes().decode()
     assert text.startswith(USER_PRESET) and without_moeplug_blocks(text) == USER_PRESET
     assert "[demo]\n" in text and "[other]\n" in text and "load-on-startup = false\n" in text
@@ -198,15 +198,15 @@ def test_preset_update_keeps_the_users_sections_and_comments_byte_for_byte(home:
     replan(installed()["demo"], PlanChoices(ctx=1024))
 
     # the hook is listed, and removing it gives the user's file back, byte for byte
-    listed = json.loads(moeplug(home, "hook", "list", "--json").stdout)["hooks"]
+    listed = json.loads(moeplug(hooks_home, "hook", "list", "--json").stdout)["hooks"]
     assert [(h["target"], h["file"], h["error"]) for h in listed] == [("llama-server", str(preset), None)]
-    assert moeplug(home, "hook", "remove", str(preset)).returncode == 0
+    assert moeplug(hooks_home, "hook", "remove", str(preset)).returncode == 0
     assert preset.read_bytes() == without_moeplug_blocks(edited).encode()
-    assert json.loads(moeplug(home, "hook", "list", "--json").stdout)["hooks"] == []
+    assert json.loads(moeplug(hooks_home, "hook", "list", "--json").stdout)["hooks"] == []
 
 
-def test_print_shows_the_plans_flags_without_writing(home: dict[str, str]) -> None:
-    r = moeplug(home, "hook", "llama-server", "--print")
+def test_print_shows_the_plans_flags_without_writing(hooks_home: dict[str, str]) -> None:
+    r = moeplug(hooks_home, "hook", "llama-server", "--print")
     assert r.returncode == 0, r.stderr
     models = installed()
     for name, m in models.items():
@@ -215,24 +215,24 @@ def test_print_shows_the_plans_flags_without_writing(home: dict[str, str]) -> No
         expected = [["model", m.path]] + [[f.lstrip("-"), v if v is not None else "true"]
                                           for f, v in flag_pairs(m.plan.server_args)]
         assert keys == [*expected, ["load-on-startup", "false"]]
-    assert json.loads(moeplug(home, "hook", "list", "--json").stdout)["hooks"] == []
+    assert json.loads(moeplug(hooks_home, "hook", "list", "--json").stdout)["hooks"] == []
 
 
 @pytest.mark.parametrize("content", [b'{"models": ["demo"]}\n', b"[demo\nmodel = x\n", b"\xff\xfe\x00binary"])
-def test_a_broken_preset_is_refused_in_one_line_and_left_untouched(home: dict[str, str], tmp_path: Path,
+def test_a_broken_preset_is_refused_in_one_line_and_left_untouched(hooks_home: dict[str, str], tmp_path: Path,
                                                                     content: bytes) -> None:
     preset = tmp_path / "router.ini"
     preset.write_bytes(content)
-    one_line_error(moeplug(home, "hook", "llama-server", "--preset", str(preset)), 1, str(preset))
+    one_line_error(moeplug(hooks_home, "hook", "llama-server", "--preset", str(preset)), 1, str(preset))
     assert preset.read_bytes() == content
     assert [p.name for p in tmp_path.iterdir() if p.name != "state"] == ["router.ini"]  # no backup, no temp file
-    assert json.loads(moeplug(home, "hook", "list", "--json").stdout)["hooks"] == []
+    assert json.loads(moeplug(hooks_home, "hook", "list", "--json").stdout)["hooks"] == []
 
 
-def test_a_users_section_named_like_a_model_is_a_clash(home: dict[str, str], tmp_path: Path) -> None:
+def test_a_users_section_named_like_a_model_is_a_clash(hooks_home: dict[str, str], tmp_path: Path) -> None:
     preset = tmp_path / "router.ini"
     preset.write_text("[demo]\nmodel = /elsewhere/demo.gguf\n")
-    one_line_error(moeplug(home, "hook", "llama-server", "--preset", str(preset)), 1, "[demo]")
+    one_line_error(moeplug(hooks_home, "hook", "llama-server", "--preset", str(preset)), 1, "[demo]")
     assert preset.read_text() == "[demo]\nmodel = /elsewhere/demo.gguf\n"
 
 
@@ -271,11 +271,11 @@ def test_the_shipped_schema_and_config_agree_with_llama_swaps_own() -> None:
         assert not jsonschema.Draft7Validator(OWN_SCHEMA).is_valid(bad), bad
 
 
-def test_llama_swap_fragment_is_valid_and_runs_the_plans_flags(home: dict[str, str], tmp_path: Path) -> None:
+def test_llama_swap_fragment_is_valid_and_runs_the_plans_flags(hooks_home: dict[str, str], tmp_path: Path) -> None:
     folder = tmp_path / "swap.d"
     folder.mkdir()
     (folder / "00-main.yaml").write_text(SWAP_CONFIG.read_text())
-    r = moeplug(home, "hook", "llama-swap", "--config-dir", str(folder), "--json")
+    r = moeplug(hooks_home, "hook", "llama-swap", "--config-dir", str(folder), "--json")
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in folder.iterdir()) == ["00-main.yaml", "moeplug.yaml"]
     fragment = yaml.safe_load((folder / "moeplug.yaml").read_text())
@@ -297,14 +297,14 @@ def test_llama_swap_fragment_is_valid_and_runs_the_plans_flags(home: dict[str, s
     valid_for_llama_swap(main)
 
 
-def test_llama_swap_clash_with_another_fragment_is_refused(home: dict[str, str], tmp_path: Path) -> None:
+def test_llama_swap_clash_with_another_fragment_is_refused(hooks_home: dict[str, str], tmp_path: Path) -> None:
     folder = tmp_path / "swap.d"
     folder.mkdir()
-    assert moeplug(home, "hook", "llama-swap", "--config-dir", str(folder)).returncode == 0
+    assert moeplug(hooks_home, "hook", "llama-swap", "--config-dir", str(folder)).returncode == 0
     before = (folder / "moeplug.yaml").read_bytes()
     (folder / "zz-mine.yaml").write_text("models:\n  mine:\n    cmd: llama-server --port ${PORT}\n"
                                          "    aliases: [other]\n")
-    one_line_error(moeplug(home, "hook", "llama-swap", "--config-dir", str(folder)), 1, "zz-mine.yaml", "'other'")
+    one_line_error(moeplug(hooks_home, "hook", "llama-swap", "--config-dir", str(folder)), 1, "zz-mine.yaml", "'other'")
     assert (folder / "moeplug.yaml").read_bytes() == before
     # the recorded hook meets the clash at the next regeneration too: reported, file kept
     from moeplug.hooks import refresh_hooks
@@ -313,7 +313,7 @@ def test_llama_swap_clash_with_another_fragment_is_refused(home: dict[str, str],
     assert "zz-mine.yaml" in (records[0].error or "") and (folder / "moeplug.yaml").read_bytes() == before
 
 
-def test_an_interrupted_llama_swap_write_leaves_no_yaml(home: dict[str, str], tmp_path: Path) -> None:
+def test_an_interrupted_llama_swap_write_leaves_no_yaml(hooks_home: dict[str, str], tmp_path: Path) -> None:
     """The writer dies between writing the fragment and renaming it into place."""
     folder = tmp_path / "swap.d"
     folder.mkdir()
@@ -325,25 +325,25 @@ def test_an_interrupted_llama_swap_write_leaves_no_yaml(home: dict[str, str], tm
         os.replace = lambda *a: os.kill(os.getpid(), signal.SIGKILL)  # the crash, at the worst moment
         add_hook("llama-swap", Path({str(folder)!r}), list_installed())
     """)
-    r = subprocess.run([sys.executable, "-c", script], env=home, capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", script], env=hooks_home, capture_output=True, text=True, timeout=120)
     assert r.returncode == -signal.SIGKILL, r.stderr
     assert list(folder.glob("*.yaml")) == []
     left = [p.name for p in folder.iterdir()]
     assert len(left) == 1 and left[0].startswith(".moeplug.yaml.") and left[0].endswith(".tmp")
 
 
-def test_llama_swap_single_file_keeps_everything_else(home: dict[str, str], tmp_path: Path) -> None:
+def test_llama_swap_single_file_keeps_everything_else(hooks_home: dict[str, str], tmp_path: Path) -> None:
     config = tmp_path / "config.yaml"
     example = SWAP_CONFIG.read_bytes()
     config.write_bytes(example)
-    assert moeplug(home, "hook", "llama-swap", "--file", str(config)).returncode == 0
+    assert moeplug(hooks_home, "hook", "llama-swap", "--file", str(config)).returncode == 0
     text = config.read_text()
     doc = yaml.safe_load(text)
     valid_for_llama_swap(doc)
     assert {"demo", "other", "qwen-coder", "embedder"} <= set(doc["models"])
     kept = re.sub(r"\n *# >>> moeplug .*?# <<< moeplug", "", text, flags=re.S)
     assert kept.encode() == example and (tmp_path / "config.yaml.moeplug-backup").read_bytes() == example
-    assert moeplug(home, "hook", "remove", "--all").returncode == 0
+    assert moeplug(hooks_home, "hook", "remove", "--all").returncode == 0
     assert config.read_bytes() == example
 
 
@@ -441,7 +441,7 @@ def test_llama_swaps_command_runs_a_plan_on_its_remote_devices(remote_store: dic
 # the watcher
 
 
-def test_watcher_regenerates_after_a_profile_is_replaced_and_not_for_other_files(home: dict[str, str],
+def test_watcher_regenerates_after_a_profile_is_replaced_and_not_for_other_files(hooks_home: dict[str, str],
                                                                                  tmp_path: Path) -> None:
     from moeplug.hooks.maintain import add_hook
     from moeplug.hooks.store import read_hooks
@@ -493,28 +493,28 @@ def _profile_digest(preset: Path, name: str) -> str:
     return re.search(r"^; profile \S+ sha256:(\w+)$", block, re.M)[1]
 
 
-def test_profiling_an_installed_model_again_rewrites_its_hooks(home: dict[str, str], tmp_path: Path) -> None:
+def test_profiling_an_installed_model_again_rewrites_its_hooks(hooks_home: dict[str, str], tmp_path: Path) -> None:
     preset = tmp_path / "router.ini"
-    assert moeplug(home, "hook", "llama-server", "--preset", str(preset)).returncode == 0
+    assert moeplug(hooks_home, "hook", "llama-server", "--preset", str(preset)).returncode == 0
     demo, other = _profile_digest(preset, "demo"), _profile_digest(preset, "other")
     m = installed()["other"]
-    r = moeplug(home, "profile", m.path, "-n", "4", "--prompts", "chatty")
+    r = moeplug(hooks_home, "profile", m.path, "-n", "4", "--prompts", "chatty")
     assert r.returncode == 0, r.stderr[-2000:]
     assert _profile_digest(preset, "other") == _sha(Path(m.profile))[:16] != other
     assert _profile_digest(preset, "demo") == demo
 
 
-def test_hook_watch_service_regenerates_and_stops_on_ctrl_c(home: dict[str, str], tmp_path: Path) -> None:
+def test_hook_watch_service_regenerates_and_stops_on_ctrl_c(hooks_home: dict[str, str], tmp_path: Path) -> None:
     from moeplug.core.fsutil import write_text_atomic
     from moeplug.hooks.store import read_hooks
     from moeplug.serving.installed import installed_dir
 
     preset = tmp_path / "router.ini"
-    assert moeplug(home, "hook", "llama-server", "--preset", str(preset)).returncode == 0
+    assert moeplug(hooks_home, "hook", "llama-server", "--preset", str(preset)).returncode == 0
     updated = read_hooks()[0].updated
     # SIGINT as a terminal's Ctrl-C finds it: a test run started in the background (`cmd &` without
     # job control) ignores SIGINT, and a child would inherit that
-    proc = subprocess.Popen([sys.executable, "-m", "moeplug", "hook", "watch"], env=home, stderr=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "moeplug", "hook", "watch"], env=hooks_home, stderr=subprocess.PIPE,
                             text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert "watching" in proc.stderr.readline()
@@ -530,8 +530,8 @@ def test_hook_watch_service_regenerates_and_stops_on_ctrl_c(home: dict[str, str]
     assert proc.returncode == 130 and err.strip().splitlines()[-1] == "moeplug: interrupted"
 
 
-def test_hook_usage_errors_are_one_line(home: dict[str, str], tmp_path: Path) -> None:
-    one_line_error(moeplug(home, "hook", "llama-server"), 2, "--preset")
-    one_line_error(moeplug(home, "hook", "llama-swap"), 2, "--config-dir")
-    one_line_error(moeplug(home, "hook", "llama-swap", "--config-dir", str(tmp_path / "none")), 1, "no such folder")
-    one_line_error(moeplug(home, "hook", "remove", str(tmp_path / "x.ini")), 1, "no hook")
+def test_hook_usage_errors_are_one_line(hooks_home: dict[str, str], tmp_path: Path) -> None:
+    one_line_error(moeplug(hooks_home, "hook", "llama-server"), 2, "--preset")
+    one_line_error(moeplug(hooks_home, "hook", "llama-swap"), 2, "--config-dir")
+    one_line_error(moeplug(hooks_home, "hook", "llama-swap", "--config-dir", str(tmp_path / "none")), 1, "no such folder")
+    one_line_error(moeplug(hooks_home, "hook", "remove", str(tmp_path / "x.ini")), 1, "no hook")

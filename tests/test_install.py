@@ -12,18 +12,12 @@ from pathlib import Path
 
 import pytest
 import requests
-from helpers import moeplug, one_line_error, xdg_homes
+from helpers import moeplug, one_line_error
 
 from moeplug.model.download import check_disk
 from moeplug.core.errors import MoeplugError
 
-pytestmark = pytest.mark.native
-
-
-@pytest.fixture
-def home(patched_build, tmp_path: Path) -> dict[str, str]:
-    """Fresh XDG homes sharing the built binaries."""
-    return xdg_homes(tmp_path)
+pytestmark = [pytest.mark.native, pytest.mark.usefixtures("patched_build")]
 
 
 def complete(url: str) -> list[int]:
@@ -136,7 +130,7 @@ def test_status_and_serve_say_where_the_gpu_computes_misses() -> None:
 
 def test_cache_line_counts_the_layers_that_overlap() -> None:
     """The log names the layers whose CPU computes their misses while the GPU computes their slots
-    (native patch 0029); the parsed status keeps the count, 0 where the line has none."""
+    (native overlay, llama-moeplug-cache.cpp); the parsed status keeps the count, 0 where the line has none."""
     from moeplug.serving.launch import parse_cache_line
 
     line = ("moe-cache: 48 layers x 21-128 slots (2286 in all, 2 whole layers), 5612.00 MiB uploaded to CUDA0 in 1.20 s, "
@@ -147,7 +141,7 @@ def test_cache_line_counts_the_layers_that_overlap() -> None:
 
 
 def test_cache_line_counts_the_layers_that_read_their_misses_in_place() -> None:
-    """With LLAMA_MOE_CACHE_DIRECT=1 (native patches 0033-0034) the log names the layers whose GPU computes their
+    """With LLAMA_MOE_CACHE_DIRECT=1 (native patch 0026) the log names the layers whose GPU computes their
     misses too, read from pinned RAM; the parsed status keeps the count and the one-line summary names it."""
     from dataclasses import asdict
 

@@ -31,7 +31,7 @@ SEEDS = range(1, 1 + int(os.environ.get("MOEPLUG_KILL_SEEDS", "3")))
 
 
 @pytest.fixture(scope="module")
-def home(patched_build, tmp_path_factory: pytest.TempPathFactory) -> XdgHome:
+def demo_home(patched_build, tmp_path_factory: pytest.TempPathFactory) -> XdgHome:
     h = XdgHome(tmp_path_factory.mktemp("kills"))
     r = h.run("install", "demo", "--no-serve", "--ctx", "1024")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -63,20 +63,20 @@ print(json.dumps([r.name for r in records]))
 """
 
 
-def check_state(home: XdgHome) -> None:
-    r = home.in_library(CHECK_STATE)
+def check_state(demo_home: XdgHome) -> None:
+    r = demo_home.in_library(CHECK_STATE)
     assert r.returncode == 0, r.stderr[-3000:]
-    doc = yaml.safe_load((home.swap_dir / "moeplug.yaml").read_text())
+    doc = yaml.safe_load((demo_home.swap_dir / "moeplug.yaml").read_text())
     assert list(doc["models"]) == ["demo"]
-    preset = home.preset.read_text()
+    preset = demo_home.preset.read_text()
     assert preset.startswith("; mine\n[*]\nc = 2048\n") and "; <<< moeplug demo" in preset
-    for lock in (home.state / "locks").glob("*.lock"):  # every lock free
+    for lock in (demo_home.state / "locks").glob("*.lock"):  # every lock free
         with open(lock) as f:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def children_of(home: XdgHome, name: str) -> list[int]:
+def children_of(demo_home: XdgHome, name: str) -> list[int]:
     """Processes running `name` (llama-moe-profile, llama-server) on this home's files."""
     out = []
     for proc in Path("/proc").iterdir():
@@ -87,21 +87,21 @@ def children_of(home: XdgHome, name: str) -> list[int]:
             environ = (proc / "environ").read_bytes()
         except OSError:
             continue
-        if cmd and cmd[0].endswith(name.encode()) and home.env["XDG_DATA_HOME"].encode() in b"\0".join(cmd) + environ:
+        if cmd and cmd[0].endswith(name.encode()) and demo_home.env["XDG_DATA_HOME"].encode() in b"\0".join(cmd) + environ:
             out.append(int(proc.name))
     return out
 
 
-def wait_gone(home: XdgHome, name: str, timeout: float = 15) -> list[int]:
+def wait_gone(demo_home: XdgHome, name: str, timeout: float = 15) -> list[int]:
     deadline = time.monotonic() + timeout
-    while (left := children_of(home, name)) and time.monotonic() < deadline:
+    while (left := children_of(demo_home, name)) and time.monotonic() < deadline:
         time.sleep(0.1)
     return left
 
 
-def kill_at(home: XdgHome, args: tuple[str, ...], seconds: float) -> bool:
+def kill_at(demo_home: XdgHome, args: tuple[str, ...], seconds: float) -> bool:
     """Run the command, SIGKILL it after `seconds`; True when it was still running then."""
-    proc = subprocess.Popen(home.argv(*args), env=home.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(demo_home.argv(*args), env=demo_home.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         proc.wait(seconds)
         return False
@@ -111,8 +111,8 @@ def kill_at(home: XdgHome, args: tuple[str, ...], seconds: float) -> bool:
         return True
 
 
-def demo_model(home: XdgHome) -> str:
-    return json.loads(home.run("list", "--json").stdout)["models"][0]["path"]
+def demo_model(demo_home: XdgHome) -> str:
+    return json.loads(demo_home.run("list", "--json").stdout)["models"][0]["path"]
 
 
 COMMANDS = {
@@ -125,54 +125,54 @@ COMMANDS = {
 
 
 @pytest.mark.parametrize("command", list(COMMANDS))
-def test_killed_command_leaves_whole_state(home: XdgHome, command: str) -> None:
-    args = COMMANDS[command](home)
+def test_killed_command_leaves_whole_state(demo_home: XdgHome, command: str) -> None:
+    args = COMMANDS[command](demo_home)
     t0 = time.monotonic()
-    r = home.run(*args)
+    r = demo_home.run(*args)
     took = time.monotonic() - t0
     assert r.returncode == 0, r.stderr[-2000:]
     killed = 0
     for seed in SEEDS:
-        killed += kill_at(home, args, random.Random(f"{command}{seed}").uniform(0.1, 1.0) * took)
-        check_state(home)
-        assert wait_gone(home, "llama-moe-profile") == []  # a profiler child dies with its moeplug
-        r = home.run(*args)
+        killed += kill_at(demo_home, args, random.Random(f"{command}{seed}").uniform(0.1, 1.0) * took)
+        check_state(demo_home)
+        assert wait_gone(demo_home, "llama-moe-profile") == []  # a profiler child dies with its moeplug
+        r = demo_home.run(*args)
         assert r.returncode == 0, r.stderr[-2000:]
-        check_state(home)
+        check_state(demo_home)
     print(f"\nkills {command}: {killed} of {len(SEEDS)} killed mid-run (the run takes {took:.1f} s), state whole, "
           f"next run ok")
     assert killed >= 1
 
 
-def test_killed_install_leaves_a_server_status_shows_and_the_next_launch_replaces(home: XdgHome) -> None:
+def test_killed_install_leaves_a_server_status_shows_and_the_next_launch_replaces(demo_home: XdgHome) -> None:
     args = ("install", "demo", "--ctx", "1024", "--json")
     t0 = time.monotonic()
-    r = home.run(*args)
+    r = demo_home.run(*args)
     took = time.monotonic() - t0
     assert r.returncode == 0, r.stderr[-2000:]
-    assert home.run("stop", "demo").returncode == 0
+    assert demo_home.run("stop", "demo").returncode == 0
     killed = 0
     try:
         for seed in SEEDS:
-            killed += kill_at(home, args, random.Random(f"serve{seed}").uniform(0.3, 1.0) * took)
-            check_state(home)
-            servers = children_of(home, "llama-server")
-            status = json.loads(home.run("status", "--json").stdout)["servers"]
+            killed += kill_at(demo_home, args, random.Random(f"serve{seed}").uniform(0.3, 1.0) * took)
+            check_state(demo_home)
+            servers = children_of(demo_home, "llama-server")
+            status = json.loads(demo_home.run("status", "--json").stdout)["servers"]
             live = [s for s in status if s["alive"]]
             assert sorted(s["pid"] for s in live) == sorted(servers), (status, servers)  # no unknown server
             assert all(s["state"] in ("unverified", "healthy") for s in live), live
-            r = home.run(*args)  # replaces an unverified server, refuses a verified one
+            r = demo_home.run(*args)  # replaces an unverified server, refuses a verified one
             if any(s["state"] == "healthy" for s in live):
                 assert r.returncode == 1 and "already served" in r.stderr
             else:
                 assert r.returncode == 0, r.stderr[-2000:]
-            status = json.loads(home.run("status", "--json").stdout)["servers"]
+            status = json.loads(demo_home.run("status", "--json").stdout)["servers"]
             assert [(s["name"], s["state"]) for s in status] == [("demo", "healthy")], status
-            assert children_of(home, "llama-server") == [status[0]["pid"]]
-            assert home.run("stop", "demo").returncode == 0
+            assert children_of(demo_home, "llama-server") == [status[0]["pid"]]
+            assert demo_home.run("stop", "demo").returncode == 0
     finally:
-        home.run("stop", "--all")
-    assert wait_gone(home, "llama-server") == []
+        demo_home.run("stop", "--all")
+    assert wait_gone(demo_home, "llama-server") == []
     print(f"\nkills install (serving): {killed} of {len(SEEDS)} killed mid-run (the run takes {took:.1f} s), "
           f"every server accounted for")
     assert killed >= 1

@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import moeplug, xdg_homes
+from helpers import XdgHome, moeplug, xdg_homes
 
 from moeplug.operations.bench import FIT_PAD_MIB, fit_within, raised_fit_target, with_threads
 from moeplug.core.errors import MoeplugError
@@ -22,19 +22,18 @@ pytestmark = pytest.mark.native
 
 
 @pytest.fixture
-def home(patched_build, stock_build, tmp_path: Path) -> dict[str, str]:
-    """demo installed in fresh XDG homes; the stock build there too, which stock's side runs."""
-    env = xdg_homes(tmp_path)
-    r = moeplug(env, "install", "demo", "--no-serve", "--ctx", "1024")
+def demo_installed(home: XdgHome, patched_build, stock_build) -> None:
+    """The demo installed in the test's home; the stock build there too, which stock's side runs."""
+    r = moeplug(home, "install", "demo", "--no-serve", "--ctx", "1024")
     assert r.returncode == 0, r.stderr[-3000:]
-    return env
 
 
 def installed(env: dict[str, str]) -> dict:
     return json.loads((Path(env["XDG_DATA_HOME"]) / "moeplug" / "installed" / "demo.json").read_text())
 
 
-def test_bench_serves_the_plan_and_stock_in_turns(home: dict[str, str]) -> None:
+@pytest.mark.usefixtures("demo_installed")
+def test_bench_serves_the_plan_and_stock_in_turns(home: XdgHome) -> None:
     # -n 18: answers longer than a short answer's 16 steps, so each prompt is also answered in 16
     r = moeplug(home, "bench", "demo", "--rounds", "2", "-n", "18", "--max-prompts", "2", "--prefill-reps", "2",
                 "--chat", "--json")
@@ -98,7 +97,8 @@ def test_bench_serves_the_plan_and_stock_in_turns(home: dict[str, str]) -> None:
     assert status.returncode == 0 and json.loads(status.stdout)["servers"] == []
 
 
-def test_bench_text_output(home: dict[str, str], stock_build, patched_build) -> None:
+@pytest.mark.usefixtures("demo_installed")
+def test_bench_text_output(home: XdgHome, stock_build, patched_build) -> None:
     r = moeplug(home, "bench", "demo", "--rounds", "1", "-n", "2", "--max-prompts", "1", "--prefill-reps", "1",
                 "--chat")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -122,7 +122,8 @@ def test_bench_text_output(home: dict[str, str], stock_build, patched_build) -> 
                      r"that ran slow\): moeplug [\d.]+, [\d.]+; stock [\d.]+, [\d.]+\n", longer.stdout)
 
 
-def test_bench_stock_held_to_the_budget_without_a_gpu(home: dict[str, str]) -> None:
+@pytest.mark.usefixtures("demo_installed")
+def test_bench_stock_held_to_the_budget_without_a_gpu(home: XdgHome) -> None:
     """--stock-vram budget: kept in the JSON; without a GPU there is no VRAM to hold stock to, so no
     calibrating launch, -fitt as given, and a note says so."""
     r = moeplug(home, "bench", "demo", "--rounds", "1", "-n", "2", "--max-prompts", "1", "--prefill-reps", "1",
@@ -171,7 +172,8 @@ def test_fit_within_raises_stock_until_it_holds_the_budget(held_mib: list[int | 
     assert seen == fitts
 
 
-def test_bench_threads_on_either_side(home: dict[str, str]) -> None:
+@pytest.mark.usefixtures("demo_installed")
+def test_bench_threads_on_either_side(home: XdgHome) -> None:
     """--threads N runs moeplug's side on N threads in place of the plan's (the installed plan kept),
     --stock-threads N stock's; --stock-ubatch N runs stock's prompt batches of N, and a note says the
     two sides' differ; the servers' logs say so, and the text names each side's count."""
@@ -195,7 +197,8 @@ def test_bench_threads_on_either_side(home: dict[str, str]) -> None:
     assert "prompt batch: moeplug 512, stock 512" in text.stdout and "prompt batches of" not in text.stdout
 
 
-def test_bench_times_long_prompts_of_the_planned_length(home: dict[str, str]) -> None:
+@pytest.mark.usefixtures("demo_installed")
+def test_bench_times_long_prompts_of_the_planned_length(home: XdgHome) -> None:
     """A plan made for prompts of N tokens (--prompt-tokens, or learned by reprofile) is also timed on
     two prompts of exactly N tokens, the bundled texts one after another as the server tokenizes them,
     the same tokens on both sides; --prompt-tokens 0 leaves them out, and a length the context cannot
@@ -223,7 +226,8 @@ def test_bench_times_long_prompts_of_the_planned_length(home: dict[str, str]) ->
     assert len(big.stderr.strip().splitlines()) == 1
 
 
-def test_bench_times_short_prompts(home: dict[str, str]) -> None:
+@pytest.mark.usefixtures("demo_installed")
+def test_bench_times_short_prompts(home: XdgHome) -> None:
     """--short N: each prompt's first N tokens as the server tokenizes them, the same tokens on both
     sides, a workload of its own; out of range, or longer than every prompt, one line."""
     r = moeplug(home, "bench", "demo", "--rounds", "1", "-n", "2", "--max-prompts", "2", "--prefill-reps", "2",
@@ -263,7 +267,8 @@ def _most_in_flight(log: str) -> int:
     return most
 
 
-def test_bench_sends_prompts_together(home: dict[str, str], tmp_path: Path) -> None:
+@pytest.mark.usefixtures("demo_installed")
+def test_bench_sends_prompts_together(home: XdgHome, tmp_path: Path) -> None:
     """--concurrent N: the prompts in groups of N sent at once; llama-server (4 parallel slots by
     default) processes them together, on moeplug's side as on stock's, and a group's row is the
     group's aggregate: its prompts' tokens, the same as those prompts alone."""
@@ -313,7 +318,8 @@ def test_with_threads_replaces_the_count() -> None:
     assert with_threads(["-c", "512"], 4) == ["-c", "512", "-t", "4"]
 
 
-def test_bench_bad_input_is_one_line(home: dict[str, str], tmp_path: Path) -> None:
+@pytest.mark.usefixtures("demo_installed")
+def test_bench_bad_input_is_one_line(home: XdgHome, tmp_path: Path) -> None:
     for args, code, said in ((("bench", "nothing"), 1, "'nothing' is not installed"),
                              (("bench", "demo", "--rounds", "0"), 2, "--rounds"),
                              (("bench", "demo", "--prefill-reps", "33"), 2, "--prefill-reps"),
@@ -371,7 +377,8 @@ def test_stock_over_the_budget_is_said() -> None:
     assert _stock_over([budget, budget], 16518 * MIB, 16340 * MIB, "fit") is None
 
 
-def test_bench_stock_side_runs_the_unpatched_build_or_says_it_did_not(home: dict[str, str], stock_build,
+@pytest.mark.usefixtures("demo_installed")
+def test_bench_stock_side_runs_the_unpatched_build_or_says_it_did_not(home: XdgHome, stock_build,
                                                                       patched_build) -> None:
     """Stock means stock: by default stock's llama-server is the unpatched build of the same pin (its id in
     the JSON, beside moeplug's); --stock-binary patched runs stock's flags on the patched build, and the
@@ -404,7 +411,8 @@ def test_bench_stock_side_runs_the_unpatched_build_or_says_it_did_not(home: dict
             f"not an unpatched llama.cpp") in text.stdout
 
 
-def test_bench_against_a_llama_server_of_the_users(home: dict[str, str], stock_build, patched_build) -> None:
+@pytest.mark.usefixtures("demo_installed")
+def test_bench_against_a_llama_server_of_the_users(home: XdgHome, stock_build, patched_build) -> None:
     """--against BIN: a llama-server the user has (here the stock build's, given by path) in stock's place,
     with the plan's -c and the user's flags: the same prompts, both sides timed, the other side named by
     its binary in the JSON and the text, nothing left running."""

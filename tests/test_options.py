@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from helpers import fixture_spec, run_cli
+from helpers import XdgHome, fixture_spec, run_cli
 
 from moeplug.commands.main import build_parser, default_subcommands
 from moeplug.commands.options import NUMERIC_TYPES
@@ -92,14 +92,7 @@ def short_ctx_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(replace(fixture_spec("qwen3moe"), ctx=2048), path)[0]
 
 
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    for var in ("XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CONFIG_HOME"):
-        monkeypatch.setenv(var, str(tmp_path / var.lower()))
-    return tmp_path
-
-
-def test_ctx_above_training_context_needs_override(short_ctx_model: Path, home: Path) -> None:
+def test_ctx_above_training_context_needs_override(short_ctx_model: Path, home: XdgHome) -> None:
     r = run_cli("plan", str(short_ctx_model), "--ctx", "4096", "--vram-budget", "2GiB", "--json")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stdout == ""
     assert "above the model's training context (2048)" in r.stderr and "--ctx-override" in r.stderr
@@ -109,7 +102,7 @@ def test_ctx_above_training_context_needs_override(short_ctx_model: Path, home: 
     assert args[args.index("-c") + 1] == "4096"
 
 
-def test_default_ctx_is_capped_at_the_training_context(short_ctx_model: Path, home: Path) -> None:
+def test_default_ctx_is_capped_at_the_training_context(short_ctx_model: Path, home: XdgHome) -> None:
     r = run_cli("plan", str(short_ctx_model), "--vram-budget", "2GiB", "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
@@ -117,11 +110,11 @@ def test_default_ctx_is_capped_at_the_training_context(short_ctx_model: Path, ho
 
 
 @pytest.mark.parametrize("ctx", ["-1", "0", "8192"])
-def test_install_refuses_a_bad_ctx_before_writing_anything(ctx: str, home: Path) -> None:
+def test_install_refuses_a_bad_ctx_before_writing_anything(ctx: str, home: XdgHome) -> None:
     """The issue's report: `install demo --ctx -1 --no-serve` planned `-c -1`. Refused now, with
     nothing installed; 8192 is above the demo model's training context (4096)."""
     r = run_cli("install", "demo", "--ctx", ctx, "--no-serve")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("moeplug: error:")]
     assert len(errors) == 1 and "--ctx" in errors[0] and r.stderr.endswith(errors[0] + "\n")  # after progress notes
-    assert not (home / "xdg_data_home" / "moeplug" / "installed").exists()
+    assert not (home.data / "installed").exists()

@@ -322,9 +322,9 @@ def test_a_cpu_quota_caps_the_cores(tmp_path: Path, files: dict[str, str], cores
 
 def test_the_copy_ahead_is_counted_where_experts_stay_in_ram(fixture_models, tmp_path: Path) -> None:
     """With the cache on and experts in RAM a prompt batch's gate and down weights are copied while the
-    split before computes (patch 0024): the compute buffer holds a second expert weight, and the
+    split before computes (patch 0021): the compute buffer holds a second expert weight, and the
     plan counts the largest one on top of either estimate (two where the experts have biases, as
-    gpt-oss's do: the copy stays live across the bias add, patch 0026); with every expert in VRAM,
+    gpt-oss's do: the copy stays live across the bias add, patch 0021); with every expert in VRAM,
     without a profile, or where no layer is partly resident (no cache), none."""
     q3 = inspect_model(fixture_models["qwen3moe"])
     assert expert_copy_ahead_bytes(q3) == max(t.n_bytes for layer in q3.layers for t in layer.tensors.values())

@@ -170,11 +170,6 @@ def test_sigkill_while_writing_leaves_the_old_or_the_new_profile(small_model: Pa
 # end to end on the demo model
 
 
-@pytest.fixture
-def home(patched_build, tmp_path: Path) -> dict[str, str]:
-    return xdg_homes(tmp_path)
-
-
 def data(env: dict[str, str]) -> Path:
     return Path(env["XDG_DATA_HOME"]) / "moeplug"
 
@@ -199,6 +194,7 @@ pytest_native = pytest.mark.native
 
 
 @pytest_native
+@pytest.mark.usefixtures("patched_build")
 def test_unlike_traffic_replans_keeps_the_old_profile_and_rolls_back(home: dict[str, str], tmp_path: Path) -> None:
     profile = install_demo(home)
     old_bytes, old_plan = profile.read_bytes(), installed(home)["plan"]
@@ -244,6 +240,7 @@ def test_unlike_traffic_replans_keeps_the_old_profile_and_rolls_back(home: dict[
 
 
 @pytest_native
+@pytest.mark.usefixtures("patched_build")
 def test_traffic_like_the_bundled_prompts_is_nothing_to_do(home: dict[str, str]) -> None:
     profile = install_demo(home)
     before = {p.name: p.read_bytes() for p in profile.parent.iterdir()}
@@ -283,6 +280,7 @@ def lock_held(path: Path) -> bool:
 
 
 @pytest_native
+@pytest.mark.usefixtures("patched_build")
 def test_a_concurrent_serve_waits_for_the_reprofile(home: dict[str, str], tmp_path: Path) -> None:
     """The re-profile is stopped while it holds the model's lock; `moeplug serve` waits for it, and
     serves the plan the re-profile left."""
@@ -339,6 +337,7 @@ def completions(url: str, n: int, done: list[float], errors: list[str]) -> None:
 
 
 @pytest_native
+@pytest.mark.usefixtures("patched_build")
 def test_a_restart_waits_until_no_request_is_in_flight(home: dict[str, str], tmp_path: Path) -> None:
     """--apply idle on a served model (rolled back here: no routing counts needed): requests 0.2 s
     apart keep it busy; the restart comes after the last one, each finished whole, same port."""
@@ -519,6 +518,7 @@ def test_the_plan_learns_the_prompts_the_server_sees(home: dict[str, str], patch
 
 
 @pytest_native
+@pytest.mark.usefixtures("patched_build")
 def test_served_without_record_the_workload_alone(home: dict[str, str]) -> None:
     """With --no-record the routing is not counted, but the log still tells the workload: a re-profile
     plans for it; once it has, there is nothing to learn and the error says to serve it recording."""

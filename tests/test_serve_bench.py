@@ -406,7 +406,7 @@ def test_serve_bench_row_args_and_stock_threads(patched_build, stock_build, benc
 def test_serve_bench_keeps_logs_with_the_timeline(patched_build, stock_build, bench_model: Path, tmp_path: Path) -> None:
     """--env GGML_SCHED_TIMELINE=4 reaches both servers, --keep-logs copies each round's log, and
     native/bench/timeline.py reads the patched server's reports from it (the stock build has no
-    patch 0030: its log has none, and timeline.py says so)."""
+    patch 0024: its log has none, and timeline.py says so)."""
     logs = tmp_path / "logs"
     run_bench(patched_build, stock_build, bench_model, tmp_path, "--workloads", "random", "--rounds", "1",
               "--env", "GGML_SCHED_TIMELINE=4", "--keep-logs", str(logs))

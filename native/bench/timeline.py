@@ -1,4 +1,4 @@
-"""Where the host's time goes, from the reports of `GGML_SCHED_TIMELINE=N` (patch 0030) in server logs.
+"""Where the host's time goes, from the reports of `GGML_SCHED_TIMELINE=N` (patch 0024) in server logs.
 
     python native/bench/serve_bench.py ... --env GGML_SCHED_TIMELINE=64 --keep-logs logs/
     python native/bench/timeline.py logs/*.log

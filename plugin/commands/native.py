@@ -105,8 +105,21 @@ def cmd_export(args: argparse.Namespace) -> int:
     return Output().result(patches, lambda ps: "\n".join([f"wrote {len(ps)} patches:"] + [f"  {p.name}" for p in ps]))
 
 
+def cmd_check_series(args: argparse.Namespace) -> int:
+    from moeplug.native.series import check_limits, load_limits, measure_series, report_text, write_limits
+
+    out = Output.for_args(args)
+    report = measure_series()
+    if args.write_limits:
+        write_limits(report)
+    limits = load_limits()
+    over = check_limits(report, limits)
+    out.result({**report.to_json(), "limits": limits, "over": over}, lambda _: report_text(report, limits))
+    return 1 if over else 0
+
+
 def register(sub: Any) -> None:
-    """native build, status, prune, worktree, export."""
+    """native build, status, prune, worktree, export, check-series."""
     group = sub.add_parser("native", help="build and inspect the patched llama.cpp")
     native = group.add_subparsers(dest="native_command", metavar="NATIVE_COMMAND", required=True,
                                   parser_class=type(group))
@@ -140,3 +153,11 @@ def register(sub: Any) -> None:
     p = native.add_parser("export", help="regenerate native/patches (and overlay files) from a work tree")
     p.add_argument("dir")
     p.set_defaults(func=cmd_export)
+
+    p = native.add_parser("check-series",
+                          help="apply the patch series to the pinned tree and print what it changes in each upstream "
+                               "file, against native/series-limits.yaml (exit 1 above a limit)")
+    p.add_argument("--write-limits", action="store_true",
+                   help="write the series' figures into native/series-limits.yaml first (after a change lowered them)")
+    add_json(p)
+    p.set_defaults(func=cmd_check_series)

@@ -85,10 +85,10 @@ def compute_buffer_bytes(info: ModelInfo, ubatch: int = DEFAULT_UBATCH) -> int:
 def expert_copy_ahead_bytes(info: ModelInfo, layers: list[MoeLayer] | None = None) -> int:
     """What the compute buffer holds beyond stock's when the expert cache is on and experts stay in
     RAM: for a prompt batch the scheduler copies a layer's gate and down weights while the split before
-    computes (native patch 0024), so two copies of an expert weight are live where stock holds one.
+    computes (native patch 0021), so two copies of an expert weight are live where stock holds one.
     The largest expert weight (3-D) of any MoE layer; twice that where the experts have biases
     (gpt-oss): each expert matmul is followed by a bias add, a split of its own, and the copy, queued
-    at the layer's previous expert split (patch 0026), stays live across it. On top of moeplug's own
+    at the layer's previous expert split (patch 0021), stays live across it. On top of moeplug's own
     compute estimate (no GPU to ask llama.cpp: one GPU, or each of two); beside llama.cpp's, see
     cache_compute_extra. layers: those whose prompt batches copy ahead (default: every MoE layer)."""
     layers = info.layers if layers is None else layers

@@ -80,7 +80,7 @@ class Plan:
     stream_share: float = 0.0
     modelled_stream_saving_ms: float = 0.0
     # whether a prompt batch's later expert weights are copied while the split before computes (native
-    # patch 0024, on by default); off, the compute buffer holds one weight copy as stock's does and the
+    # patch 0021, on by default); off, the compute buffer holds one weight copy as stock's does and the
     # bytes go to slots (the server then runs with GGML_SCHED_EXPERT_COPY_AHEAD=0: server_env)
     copy_ahead: bool = True
     # prompt batches of this many tokens or more go to the GPU with their missed experts copied over

@@ -26,7 +26,7 @@ def dynamic_args(uploads: int = 8) -> list[str]:
 
 DYNAMIC_ARGS = dynamic_args()
 # prompt batches of N tokens or more go to the GPU for the layers whose GPU copies their experts from the
-# slots (native patches 0031-0032); llama.cpp's own threshold, GGML_OP_OFFLOAD_MIN_BATCH (32), applies to
+# slots (native patch 0025); llama.cpp's own threshold, GGML_OP_OFFLOAD_MIN_BATCH (32), applies to
 # every model of a process, this flag to one model and to its cache's layers alone
 OFFLOAD_MIN_BATCH_FLAG = "--moe-cache-offload-min-batch"
 

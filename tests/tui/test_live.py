@@ -21,37 +21,30 @@ from textual.widgets import DataTable, Label, Log, ProgressBar, Static
 
 from moeplug.machine.gpu import gpus
 from moeplug.serving.monitor import parse_server_metrics
-from moeplug.core.paths import builds_dir
 from moeplug.tui.app import make_app
 from moeplug.tui.widgets.activity import ActivityBar
 from moeplug.tui.format import percent
 from moeplug.tui.screens.main import MainScreen
-from helpers import moeplug
+from helpers import XDG, XdgHome, moeplug
 
 pytestmark = pytest.mark.native
 INTERVAL = 0.5
 
 
 @pytest.fixture(scope="module")
-def home(patched_build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+def demo_home(patched_build, tmp_path_factory: pytest.TempPathFactory) -> Iterator[XdgHome]:
     """Fresh XDG homes sharing the built binaries, set in this process too (the app runs here),
     with the demo installed and served as a user gets it (the hit counters and recording on by default)."""
-    root = tmp_path_factory.mktemp("tui-home")
-    env = dict(os.environ)
-    real_builds = builds_dir()
+    h = XdgHome(tmp_path_factory.mktemp("tui-home"))
     with pytest.MonkeyPatch.context() as mp:
-        for var in ("XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CONFIG_HOME"):
-            env[var] = str(root / var.lower())
-            mp.setenv(var, env[var])
-        shared = Path(env["XDG_DATA_HOME"]) / "moeplug" / "builds"
-        shared.parent.mkdir(parents=True)
-        shared.symlink_to(real_builds)
-        r = moeplug(env, "install", "demo", "--ctx", "1024", "--json")
+        for var in XDG:
+            mp.setenv(var, h[var])
+        r = moeplug(h, "install", "demo", "--ctx", "1024", "--json")
         assert r.returncode == 0, r.stderr[-3000:]
         try:
-            yield env
+            yield h
         finally:
-            moeplug(env, "stop", "--all")
+            moeplug(h, "stop", "--all")
 
 
 def status(env: dict[str, str]) -> dict[str, Any]:
@@ -104,14 +97,14 @@ def activity(screen: MainScreen) -> str:
     return str(screen.query_one("#activity-text", Label).render())
 
 
-def test_healthy_row_and_slots_as_status_says(home: dict[str, str]) -> None:
-    srv = served(home)
+def test_healthy_row_and_slots_as_status_says(demo_home: dict[str, str]) -> None:
+    srv = served(demo_home)
 
     async def check(pilot: Pilot[None], screen: MainScreen) -> None:
         row = cells(screen, "#servers", "demo")
         assert row[0] == "demo" and row[1] == "healthy" and row[-1] == srv["url"]
         assert row[7] == "4x8 on CPU"  # the cache line: 4 layers x 8 slots, in RAM
-        doc = status(home)["servers"][0]  # nothing ran since the app's snapshot: same counters
+        doc = status(demo_home)["servers"][0]  # nothing ran since the app's snapshot: same counters
         # the launch's context probe (a full 1024-token context of one token) is not the users' traffic: not counted
         assert doc["metrics"]["prompt_tokens"] == 0 and doc["cache_counters"]["selections"] == 0
         assert row[6] == f"{doc['ctx_used']}/{doc['n_ctx']}" and doc["n_ctx"] > 0
@@ -137,7 +130,7 @@ def test_healthy_row_and_slots_as_status_says(home: dict[str, str]) -> None:
         await until(pilot, lambda: screen.refreshes >= shown + 2)
         assert float(cells(screen, "#servers", "demo")[4]) > 0
         # that request is what the counters hold now: the measured hit rate is the users' traffic's
-        doc = status(home)["servers"][0]
+        doc = status(demo_home)["servers"][0]
         assert all(layer["selections"] > 0 for layer in doc["layers"]) and doc["metrics"]["decode_tokens"] == 24
         await until(pilot, lambda: f"meas {percent(doc['cache_counters']['hit_rate'])}" in
                     str(screen.query_one("#slots-summary", Static).render()))
@@ -145,12 +138,12 @@ def test_healthy_row_and_slots_as_status_says(home: dict[str, str]) -> None:
     run_app(check)
 
 
-def served_afresh(home: dict[str, str], *flags: str) -> dict[str, Any]:
+def served_afresh(demo_home: dict[str, str], *flags: str) -> dict[str, Any]:
     """The demo served anew (with `flags`): a server that has answered nothing but its start-up check."""
-    moeplug(home, "stop", "--all")
-    r = moeplug(home, "serve", "demo", *flags, "--json")
+    moeplug(demo_home, "stop", "--all")
+    r = moeplug(demo_home, "serve", "demo", *flags, "--json")
     assert r.returncode == 0, r.stderr[-3000:]
-    return dict(status(home)["servers"][0])
+    return dict(status(demo_home)["servers"][0])
 
 
 def whole_cells(screen: MainScreen) -> None:
@@ -164,13 +157,13 @@ def whole_cells(screen: MainScreen) -> None:
 
 
 @pytest.mark.parametrize("size", [(80, 24), (160, 45)])
-def test_a_fresh_server_row_whole_and_without_the_start_up_check(home: dict[str, str],
+def test_a_fresh_server_row_whole_and_without_the_start_up_check(demo_home: dict[str, str],
                                                                  size: tuple[int, int]) -> None:
     """At 80x24 and 160x45: right after a start the row shows no decode rate (the start-up check's
     one-token request is not one: it used to read 100000) and no measured hit rate; cells that grow
     (uptime "9s" -> "1h02m", a throughput) stay whole; the context cell shows both numbers."""
-    srv = served_afresh(home)
-    record_file = Path(home["XDG_STATE_HOME"]) / "moeplug" / "servers" / "demo.json"
+    srv = served_afresh(demo_home)
+    record_file = Path(demo_home["XDG_STATE_HOME"]) / "moeplug" / "servers" / "demo.json"
 
     async def check(pilot: Pilot[None], screen: MainScreen) -> None:
         row = cells(screen, "#servers", "demo")
@@ -196,10 +189,10 @@ def test_a_fresh_server_row_whole_and_without_the_start_up_check(home: dict[str,
     run_app(check, size)
 
 
-def test_start_offers_to_restart_a_model_served_without_counters(home: dict[str, str]) -> None:
+def test_start_offers_to_restart_a_model_served_without_counters(demo_home: dict[str, str]) -> None:
     """`s` on a model served --no-metrics: a restart with the hit counters, on its port; `s` again: it
     says the model is served already."""
-    srv = served_afresh(home, "--no-metrics")
+    srv = served_afresh(demo_home, "--no-metrics")
     assert "--metrics" not in srv["args"] and srv["cache_counters"] is None
 
     async def check(pilot: Pilot[None], screen: MainScreen) -> None:
@@ -217,13 +210,13 @@ def test_start_offers_to_restart_a_model_served_without_counters(home: dict[str,
         await until(pilot, lambda: activity(screen).startswith("demo is already served"))
 
     run_app(check)
-    now = status(home)["servers"][0]
+    now = status(demo_home)["servers"][0]
     assert now["pid"] != srv["pid"] and now["port"] == srv["port"] and "--metrics" in now["args"]
     assert now["cache_counters"]["selections"] == 0  # the restart's start-up check not counted either
 
 
-def test_no_gpu_shown_as_such(home: dict[str, str]) -> None:
-    served(home)
+def test_no_gpu_shown_as_such(demo_home: dict[str, str]) -> None:
+    served(demo_home)
     found = gpus()
 
     async def check(pilot: Pilot[None], screen: MainScreen) -> None:
@@ -236,8 +229,8 @@ def test_no_gpu_shown_as_such(home: dict[str, str]) -> None:
     run_app(check)
 
 
-def test_stop_from_the_ui_stops_the_server(home: dict[str, str]) -> None:
-    srv = served(home)
+def test_stop_from_the_ui_stops_the_server(demo_home: dict[str, str]) -> None:
+    srv = served(demo_home)
 
     async def check(pilot: Pilot[None], screen: MainScreen) -> None:
         await pilot.press("x")
@@ -250,11 +243,11 @@ def test_stop_from_the_ui_stops_the_server(home: dict[str, str]) -> None:
     assert gone(srv["pid"])
     with pytest.raises(requests.ConnectionError):
         requests.get(f"{srv['url']}/health", timeout=2)
-    assert status(home)["servers"] == []
+    assert status(demo_home)["servers"] == []
 
 
-def test_start_from_the_ui_then_a_killed_server_turns_down(home: dict[str, str]) -> None:
-    moeplug(home, "stop", "--all")
+def test_start_from_the_ui_then_a_killed_server_turns_down(demo_home: dict[str, str]) -> None:
+    moeplug(demo_home, "stop", "--all")
 
     async def check(pilot: Pilot[None], screen: MainScreen) -> None:
         assert cells(screen, "#servers", "demo")[1] == "stopped"
@@ -263,22 +256,22 @@ def test_start_from_the_ui_then_a_killed_server_turns_down(home: dict[str, str])
         await pilot.press("y")
         await until(pilot, lambda: activity(screen).startswith("demo serving at"), timeout=300)
         await until(pilot, lambda: cells(screen, "#servers", "demo")[1] == "healthy")
-        pid = status(home)["servers"][0]["pid"]
-        assert requests.get(f"{status(home)['servers'][0]['url']}/health", timeout=5).json()["status"] == "ok"
+        pid = status(demo_home)["servers"][0]["pid"]
+        assert requests.get(f"{status(demo_home)['servers'][0]['url']}/health", timeout=5).json()["status"] == "ok"
         os.kill(pid, signal.SIGKILL)
         killed_at = screen.refreshes
         await until(pilot, lambda: cells(screen, "#servers", "demo")[1] == "down", timeout=30)
         assert screen.refreshes <= killed_at + 2
 
     run_app(check)
-    assert [(s["name"], s["alive"], s["state"]) for s in status(home)["servers"]] == [("demo", False, "down")]
+    assert [(s["name"], s["alive"], s["state"]) for s in status(demo_home)["servers"]] == [("demo", False, "down")]
 
 
-def test_log_replan_and_reprofile_from_the_ui(home: dict[str, str]) -> None:
-    srv = served(home)
-    profile = Path(json.loads(moeplug(home, "list", "--json").stdout)["models"][0]["profile"])
+def test_log_replan_and_reprofile_from_the_ui(demo_home: dict[str, str]) -> None:
+    srv = served(demo_home)
+    profile = Path(json.loads(moeplug(demo_home, "list", "--json").stdout)["models"][0]["profile"])
     made = profile.stat().st_mtime_ns
-    expected = json.loads(moeplug(home, "plan", "demo", "--vram-budget", "1GiB", "--ctx", "1024", "--json").stdout)
+    expected = json.loads(moeplug(demo_home, "plan", "demo", "--vram-budget", "1GiB", "--ctx", "1024", "--json").stdout)
 
     async def check(pilot: Pilot[None], screen: MainScreen) -> None:
         # l: the server's log at its tail, the moe-cache line in it
@@ -332,7 +325,7 @@ def test_log_replan_and_reprofile_from_the_ui(home: dict[str, str]) -> None:
 
     run_app(check)
     assert gone(srv["pid"])  # the re-plan stopped the old server
-    now = status(home)["servers"][0]
+    now = status(demo_home)["servers"][0]
     assert now["healthy"] and now["args"][-len(expected["server_args"]):] == expected["server_args"]
     # the slots of the plan it runs now, not the installed one's
     assert [layer["slots"] for layer in now["layers"]] == expected["slots_per_layer"] != [8] * 4

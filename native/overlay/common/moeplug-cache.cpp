@@ -1,6 +1,8 @@
 #include "moeplug-cache.h"
 
-#include "../src/llama-ext.h"  // llama_model_moeplug_cache_init (staging API)
+#include "arg.h"
+
+#include "../src/llama-moeplug-ext.h"  // llama_model_moeplug_cache_init (staging API)
 
 #include "common.h"
 #include "gguf.h"
@@ -11,6 +13,7 @@
 #include "ggml-backend.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -402,23 +405,23 @@ bool common_moeplug_cache_enable(llama_model * model, const std::string & model_
 
 bool common_moeplug_cache_init(llama_model * model, const common_params & params) {
     bool engaged = false;
-    if (params.moeplug_cache_profile.empty()) {
-        if (!params.moeplug_cache_slots.empty()) {
+    if (params.moeplug.cache_profile.empty()) {
+        if (!params.moeplug.cache_slots.empty()) {
             LOG_WRN("moe-cache: not engaged, running without it: --moe-cache-slots needs --moe-cache-profile\n");
         }
     } else {
-        const common_moeplug_cache_source src = common_moeplug_cache_resolve(params.model.path, params.moeplug_cache_profile,
-            params.moeplug_cache_slots, params.moeplug_cache_margin_mib);
+        const common_moeplug_cache_source src = common_moeplug_cache_resolve(params.model.path, params.moeplug.cache_profile,
+            params.moeplug.cache_slots, params.moeplug.cache_margin_mib);
         if (!src.reason.empty()) {
             LOG_WRN("moe-cache: not engaged, running without it: %s\n", src.reason.c_str());
         } else {
             engaged = common_moeplug_cache_enable(model, params.model.path, src.profile, src.slots,
-                params.moeplug_cache_max_batch, params.moeplug_cache_margin_mib, params.endpoint_metrics,
-                params.moeplug_cache_policy, params.moeplug_cache_half_life, params.moeplug_cache_uploads,
-                params.moeplug_cache_stream, params.moeplug_cache_offload_min_batch);
+                params.moeplug.cache_max_batch, params.moeplug.cache_margin_mib, params.endpoint_metrics,
+                params.moeplug.cache_policy, params.moeplug.cache_half_life, params.moeplug.cache_uploads,
+                params.moeplug.cache_stream, params.moeplug.cache_offload_min_batch);
         }
     }
-    if (params.moeplug_cache_record) {
+    if (params.moeplug.cache_record) {
         if (llama_model_moeplug_record_init(model)) {
             LOG_INF("moe-cache: recording the router's selections of %zu layers\n",
                 llama_model_moeplug_record_read(model, nullptr, nullptr, 0, 0, nullptr, false));
@@ -752,9 +755,189 @@ bool common_moeplug_replay_load(llama_model * model, const std::string & path) {
 }
 
 bool common_moeplug_replay_init(llama_model * model, const common_params & params) {
-    return params.moeplug_route_replay.empty() || common_moeplug_replay_load(model, params.moeplug_route_replay);
+    return params.moeplug.route_replay.empty() || common_moeplug_replay_load(model, params.moeplug.route_replay);
 }
 
 void common_moeplug_replay_reset(const llama_model * model) {
     llama_model_moeplug_replay_reset(model);
+}
+
+void common_moeplug_add_args(const common_params & params, const std::function<void(common_arg)> & add_opt) {
+    add_opt(common_arg(
+        {"--moe-cache-profile"}, "FNAME|DIR",
+        "expert slot cache: moe profile of the model (llama-moe-profile) that picks the resident experts,\n"
+        "or a directory of profiles: the one whose fingerprint is the model's (and its slots file)",
+        [](common_params & params, const std::string & value) {
+            params.moeplug.cache_profile = value;
+        }
+    ).set_env("LLAMA_ARG_MOE_CACHE_PROFILE"));
+    add_opt(common_arg(
+        {"--moe-cache-slots"}, "N|N0,N1,...|auto",
+        "expert slot cache: experts of each MoE layer kept on the layer's device, one count for every layer\n"
+        "or one per layer of the profile (0 leaves a layer out; all of a layer's experts run it without a host pass);\n"
+        "auto: the slots file beside the profile, else what the free device memory holds",
+        [](common_params & params, const std::string & value) {
+            common_moeplug_parse_slots(value); // a malformed list is a usage error
+            params.moeplug.cache_slots = value;
+        }
+    ).set_env("LLAMA_ARG_MOE_CACHE_SLOTS"));
+    add_opt(common_arg(
+        {"--moe-cache-max-batch"}, "N",
+        string_format("expert slot cache: larger batches run without it (default: %d)", params.moeplug.cache_max_batch),
+        [](common_params & params, int value) {
+            if (value < 1) {
+                throw std::invalid_argument("invalid value");
+            }
+            params.moeplug.cache_max_batch = value;
+        }
+    ).set_env("LLAMA_ARG_MOE_CACHE_MAX_BATCH"));
+    add_opt(common_arg(
+        {"--moe-cache-margin"}, "MiB",
+        string_format("expert slot cache: device memory to leave free (default: %d)", params.moeplug.cache_margin_mib),
+        [](common_params & params, int value) {
+            if (value < 0) {
+                throw std::invalid_argument("invalid value");
+            }
+            params.moeplug.cache_margin_mib = value;
+        }
+    ).set_env("LLAMA_ARG_MOE_CACHE_MARGIN"));
+    add_opt(common_arg(
+        {"--moe-cache-policy"}, "static|dynamic",
+        "expert slot cache: 'static' keeps the profile's experts in the slots; 'dynamic' swaps a cold\n"
+        "resident expert for a hot missed one between batches (use counts decayed over tokens, seeded\n"
+        "from the profile; uploads never stall a batch) (default: static)",
+        [](common_params & params, const std::string & value) {
+            if (value != "static" && value != "dynamic") {
+                throw std::invalid_argument("invalid value");
+            }
+            params.moeplug.cache_policy = value;
+        }
+    ).set_env("LLAMA_ARG_MOE_CACHE_POLICY"));
+    add_opt(common_arg(
+        {"--moe-cache-half-life"}, "N",
+        string_format("expert slot cache, dynamic policy: tokens over which an expert's use count halves (default: %.0f)",
+            (double) params.moeplug.cache_half_life),
+        [](common_params & params, const std::string & value) {
+            const float v = std::stof(value);
+            if (!(v >= 1.0f && v <= 1e6f)) {
+                throw std::invalid_argument("invalid value");
+            }
+            params.moeplug.cache_half_life = v;
+        }
+    ).set_env("LLAMA_ARG_MOE_CACHE_HALF_LIFE"));
+    add_opt(common_arg(
+        {"--moe-cache-uploads"}, "N",
+        string_format("expert slot cache, dynamic policy: slot uploads started after a batch, all layers (default: %d)",
+            params.moeplug.cache_uploads),
+        [](common_params & params, int value) {
+            if (value < 1) {
+                throw std::invalid_argument("invalid value");
+            }
+            params.moeplug.cache_uploads = value;
+        }
+    ).set_env("LLAMA_ARG_MOE_CACHE_UPLOADS"));
+    add_opt(common_arg(
+        {"--moe-cache-stream"}, "F",
+        string_format("expert slot cache: of each layer's experts without a slot, the hottest carrying this share of their "
+            "selections are copied by the GPU from host memory and computed there, beside the CPU computing the others "
+            "(0 to 1; needs the slots on the first GPU and --load-mode none; default: %.1f)", (double) params.moeplug.cache_stream),
+        [](common_params & params, const std::string & value) {
+            char * end = nullptr;
+            const float share = std::strtof(value.c_str(), &end);
+            if (end == value.c_str() || *end != '\0' || !(share >= 0.0f && share <= 1.0f)) {
+                throw std::invalid_argument("invalid value: give a share from 0 to 1");
+            }
+            params.moeplug.cache_stream = share;
+        }
+    ).set_env("LLAMA_ARG_MOE_CACHE_STREAM"));
+    add_opt(common_arg(
+        {"--moe-cache-offload-min-batch"}, "N",
+        "expert slot cache: prompt batches of N tokens or more go to the GPU for the layers whose GPU copies their "
+        "experts from the slots, whatever GGML_OP_OFFLOAD_MIN_BATCH says for the rest of the model (0: that "
+        "threshold, 32 by default; default: 0)",
+        [](common_params & params, int value) {
+            if (value < 0) {
+                throw std::invalid_argument("invalid value: give 0 or more tokens");
+            }
+            params.moeplug.cache_offload_min_batch = value;
+        }
+    ).set_env("LLAMA_ARG_MOE_CACHE_OFFLOAD_MIN_BATCH"));
+    add_opt(common_arg(
+        {"--moe-cache-record"},
+        "count the router's selections per MoE layer and expert, prompt and generated tokens apart\n"
+        "(llama-server: GET /moe-cache/profile serves them as a moe profile; no text is kept)",
+        [](common_params & params) {
+            params.moeplug.cache_record = true;
+        }
+    ).set_env("LLAMA_ARG_MOE_CACHE_RECORD"));
+    add_opt(common_arg(
+        {"--moe-route-replay"}, "FNAME",
+        "replay recorded router decisions (moeplug trace convert) instead of the router's: each sequence\n"
+        "takes the next prompt of the file; refuses a file of another MoE layout",
+        [](common_params & params, const std::string & value) {
+            params.moeplug.route_replay = value;
+        }
+    ).set_env("LLAMA_ARG_MOE_ROUTE_REPLAY"));
+}
+
+void common_moeplug_bench_usage() {
+    const common_moeplug_params d;
+    printf("  --moe-cache-profile <file>                        expert slot cache: moe profile of the model\n");
+    printf("  --moe-cache-slots <n|n0,n1,...>                   expert slot cache: slots per MoE layer, or one count per layer\n");
+    printf("  --moe-cache-max-batch <n>                         expert slot cache: larger batches run without it (default: %d)\n", d.cache_max_batch);
+    printf("  --moe-route-replay <file>                         replay recorded router decisions: each test takes the next prompt\n");
+    printf("  --moe-cache-policy <static|dynamic>               expert slot cache: slots fixed, or following the prompt (default: %s)\n", d.cache_policy.c_str());
+    printf("  --moe-cache-half-life <n>                         expert slot cache, dynamic: tokens after which a count weighs half (default: 128)\n");
+    printf("  --moe-cache-uploads <n>                           expert slot cache, dynamic: experts uploaded per layer and batch at most (default: 4)\n");
+}
+
+bool common_moeplug_bench_arg(const std::string & arg, int argc, char ** argv, int & i, common_moeplug_params & mp, bool & invalid) {
+    static const char * const names[] = {
+        "--moe-cache-profile", "--moe-cache-slots", "--moe-cache-max-batch", "--moe-route-replay",
+        "--moe-cache-policy", "--moe-cache-half-life", "--moe-cache-uploads",
+    };
+    if (std::find(std::begin(names), std::end(names), arg) == std::end(names)) {
+        return false;
+    }
+    if (++i >= argc) {
+        invalid = true;
+        return true;
+    }
+    const std::string value = argv[i];
+    if (arg == "--moe-cache-profile") {
+        mp.cache_profile = value;
+    } else if (arg == "--moe-cache-slots") {
+        mp.cache_slots = value;
+    } else if (arg == "--moe-cache-max-batch") {
+        mp.cache_max_batch = std::stoi(value);
+    } else if (arg == "--moe-route-replay") {
+        mp.route_replay = value;
+    } else if (arg == "--moe-cache-policy") {
+        mp.cache_policy = value;
+        invalid = value != "static" && value != "dynamic";
+    } else if (arg == "--moe-cache-half-life") {
+        mp.cache_half_life = std::stof(value);
+    } else {
+        mp.cache_uploads = std::stoi(value);
+    }
+    return true;
+}
+
+bool common_moeplug_bench_load(llama_model * model, const std::string & model_path, const common_moeplug_params & mp) {
+    if (!mp.cache_profile.empty()) {
+        common_moeplug_cache_enable(model, model_path, mp.cache_profile, mp.cache_slots, mp.cache_max_batch, 1024, false,
+            mp.cache_policy, mp.cache_half_life, mp.cache_uploads);
+    }
+    return mp.route_replay.empty() || common_moeplug_replay_load(model, mp.route_replay);
+}
+
+std::string common_moeplug_profile_answer(const common_params & params, const llama_model * model, const std::string & reset,
+        std::string & err, bool & not_found) {
+    not_found = !params.moeplug.cache_record || model == nullptr;
+    if (not_found) {
+        err = !params.moeplug.cache_record ?
+            "This server does not record expert selections. Start it with `--moe-cache-record`" : "The model is not loaded";
+        return "";
+    }
+    return common_moeplug_record_profile(model, params.model.path, reset == "1" || reset == "true", err);
 }

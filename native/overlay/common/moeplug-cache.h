@@ -4,13 +4,17 @@
 // to one model, and the start-up call that reads a profile, picks each layer's hottest experts
 // and asks libllama to keep them resident (llama_model_moeplug_cache_init).
 
+#include "moeplug-params.h"
+
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
 // the profile format this build reads and writes (native/PROFILE-FORMAT.md)
 #define COMMON_MOEPLUG_PROFILE_VERSION 1u
 
+struct common_arg;
 struct common_params;
 struct gguf_context;
 struct llama_model;
@@ -77,7 +81,7 @@ bool common_moeplug_cache_enable(llama_model * model, const std::string & model_
         const std::string & policy = "static", float half_life = 0.0f, int32_t uploads = 0, float stream = 0.0f,
         int32_t offload_min_batch = 0);
 
-// common_moeplug_cache_enable from params.moeplug_cache_*, when a profile is given (through
+// common_moeplug_cache_enable from params.moeplug (common/moeplug-params.h), when a profile is given (through
 // common_moeplug_cache_resolve); counts slot hits when the server's metrics endpoint is on; then,
 // with --moe-cache-record, starts recording and logs
 //   moe-cache: recording the router's selections of L layers
@@ -124,6 +128,12 @@ std::string common_moeplug_auto_slots(const std::string & profile_path, const co
 // the cache's counters in the Prometheus text format of llama-server's /metrics ("" without a cache)
 std::string common_moeplug_cache_metrics(const llama_model * model);
 
+// llama-server's GET /moe-cache/profile (?reset=1): the recording as a profile file's bytes
+// (common_moeplug_record_profile); or "" with err set, not_found telling a server that does not record,
+// or has no model loaded, from a profile that cannot be written
+std::string common_moeplug_profile_answer(const common_params & params, const llama_model * model, const std::string & reset,
+        std::string & err, bool & not_found);
+
 // route replay (src/llama-moeplug-replay.h): loads the replay file into the model and logs
 //   moe-replay: FILE, P prompts, T tokens, L layers x K of E[, with weights]
 // or, refusing a file that cannot be read or does not match the model (a benchmark switch must
@@ -132,8 +142,20 @@ std::string common_moeplug_cache_metrics(const llama_model * model);
 // returns false when the file was refused
 bool common_moeplug_replay_load(llama_model * model, const std::string & path);
 
-// common_moeplug_replay_load of params.moeplug_route_replay, when given (true when not)
+// common_moeplug_replay_load of params.moeplug.route_replay, when given (true when not)
 bool common_moeplug_replay_init(llama_model * model, const common_params & params);
 
 // forgets which prompt each sequence replays (after the warm-up run)
 void common_moeplug_replay_reset(const llama_model * model);
+
+// moeplug's flags (--moe-cache-*, --moe-route-replay; each also read from its LLAMA_ARG_* variable), added to
+// common's parser where common_params_parser_init calls this; they set params.moeplug
+void common_moeplug_add_args(const common_params & params, const std::function<void(common_arg)> & add_opt);
+
+// llama-bench's side (it parses its own flags): the usage lines of moeplug's flags; whether argv[i] is one
+// of them (consumed with its value into mp, i advanced; invalid set on a missing or bad value); and, once a
+// model is loaded, the cache (a profile given) and route replay (a file given): false when the replay file
+// is refused (the benchmark stops)
+void common_moeplug_bench_usage();
+bool common_moeplug_bench_arg(const std::string & arg, int argc, char ** argv, int & i, common_moeplug_params & mp, bool & invalid);
+bool common_moeplug_bench_load(llama_model * model, const std::string & model_path, const common_moeplug_params & mp);

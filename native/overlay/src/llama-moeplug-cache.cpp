@@ -3,11 +3,13 @@
 #include "llama-adapter.h"
 #include "llama-cparams.h"
 #include "llama-ext.h"
+#include "llama-moeplug-ext.h"
 #include "llama-impl.h"
 #include "llama-model.h"
 
 #include "gguf.h"
 #include "ggml-cpp.h"
+#include "ggml-moeplug.h"
 
 #include <algorithm>
 #include <cinttypes>
@@ -468,26 +470,34 @@ struct moe_layer_plan {
     ggml_backend_dev_t               dev  = nullptr;
 };
 
-bool moe_debug_cpu() {
-    const char * v = getenv("LLAMA_MOE_CACHE_DEVICE");
-    return v != nullptr && strcmp(v, "CPU") == 0;
-}
+// the debugging overrides the cache reads (native/README.md, "Environment switches"), all of them here, once
+// per cache built; the settings themselves are the caller's (llama_moeplug_cache_params)
+struct moe_overrides {
+    bool         slots_on_cpu      = false;   // LLAMA_MOE_CACHE_DEVICE=CPU: the slots on the CPU, the source's buffer type
+    bool         no_resident       = false;   // LLAMA_MOE_CACHE_NO_RESIDENT=1: every expert mapped to its source
+    bool         device_copy       = true;    // LLAMA_MOE_CACHE_DEVICE_COPY=0: prompt batches keep the two passes
+    bool         overlap           = true;    // LLAMA_MOE_CACHE_OVERLAP=0: a layer's device pass waits for its CPU pass
+    bool         direct            = false;   // LLAMA_MOE_CACHE_DIRECT=1: the device reads a layer's misses in place
+    const char * stream            = nullptr; // LLAMA_MOE_CACHE_STREAM=F: over the caller's stream share
+    int          offload_min_batch = 0;       // GGML_OP_OFFLOAD_MIN_BATCH (llama.cpp's own threshold, as CUDA reads it)
+};
 
-// LLAMA_MOE_CACHE_OVERLAP=0: a layer's device pass waits for its CPU pass (llama_moeplug_cache_layer::overlap)
-bool moe_overlap_enabled() {
-    const char * v = getenv("LLAMA_MOE_CACHE_OVERLAP");
-    return v == nullptr || strcmp(v, "0") != 0;
-}
-
-// LLAMA_MOE_CACHE_DIRECT=1: the device computes a layer's misses too, reading them in place (llama_moeplug_cache_layer::direct)
-bool moe_direct_enabled() {
-    const char * v = getenv("LLAMA_MOE_CACHE_DIRECT");
-    return v != nullptr && strcmp(v, "0") != 0 && v[0] != '\0';
-}
-
-bool moe_debug_no_resident() {
-    const char * v = getenv("LLAMA_MOE_CACHE_NO_RESIDENT");
-    return v != nullptr && strcmp(v, "0") != 0 && v[0] != '\0';
+moe_overrides moe_read_overrides() {
+    auto set = [](const char * v) { return v != nullptr && strcmp(v, "0") != 0 && v[0] != '\0'; };
+    moe_overrides o;
+    const char * device = getenv("LLAMA_MOE_CACHE_DEVICE");
+    o.slots_on_cpu = device != nullptr && strcmp(device, "CPU") == 0;
+    o.no_resident  = set(getenv("LLAMA_MOE_CACHE_NO_RESIDENT"));
+    const char * copy = getenv("LLAMA_MOE_CACHE_DEVICE_COPY");
+    o.device_copy  = copy == nullptr || strcmp(copy, "0") != 0;
+    const char * overlap = getenv("LLAMA_MOE_CACHE_OVERLAP");
+    o.overlap      = overlap == nullptr || strcmp(overlap, "0") != 0;
+    o.direct       = set(getenv("LLAMA_MOE_CACHE_DIRECT"));
+    o.stream       = getenv("LLAMA_MOE_CACHE_STREAM");
+    if (const char * v = getenv("GGML_OP_OFFLOAD_MIN_BATCH")) {
+        o.offload_min_batch = std::max(1, atoi(v));
+    }
+    return o;
 }
 
 // the dimension that counts experts: the last one (weights [k, n, E], biases [n, E], scales [E])
@@ -533,9 +543,8 @@ bool moe_sources_in_device_host(const moe_layer_plan & plan) {
 // whether prompt batches of the layer can run the stock pass with the device copying each expert from
 // its slot or from host memory: the slots are on the device the scheduler sends prompt batches to (the
 // model's first), every expert tensor is in that device's pinned host memory, and its backend copies
-bool moe_device_copies(const llama_model & model, const moe_layer_plan & plan) {
-    const char * v = getenv("LLAMA_MOE_CACHE_DEVICE_COPY");
-    if ((v != nullptr && strcmp(v, "0") == 0) || moe_is_cpu_dev(plan.dev) || model.devices.empty() || model.devices[0].dev != plan.dev ||
+bool moe_device_copies(const llama_model & model, const moe_layer_plan & plan, bool enabled) {
+    if (!enabled || moe_is_cpu_dev(plan.dev) || model.devices.empty() || model.devices[0].dev != plan.dev ||
             !moe_sources_in_device_host(plan)) {
         return false;
     }
@@ -690,7 +699,8 @@ std::string moe_plans_failure(const std::map<std::string, int> & reasons) {
 
 bool llama_moeplug_cache_build(llama_model & model, const llama_moeplug_cache_params & params, llama_moeplug_cache_result & result) {
     const int64_t t_start = ggml_time_us();
-    const bool debug_cpu = moe_debug_cpu();
+    const moe_overrides over = moe_read_overrides();
+    const bool debug_cpu = over.slots_on_cpu;
 
     if (params.max_batch < 1) {
         throw std::runtime_error(format("max batch %d: it must be at least 1", params.max_batch));
@@ -722,7 +732,7 @@ bool llama_moeplug_cache_build(llama_model & model, const llama_moeplug_cache_pa
     auto cache = std::make_unique<llama_moeplug_cache>();
     cache->max_batch   = params.max_batch;
     cache->count       = params.count;
-    cache->dynamic     = params.policy == LLAMA_MOEPLUG_CACHE_POLICY_DYNAMIC && !moe_debug_no_resident();
+    cache->dynamic     = params.policy == LLAMA_MOEPLUG_CACHE_POLICY_DYNAMIC && !over.no_resident;
     cache->half_life   = params.half_life   > 0.0f ? params.half_life   : MOEPLUG_CACHE_HALF_LIFE_DEFAULT;
     cache->max_uploads = params.max_uploads > 0    ? params.max_uploads : MOEPLUG_CACHE_UPLOADS_DEFAULT;
     cache->model_files.assign(params.model_files, params.model_files + params.n_model_files);
@@ -730,7 +740,7 @@ bool llama_moeplug_cache_build(llama_model & model, const llama_moeplug_cache_pa
         throw std::runtime_error(format("stream share %g: it must be from 0 to 1", (double) params.stream_share));
     }
     cache->stream_share = params.stream_share;
-    if (const char * v = getenv("LLAMA_MOE_CACHE_STREAM")) { // overrides the caller (llama-bench, experiments)
+    if (const char * v = over.stream) { // overrides the caller (llama-bench, experiments)
         char * end = nullptr;
         const float share = strtof(v, &end);
         if (end == v || *end != '\0' || !(share >= 0.0f && share <= 1.0f)) {
@@ -738,7 +748,7 @@ bool llama_moeplug_cache_build(llama_model & model, const llama_moeplug_cache_pa
         }
         cache->stream_share = share;
     }
-    const bool no_resident = moe_debug_no_resident();
+    const bool no_resident = over.no_resident;
 
     // one context per buffer type: the slots, and the maps beside them
     std::map<ggml_backend_buffer_type_t, ggml_context *> ctx_of;
@@ -779,12 +789,12 @@ bool llama_moeplug_cache_build(llama_model & model, const llama_moeplug_cache_pa
         // some misses where it copies experts from host memory itself (slots on the CPU: the third pass runs
         // on the CPU too, the same result)
         const bool full = !no_resident && (int64_t) plan.experts.size() == layer->n_expert;
-        layer->device_copy = !full && !no_resident && moe_device_copies(model, plan);
-        layer->direct = !full && !no_resident && moe_direct_enabled() && moe_sources_in_device_host(plan);
+        layer->device_copy = !full && !no_resident && moe_device_copies(model, plan, over.device_copy);
+        layer->direct = !full && !no_resident && over.direct && moe_sources_in_device_host(plan);
         layer->stream = cache->stream_share > 0.0f && !full && !no_resident && !layer->direct &&
             (moe_is_cpu_dev(plan.dev) || layer->device_copy);
         layer->overlap = !layer->stream && !layer->direct && !full && !no_resident && !moe_is_cpu_dev(plan.dev) &&
-            moe_overlap_enabled();
+            over.overlap;
 
         for (size_t i = 0; i < plan.sources.size(); ++i) {
             const ggml_tensor * src = plan.sources[i];
@@ -841,8 +851,8 @@ bool llama_moeplug_cache_build(llama_model & model, const llama_moeplug_cache_pa
     for (auto & [down, layer] : cache->layers) {
         layer->full = !no_resident && (int64_t) layer->experts.size() == layer->n_expert;
     }
-    if (const char * v = getenv("GGML_OP_OFFLOAD_MIN_BATCH")) {
-        cache->offload_min_batch = std::max(1, atoi(v));
+    if (over.offload_min_batch > 0) {
+        cache->offload_min_batch = over.offload_min_batch;
     }
     cache->copy_min_batch = params.offload_min_batch;
     result.offload_min_batch = cache->copy_min_batch > 0 ? cache->copy_min_batch : cache->offload_min_batch;

@@ -14,11 +14,11 @@
 //   src/llama-context.cpp  graph_params(): passes model.moeplug_cache to the graph         (0005)
 //                          graph_max_nodes(): + llama_moeplug_cache::n_extra_nodes()      (0005)
 //                          process_ubatch(): llama_moeplug_cache_after_compute() after a graph (0011)
-//                          sched_reserve(): llama_moeplug_cache_init_sched() for each new scheduler (0023)
+//                          sched_reserve(): llama_moeplug_cache_init_sched() for each new scheduler (0020)
 //   src/llama-graph.cpp    build_moe_ffn(): llama_moeplug_cache::build_experts()          (0005)
-//   src/llama-ext.h        the C API: llama_model_moeplug_cache_init/_stats, _record_*    (0005, 0011, 0023, 0028)
 //   src/CMakeLists.txt     this file's .cpp in libllama                                   (0005)
-// common/moeplug-cache.{h,cpp} read profiles and call the C API from common_init (0006).
+// The C API (llama_model_moeplug_cache_init/_stats, _record_*) is ours too, in src/llama-moeplug-ext.h;
+// common/moeplug-cache.{h,cpp} read profiles and call it from common_init (0006).
 
 #include "ggml.h"
 #include "ggml-backend.h"

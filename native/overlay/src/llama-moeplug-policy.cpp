@@ -17,6 +17,7 @@
 
 #include "llama-batch.h"
 #include "llama-ext.h"
+#include "llama-moeplug-ext.h"
 #include "llama-impl.h"
 #include "llama-model.h"
 

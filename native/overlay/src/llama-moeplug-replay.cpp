@@ -2,6 +2,7 @@
 
 #include "llama-batch.h"
 #include "llama-ext.h"
+#include "llama-moeplug-ext.h"
 #include "llama-impl.h"
 #include "llama-model.h"
 

@@ -13,11 +13,11 @@
 //   src/llama-context.cpp  graph_params(): passes model.moeplug_replay to the graph         (0014)
 //   src/llama-graph.cpp    build_moe_ffn(): build_selected() for the selected experts,
 //                          build_weights() for their weights                               (0014)
-//   src/llama-ext.h        the C API: llama_model_moeplug_replay_init/_reset               (0014)
 //   src/CMakeLists.txt     this file's .cpp in libllama                                    (0014)
 //   common/common.cpp      common_init: --moe-route-replay; reset after the warm-up and
 //                          the context probe (common_context_can_seq_rm)                  (0015)
-//   tools/llama-bench      --moe-route-replay                                              (0016)
+//   tools/llama-bench      --moe-route-replay                                              (0008)
+// The C API (llama_model_moeplug_replay_init/_reset) is in src/llama-moeplug-ext.h.
 
 #include "ggml.h"
 #include "ggml-cpp.h"

@@ -1,4 +1,4 @@
-# Call 1: misses read in place (patches 0033-0034, LLAMA_MOE_CACHE_DIRECT=1), first light on the H200.
+# Call 1: misses read in place (patch 0026, LLAMA_MOE_CACHE_DIRECT=1), first light on the H200.
 # The CUDA build of this tree, packed for the next calls; the GPU test that says the misses read in place give
 # stock's own full offload's results; then the Qwen3 shape at 12 GiB, 44 random tokens, 64 generated, two rounds,
 # moeplug with and without the variable against stock --fit.

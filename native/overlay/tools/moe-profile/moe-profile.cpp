@@ -408,12 +408,12 @@ static int moe_profile_main(int argc, char ** argv) {
         LOG_ERR("%s: no prompts in %s\n", __func__, a.prompts_file.c_str());
         return 1;
     }
-    if (!params.moeplug_cache_profile.empty()) {
+    if (!params.moeplug.cache_profile.empty()) {
         // the slots would hide the resident experts' ids from the recording
         LOG_ERR("%s: profile without --moe-cache-profile: the cache changes what is recorded\n", __func__);
         return 1;
     }
-    if (!params.moeplug_route_replay.empty()) {
+    if (!params.moeplug.route_replay.empty()) {
         // the profile records the router's own decisions
         LOG_ERR("%s: profile without --moe-route-replay: the replay replaces the router being recorded\n", __func__);
         return 1;

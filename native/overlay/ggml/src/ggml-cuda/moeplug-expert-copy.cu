@@ -1,5 +1,9 @@
 #include "moeplug-expert-copy.cuh"
 
+#include "ggml-backend-impl.h"
+#include "ggml-cuda.h"
+
+#include <cstring>
 #include <mutex>
 #include <unordered_map>
 
@@ -227,4 +231,62 @@ void ggml_cuda_copy_experts_free(const ggml_backend_cuda_context & ctx) {
     CUDA_CHECK(cudaEventDestroy(a.done));
     CUDA_CHECK(cudaStreamDestroy(a.stream));
     g_ahead.erase(it);
+}
+
+// whether the buffers suit the copy of the experts (slots and slot_of cleared where not on this device)
+static bool ggml_backend_cuda_copy_experts_buffers(ggml_backend_cuda_context * cuda_ctx, const ggml_tensor * src, const ggml_tensor * dst,
+        const ggml_tensor * ids, const ggml_tensor ** slots, const ggml_tensor ** slot_of) {
+    ggml_backend_buffer_t src_buf = src->view_src ? src->view_src->buffer : src->buffer;
+    ggml_backend_buffer_t dst_buf = dst->view_src ? dst->view_src->buffer : dst->buffer;
+    ggml_backend_buffer_t ids_buf = ids->view_src ? ids->view_src->buffer : ids->buffer;
+    ggml_backend_buffer_type_t dev_buft = ggml_backend_cuda_buffer_type(cuda_ctx->device);
+    // CUDA_Host, the pinned host buffers (ggml-cuda.cu tells them apart by their name function, as here)
+    const auto host_name = ggml_backend_cuda_host_buffer_type()->iface.get_name;
+    if (src_buf == nullptr || dst_buf == nullptr || ids_buf == nullptr ||
+        src_buf->buft->iface.get_name != host_name || dst_buf->buft != dev_buft || ids_buf->buft != dev_buft) {
+        return false;
+    }
+    if (*slots != nullptr) {
+        ggml_backend_buffer_t slots_buf   = (*slots)->view_src   ? (*slots)->view_src->buffer   : (*slots)->buffer;
+        ggml_backend_buffer_t slot_of_buf = (*slot_of)->view_src ? (*slot_of)->view_src->buffer : (*slot_of)->buffer;
+        if (slots_buf == nullptr || slot_of_buf == nullptr || slots_buf->buft != dev_buft || slot_of_buf->buft != dev_buft) {
+            *slots   = nullptr; // not on this device: every expert from host memory
+            *slot_of = nullptr;
+        }
+    }
+    return true;
+}
+
+// the scheduler's copy of the experts an offloaded MUL_MAT_ID uses, queued without a host read of the ids
+static bool ggml_backend_cuda_copy_experts_async(ggml_backend_t backend, const ggml_tensor * src, ggml_tensor * dst, const ggml_tensor * ids,
+        const ggml_tensor * slots, const ggml_tensor * slot_of) {
+    ggml_backend_cuda_context * cuda_ctx = (ggml_backend_cuda_context *) backend->context;
+    return ggml_backend_cuda_copy_experts_buffers(cuda_ctx, src, dst, ids, &slots, &slot_of) &&
+        ggml_cuda_copy_experts(*cuda_ctx, src, dst, ids, slots, slot_of);
+}
+
+// the same copy on a second stream, while the context's stream computes what is queued next
+static bool ggml_backend_cuda_copy_experts_ahead(ggml_backend_t backend, const ggml_tensor * src, ggml_tensor * dst, const ggml_tensor * ids,
+        const ggml_tensor * slots, const ggml_tensor * slot_of) {
+    ggml_backend_cuda_context * cuda_ctx = (ggml_backend_cuda_context *) backend->context;
+    return ggml_backend_cuda_copy_experts_buffers(cuda_ctx, src, dst, ids, &slots, &slot_of) &&
+        ggml_cuda_copy_experts_ahead(*cuda_ctx, src, dst, ids, slots, slot_of);
+}
+
+// the context's stream waits for the last copy queued ahead
+static void ggml_backend_cuda_copy_experts_join(ggml_backend_t backend) {
+    ggml_cuda_copy_experts_join(*(ggml_backend_cuda_context *) backend->context);
+}
+
+void * ggml_cuda_moeplug_proc_address(const char * name) {
+    if (strcmp(name, "ggml_backend_copy_experts_async") == 0) {
+        return (void *) ggml_backend_cuda_copy_experts_async;
+    }
+    if (strcmp(name, "ggml_backend_copy_experts_ahead") == 0) {
+        return (void *) ggml_backend_cuda_copy_experts_ahead;
+    }
+    if (strcmp(name, "ggml_backend_copy_experts_join") == 0) {
+        return (void *) ggml_backend_cuda_copy_experts_join;
+    }
+    return nullptr;
 }

@@ -18,3 +18,8 @@ bool ggml_cuda_copy_experts_ahead(ggml_backend_cuda_context & ctx, const ggml_te
         const ggml_tensor * slots, const ggml_tensor * slot_of);
 void ggml_cuda_copy_experts_join(ggml_backend_cuda_context & ctx);
 void ggml_cuda_copy_experts_free(const ggml_backend_cuda_context & ctx);
+
+// The entry points above as the scheduler asks for them (ggml-moeplug.h: "ggml_backend_copy_experts_async",
+// "ggml_backend_copy_experts_ahead", "ggml_backend_copy_experts_join"), for the CUDA registry's get_proc_address;
+// nullptr for any other name.
+void * ggml_cuda_moeplug_proc_address(const char * name);
