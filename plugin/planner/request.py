@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from moeplug.core.errors import MoeplugError
+from moeplug.machine.backend import Backend
 from moeplug.machine.rpc import RemoteDevice
 from moeplug.planner.allocate import PREFILL_WEIGHT
 from moeplug.planner.costs import DEFAULT_COSTS, CostModel
@@ -110,6 +111,14 @@ class MachineFacts:
     costs: CostModel = DEFAULT_COSTS
     notes: tuple[str, ...] = ()  # what the probe has to say in the plan (e.g. one budget for two GPUs)
     remote: tuple[RemoteDevice, ...] = ()  # the devices of the request's rpc-servers (machine.rpc), in order
+    # the backend of the build the plan's GPU runs (what its GPU paths can do: machine.backend)
+    backend: Backend = Backend.CUDA
+    # whether the server may rely on pinned host memory (False under WSL2, which caps it near 1 GiB, or where a
+    # server's log showed it refused: machine.probes.pinned_refusal), and why not
+    pinned: bool = True
+    pinned_note: str = ""
+    # what the server needs to see the GPU planned for (machine.devices: a software Vulkan device named by index)
+    device_env: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
