@@ -151,7 +151,7 @@ def machine_gpus(build: Any, progress: ProgressFn = silent) -> tuple[list[Any], 
     (machine.devices): an AMD or Intel card through Vulkan, or a software Vulkan device named by index."""
     from moeplug.machine.devices import listed_gpus
 
-    gpu_build = build is not None and getattr(build, "build_id", None) and build.backend.gpu
+    gpu_build = build is not None and getattr(build, "backend", Backend.CPU).gpu
     backend = build.backend if gpu_build else Backend.CUDA
     found = gpus()
     if found or not gpu_build:
@@ -325,7 +325,8 @@ def launch_installed(m: InstalledModel, build: Any, serving: ServeOptions) -> An
 
     plan = m.plan
     check_hosts(m.request.rpc if m.request else ())  # llama.cpp would abort on one: say which first
-    args, env = (stock_args(plan), {}) if m.placement == "stock" else (plan.server_args, m.server_env())
+    # stock's placement still needs to see the plan's GPU (a software Vulkan device named by index)
+    args, env = (stock_args(plan), dict(plan.device_env)) if m.placement == "stock" else (plan.server_args, m.server_env())
     return launch_verified(m.name, Path(m.path), build.binary("llama-server"), m.build_id, args, plan.ctx, env=env,
                            plan=plan, **serving.launch_options())
 
