@@ -45,3 +45,32 @@ def missing_message(found: list[tuple[str, str]]) -> str:
     packages = " ".join(p for _, p in found)
     return (f"--vulkan: this machine lacks {what} (Debian/Ubuntu: apt-get install {packages}; "
             f"or a Vulkan SDK named by VULKAN_SDK)")
+
+
+# Mesa's software Vulkan driver (lavapipe), which runs a Vulkan build on the CPU: what tests without a GPU use
+LAVAPIPE_ICD_DIRS = (Path("/usr/share/vulkan/icd.d"), Path("/etc/vulkan/icd.d"))
+LAVAPIPE_PACKAGE = "mesa-vulkan-drivers"
+
+
+def has_lavapipe() -> bool:
+    return any(d.is_dir() and any(d.glob("lvp_icd*.json")) for d in LAVAPIPE_ICD_DIRS)
+
+
+def install_packages(packages: list[str], log: Path) -> None:
+    """apt-get install Debian packages, as root where apt-get is (a fresh CI machine); a one-line error
+    naming them elsewhere. The output goes to `log`."""
+    import subprocess
+
+    from moeplug.core.errors import MoeplugError
+
+    if not packages:
+        return
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        raise MoeplugError(f"missing Debian packages {' '.join(packages)}: apt-get install {' '.join(packages)} "
+                           f"(as root)")
+    env = os.environ | {"DEBIAN_FRONTEND": "noninteractive"}
+    with open(log, "a") as out:
+        for cmd in (["apt-get", "update", "-q"],
+                    ["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages]):
+            if subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=900).returncode != 0:
+                raise MoeplugError(f"{' '.join(cmd[:2])} {' '.join(packages)} failed (log: {log})")

@@ -231,9 +231,10 @@ def plan_for(info: ModelInfo, request: PlanRequest, profile: Path | None, loaded
     return make_plan(info, request, machine, loaded, profile)
 
 
-def demo_slots(info: ModelInfo, slots_on_cpu: bool) -> int:
-    """Slots per layer the demo holds in RAM without a GPU (0: none)."""
-    return max(1, info.n_expert // 4) if slots_on_cpu else 0
+def demo_slots(info: ModelInfo, demo: bool) -> int:
+    """Slots per layer the demo holds (in RAM without a GPU, on it with one), a quarter of its experts; 0: not the
+    demo."""
+    return max(1, info.n_expert // 4) if demo else 0
 
 
 def demo_budget(info: ModelInfo, ctx: int, backend: Backend) -> int:
@@ -305,7 +306,7 @@ def installed_record(text: str, choices: PlanChoices, backend: str | None, jobs:
     slots_on_cpu = ref.kind == "demo" and not result.backend.gpu
     if ref.kind == "demo" and result.backend.gpu and choices.vram_budget is None:
         choices = replace(choices, vram_budget=demo_budget(info, ctx, result.backend))
-    request = choices.over(PlanRequest(ctx, slots_in_ram=demo_slots(info, slots_on_cpu)), ctx)
+    request = choices.over(PlanRequest(ctx, slots_in_ram=demo_slots(info, ref.kind == "demo")), ctx)
     plan = plan_for(info, request, profile, build=result, progress=progress)
     record = InstalledModel(name=model_name(ref), ref=text, path=str(resolved.path), profile=str(profile),
                             build_id=result.build_id, ctx=ctx, plan=plan,

@@ -47,7 +47,9 @@ class PlanRequest:
     threads: int | None = None  # the server's -t (0: llama.cpp's default; None: the planner's choice)
     ubatch: int = UBATCH_AUTO  # the server's -ub (UBATCH_AUTO: the planner's choice)
     prompt_tokens: int | None = None  # the prompt length prompt batches are planned for (None: the profile's)
-    slots_in_ram: int = 0  # without a GPU, slots per layer held in RAM anyway (the demo's stand-in for a GPU)
+    # the demo's slots per layer, whatever the cost model says: without a GPU held in RAM (its stand-in for a GPU),
+    # with one on it
+    slots_in_ram: int = 0
     # the served traffic prefill_weight and prompt_tokens were learned from (serving.traffic), or None
     workload: dict[str, Any] | None = None
     # a calibration file to plan with (a machine's measured costs: operations.calibrate), or None: this

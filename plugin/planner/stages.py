@@ -241,7 +241,15 @@ def allocate_one_gpu(s: Setting, room: Room) -> Allocation:
     stock_slots = whole_layers_first(trunk, left + ahead)  # --fit's placement; stock has no second copy
     slots, factor = (allocate_against_stock(s.costs, left, stock_slots) if s.profile
                      else (whole_layers_first(trunk, left), 1.0))
-    alloc = Allocation(slots, stock_slots, left, budget, ahead, prompt_factor=factor, copy_ahead=s.copy_ahead)
+    notes = []
+    demo = [min(s.request.slots_in_ram, trunk.n_expert)] * len(trunk.layers)
+    if s.profile and demo[0] and sum(n * layer.bytes_per_expert for n, layer in zip(demo, trunk.layers)) <= left:
+        # the demo's slots, whatever the cost model makes of a model this small: the path is what it shows
+        slots, factor = demo, 1.0
+        notes.append(f"the demo: {demo[0]} slots per layer on the GPU whatever the cost model says (its experts are too "
+                     f"small for slots to pay), to show the path")
+    alloc = Allocation(slots, stock_slots, left, budget, ahead, prompt_factor=factor, copy_ahead=s.copy_ahead,
+                       notes=notes)
     if s.profile and s.partial(slots):
         streamed(s, alloc, room)
     if alloc.ahead and not s.partial(alloc.slots):
