@@ -18,7 +18,7 @@ from helpers import XDG, XdgHome, fixture_spec
 from moeplug.model.synth import ARCHS, make_model
 
 
-BUILD_FIXTURES = frozenset({"patched_build", "stock_build", "sanitized_build", "rpc_hosts", "rpc_devices"})
+BUILD_FIXTURES = frozenset({"patched_build", "stock_build", "sanitized_build", "vulkan_build", "rpc_hosts", "rpc_devices"})
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -64,6 +64,21 @@ def stock_build():
     from moeplug.native import build, resolve_options
 
     return build(resolve_options("cpu", stock=True, jobs=0, cuda_arch=None))
+
+
+@pytest.fixture(scope="session")
+def vulkan_build():
+    """The patched Vulkan build (`moeplug native build --vulkan`), run on Mesa's software Vulkan driver
+    (lavapipe) without a GPU. What it needs from Debian (the Vulkan headers, glslc, the SPIR-V headers and
+    lavapipe) is installed first where missing (a fresh CI machine runs as root), else named in one line."""
+    from moeplug.core.paths import logs_dir
+    from moeplug.native import build, resolve_options, vulkan
+
+    logs_dir().mkdir(parents=True, exist_ok=True)
+    needed = [package for _, package in vulkan.missing()]
+    needed += [] if vulkan.has_lavapipe() else [vulkan.LAVAPIPE_PACKAGE]
+    vulkan.install_packages(needed, logs_dir() / "vulkan-packages.log")
+    return build(resolve_options("vulkan", stock=False, jobs=0, cuda_arch=None))
 
 
 @pytest.fixture(scope="session")

@@ -177,7 +177,8 @@ class XdgHome(dict):
 
 
 # make_plan's request and machine facts from one flat set of keywords, as the planner's tests write them
-MACHINE_KEYS = ("ram_available", "cpu_cores", "need", "draft_need", "expert_room")
+MACHINE_KEYS = ("ram_available", "cpu_cores", "need", "draft_need", "expert_room", "backend", "pinned", "pinned_note",
+                "device_env")
 
 
 def plan_with(info: Any, ctx: int, budget: Any, profile_path: Path | None = None, *, profile: Any = None,

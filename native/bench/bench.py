@@ -250,6 +250,23 @@ class Prebuilt:
     def build_id(self) -> str:
         return f"prebuilt {self.bin_dir}"
 
+    @property
+    def manifest(self) -> dict:
+        """The build's build.json beside bin/ (a moeplug build), else nothing."""
+        import json
+
+        try:
+            return json.loads((self.bin_dir.parent / "build.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    @property
+    def backend(self):
+        """The backend its manifest names (a folder without one: the CPU's, so that plans keep CUDA's defaults)."""
+        from moeplug.machine.backend import backend
+
+        return backend(self.manifest.get("backend"))
+
     def binary(self, name: str) -> Path:
         return self.bin_dir / name
 

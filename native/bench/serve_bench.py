@@ -976,7 +976,8 @@ def main(argv: list[str] | None = None) -> int:
                          "flags (the patches unused without the cache's flags); the tables say which")
     ap.add_argument("--prebuilt-moeplug", type=Path, help="bin/ folder of a patched build (skip building)")
     ap.add_argument("--prebuilt-stock", type=Path, help="bin/ folder of a stock build (skip building)")
-    ap.add_argument("--backend", choices=("cpu", "cuda"), help="builds to make (default: CUDA where there is a GPU)")
+    ap.add_argument("--backend", choices=("cpu", "cuda", "vulkan"),
+                    help="builds to make (default: CUDA where there is a GPU; vulkan: the Vulkan builds)")
     ap.add_argument("--jobs", type=int, default=0)
     ap.add_argument("--seed", type=int, default=7, help="random prompts")
     ap.add_argument("--warmup", type=int, default=1, help="unmeasured requests after each launch (random tokens; "

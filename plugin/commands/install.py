@@ -69,7 +69,7 @@ def plan_text(p: Plan, width: int | None = None) -> str:
         ["prompt length planned for", (f"{p.prompt_tokens} tokens (" + ("learned" if p.workload else "--prompt-tokens")
                                        + ")") if p.prompt_tokens else "the profile's prompts"],
         ["prompt batch", f"{p.ubatch} tokens (-ub), " + _ubatch_source(p)],
-        *([["costs (CPU, bus)", _costs(p)]] if p.backend == "cuda" else []),
+        *([["costs (CPU, bus)", _costs(p)]] if p.backend.gpu else []),
         *([["hop to a remote device", _hop(p)]] if remote else []),
     ]
     lines = [fitted_table(["plan", ""], rows, width)] + ([devices_text(p)] if p.devices else [])

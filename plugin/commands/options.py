@@ -195,10 +195,17 @@ def add_json(p: argparse.ArgumentParser, help: str = "machine-readable output") 
 
 
 def add_backend(p: argparse.ArgumentParser, what: str = "build") -> None:
-    """--cpu | --cuda -> args.backend ("cpu", "cuda" or None: CUDA when nvcc and a GPU are here)."""
+    """--cpu | --cuda | --vulkan | --backend NAME -> args.backend ("cpu", "cuda", "vulkan" or None: CUDA
+    when nvcc and a GPU are here, else the CPU)."""
+    from moeplug.machine.backend import Backend
+
     group = p.add_mutually_exclusive_group()
     group.add_argument("--cpu", dest="backend", action="store_const", const="cpu", help=f"force a CPU {what}")
     group.add_argument("--cuda", dest="backend", action="store_const", const="cuda", help=f"force a CUDA {what}")
+    group.add_argument("--vulkan", dest="backend", action="store_const", const="vulkan",
+                       help=f"a Vulkan {what} (AMD, Intel or NVIDIA GPUs; Mesa's lavapipe without one)")
+    group.add_argument("--backend", dest="backend", choices=[b.value for b in Backend],
+                       help=f"the {what}'s backend (default: CUDA when nvcc and a GPU are here, else the CPU)")
     p.set_defaults(backend=None)
 
 

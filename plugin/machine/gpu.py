@@ -1,4 +1,5 @@
-"""The one NVML probe: what NVIDIA GPUs this machine has, and how full they are.
+"""The one NVML probe: what NVIDIA GPUs this machine has, and how full they are (GPUs NVML does not
+see: machine.devices, as llama.cpp lists them).
 
 Every caller (the planner, the native build, `moeplug status`, the dashboard) reads GPUs
 through here, so "no GPU" means the same thing everywhere: no NVML library, no driver or no
@@ -23,7 +24,8 @@ class GpuInfo:
     used_bytes: int
     free_bytes: int
     utilization: int | None  # percent, None where the driver does not say
-    compute_capability: str  # CMake form, "90"
+    compute_capability: str  # CMake form, "90" ('' for a GPU llama.cpp listed: machine.devices)
+    device: str = ""  # llama.cpp's name where llama.cpp listed it (Vulkan0; machine.devices), '' from NVML
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 
 
@@ -78,3 +79,49 @@ def usable_cores() -> int | None:
     planner halves for the server's threads (plan.server_threads)."""
     cores, quota = physical_cores(), cpu_quota_cores()
     return min(cores, quota) if cores and quota else cores or quota
+
+
+def wsl(version: Path = Path("/proc/version")) -> bool:
+    """Whether this Linux runs under Microsoft's WSL (its kernel says so in /proc/version)."""
+    try:
+        text = version.read_text().lower()
+    except OSError:
+        return False
+    return "microsoft" in text or "wsl" in text
+
+
+# what llama.cpp logs where pinned host memory was refused and it fell back to pageable memory without a
+# word more: ggml-vulkan's warnings, and ggml-cuda's line (logged only at debug verbosity)
+PINNED_REFUSED = re.compile(r"Failed to allocate pinned memory|failed to allocate [\d.]+ Mi?B of pinned memory")
+
+
+def pinned_refused(log_text: str) -> str | None:
+    """The line of a server's log that says pinned host memory was refused, or None."""
+    m = PINNED_REFUSED.search(log_text)
+    if m is None:
+        return None
+    start = log_text.rfind("\n", 0, m.start()) + 1
+    end = log_text.find("\n", m.end())
+    return log_text[start:end if end >= 0 else None].strip()
+
+
+def pinned_refusal_marker() -> Path:
+    """Where serving.launch keeps the log line that showed pinned host memory refused on this machine."""
+    from moeplug.core.paths import state_dir
+
+    return state_dir() / "pinned-memory-refused"
+
+
+def pinned_memory(marker: Path | None = None, version: Path = Path("/proc/version")) -> tuple[bool, str]:
+    """Whether plans may rely on pinned host memory here, and the one line a plan says where not: not
+    under WSL2 (it caps pinned memory near 1 GiB and llama.cpp then falls back to slow pageable buffers
+    without a word), nor where a server's log showed it refused (`marker`: the line, kept by
+    serving.launch)."""
+    if wsl(version):
+        return False, ("WSL2: pinned host memory is capped near 1 GiB, so the plan does not rely on it (experts "
+                       "memory-mapped, no streamed misses)")
+    if marker is not None and marker.is_file():
+        line = marker.read_text().strip()
+        return False, (f"a server's log showed pinned host memory refused ({line}), so the plan does not rely on "
+                       f"it (experts memory-mapped, no streamed misses); remove {marker} to try it again")
+    return True, ""

@@ -1,4 +1,4 @@
-"""Build llama.cpp (stock or patched, CPU or CUDA) offline and install it under a build id.
+"""Build llama.cpp (stock or patched; CPU, CUDA or Vulkan) offline and install it under a build id.
 
     builds/<build-id>/bin/llama-server ...   programs and their shared libraries
     builds/<build-id>/build.json             what was built, from what, and what it supports
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from moeplug.core.errors import BuildError, MoeplugError
+from moeplug.machine.backend import Backend, backend as backend_of
 from moeplug.core.fsutil import atomic_dir, write_text_atomic
 from moeplug.native.cpu_probe import native_cpu_flags
 from moeplug.native.features import detect_features
@@ -41,6 +42,12 @@ PATCHED_TARGETS = (
     "llama-fit-params",
 )
 STOCK_TARGETS = (*TARGETS, "llama-eval-callback")
+# A Vulkan build compiles its shaders (most of its time on 2 cores), so it builds what installing, serving and
+# its tests run: the profiler, llama.cpp's own estimate of the GPU's buffers, the bitwise test and the op tests
+# (test-backend-ops: the shaders' negative expert ids against the CPU); the stock one what a benchmark's
+# stock side runs
+VULKAN_TARGETS = (*TARGETS, "llama-moe-profile", "llama-fit-params", "test-moe-cache", "test-backend-ops")
+VULKAN_STOCK_TARGETS = TARGETS
 # A sanitized build (--sanitize) has only what the hostile-file tests run: the server, which reads
 # profiles and models, and in a patched build the profiler that writes the profiles.
 SANITIZE_TARGETS = ("llama-server",)
@@ -83,7 +90,7 @@ MANIFEST = "build.json"
 
 @dataclass(frozen=True)
 class BuildOptions:
-    backend: str  # "cpu" or "cuda"
+    backend: Backend
     stock: bool = False
     cuda_arch: str | None = None
     jobs: int = 0  # 0: one per core
@@ -92,9 +99,12 @@ class BuildOptions:
     sanitize: bool = False  # ASan + UBSan (SANITIZE_CMAKE_FLAGS), CPU only
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "backend", backend_of(self.backend))
         if not self.targets:
             if self.sanitize:
                 targets = SANITIZE_TARGETS if self.stock else PATCHED_SANITIZE_TARGETS
+            elif self.backend is Backend.VULKAN:
+                targets = VULKAN_STOCK_TARGETS if self.stock else VULKAN_TARGETS
             else:
                 targets = STOCK_TARGETS if self.stock else PATCHED_TARGETS
             object.__setattr__(self, "targets", targets)
@@ -102,7 +112,7 @@ class BuildOptions:
     def identity(self) -> dict[str, Any]:
         """What changes the produced binaries (jobs does not). A build without sanitizers has no
         "sanitize" key, so its id is the one it had before sanitized builds existed."""
-        ident: dict[str, Any] = {"backend": self.backend, "stock": self.stock, "cuda_arch": self.cuda_arch,
+        ident: dict[str, Any] = {"backend": self.backend.value, "stock": self.stock, "cuda_arch": self.cuda_arch,
                                  "targets": list(self.targets), "cpu_flags": list(self.cpu_flags)}
         if self.sanitize:
             ident["sanitize"] = list(SANITIZE_CMAKE_FLAGS)
@@ -120,6 +130,11 @@ class BuildResult:
     def bin_dir(self) -> Path:
         return self.path / "bin"
 
+    @property
+    def backend(self) -> Backend:
+        """The backend it was built for (its manifest's; a manifest without one: the CPU)."""
+        return backend_of(self.manifest.get("backend"))
+
     def binary(self, name: str) -> Path:
         return self.bin_dir / name
 
@@ -132,7 +147,7 @@ def build_id(spec: NativeSpec, opts: BuildOptions, origin: str | None = None) ->
     # the build number and commit compiled in (a build made before they were set says b0-unknown: made again)
     h.update(json.dumps(build_info(spec, opts.stock, origin)).encode())
     kind = "stock" if opts.stock else "moeplug"
-    return f"{spec.lock.tag}-{opts.backend}-{kind}-{h.hexdigest()[:12]}{SANITIZE_SUFFIX if opts.sanitize else ''}"
+    return f"{spec.lock.tag}-{opts.backend.value}-{kind}-{h.hexdigest()[:12]}{SANITIZE_SUFFIX if opts.sanitize else ''}"
 
 
 def build_info(spec: NativeSpec, stock: bool, origin: str | None = None) -> tuple[int, str]:
@@ -181,18 +196,22 @@ def find_nvcc() -> str | None:
     )
 
 
-def resolve_options(backend: str | None, stock: bool, jobs: int, cuda_arch: str | None,
+def resolve_options(backend: str | Backend | None, stock: bool, jobs: int, cuda_arch: str | None,
                     sanitize: bool = False) -> BuildOptions:
-    """Pick the backend: CUDA when nvcc and a GPU are present (or forced), else CPU; a sanitized
-    build is a CPU build."""
+    """Pick the backend: CUDA when nvcc and a GPU are present (or forced), Vulkan when asked (its
+    headers and glslc checked here: one line naming the packages), else CPU; a sanitized build is a
+    CPU build."""
+    from moeplug.native import vulkan
+
+    asked = None if backend is None else backend_of(backend)
     if sanitize:
-        if backend == "cuda":
-            raise MoeplugError("--sanitize: sanitized builds are CPU builds (drop --cuda)")
-        backend = "cpu"
-    gpu_arch = detect_gpu_arch() if backend != "cpu" else None  # no NVML probe for a CPU build
-    if backend is None:
-        backend = "cuda" if find_nvcc() and gpu_arch else "cpu"
-    if backend == "cuda":
+        if asked is not None and asked.gpu:
+            raise MoeplugError(f"--sanitize: sanitized builds are CPU builds (drop --{asked.value})")
+        asked = Backend.CPU
+    gpu_arch = detect_gpu_arch() if asked in (None, Backend.CUDA) else None  # no NVML probe for another build
+    if asked is None:
+        asked = Backend.CUDA if find_nvcc() and gpu_arch else Backend.CPU
+    if asked is Backend.CUDA:
         if not find_nvcc():
             raise MoeplugError("--cuda: nvcc not found (install the CUDA toolkit or put nvcc on PATH)")
         cuda_arch = cuda_arch or gpu_arch
@@ -200,7 +219,9 @@ def resolve_options(backend: str | None, stock: bool, jobs: int, cuda_arch: str 
             raise MoeplugError("--cuda: no GPU to read the compute capability from; pass --cuda-arch (e.g. 90)")
     else:
         cuda_arch = None
-    return BuildOptions(backend=backend, stock=stock, cuda_arch=cuda_arch, jobs=jobs, cpu_flags=native_cpu_flags(),
+    if asked is Backend.VULKAN and vulkan.missing():
+        raise MoeplugError(vulkan.missing_message(vulkan.missing()))
+    return BuildOptions(backend=asked, stock=stock, cuda_arch=cuda_arch, jobs=jobs, cpu_flags=native_cpu_flags(),
                         sanitize=sanitize)
 
 
@@ -218,7 +239,9 @@ def cmake_args(opts: BuildOptions, tree: Path, build_dir: Path, info: tuple[int,
         args += SANITIZE_CMAKE_FLAGS  # after OFFLINE_CMAKE_FLAGS: its build type wins
     else:
         args += RPC_CMAKE_FLAGS
-    if opts.backend == "cuda":
+    if opts.backend is Backend.VULKAN:
+        args.append("-DGGML_VULKAN=ON")
+    if opts.backend is Backend.CUDA:
         args += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={opts.cuda_arch}"]
         nvcc = find_nvcc()
         if nvcc:
@@ -299,7 +322,7 @@ def build(opts: BuildOptions, spec: NativeSpec | None = None, progress: Progress
                 "build_id": bid,
                 "llama_cpp_tag": spec.lock.tag,
                 "build_info": "b{}-{}".format(*build_info(spec, opts.stock)),  # llama-server's system_fingerprint
-                "backend": opts.backend,
+                "backend": opts.backend.value,
                 "stock": opts.stock,
                 "cuda_arch": opts.cuda_arch,
                 "cpu_flags": list(opts.cpu_flags),

@@ -434,7 +434,7 @@ def sides_for(m: Any, options: BenchOptions, progress: ProgressFn) -> tuple[dict
         other, other_label = "stock", "stock"
         stock_build = stock_build_for(mine_build, options.stock_binary or "stock", progress)
         stock = stock_args(plan, stock_ubatch=options.stock_ubatch)
-        sides["stock"] = Side(with_threads(stock, options.stock_threads) + slots, {},
+        sides["stock"] = Side(with_threads(stock, options.stock_threads) + slots, dict(plan.device_env),
                               binary=str(stock_build.binary("llama-server")), build_id=stock_build.build_id)
         if options.stock_binary == "patched":
             notes.append(f"stock's side ran the patched build {stock_build.build_id} with stock's flags "

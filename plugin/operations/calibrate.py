@@ -82,6 +82,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
+from moeplug.machine.backend import Backend
 from moeplug.core.errors import MoeplugError, NotApplicableError
 from moeplug.core.fsutil import write_text_atomic
 from moeplug.core.output import human_bytes
@@ -494,7 +495,7 @@ def calibrate(build: Any, model: Path | None = None, threads: int | None = None,
     fingerprint, identity = machine_fingerprint(build.build_id)
     tool = build.binary("llama-bench")
     found = gpus()
-    gpu_build = build.manifest.get("backend") == "cuda"
+    gpu_build = build.backend is Backend.CUDA  # its runs move experts with CUDA's pinned copies and NVML's memory
     use_gpu = bool(found) and gpu_build
     moved = _moved_blocks(info, found[0].free_bytes) if use_gpu else []
     dense_fits = use_gpu and found[0].free_bytes > info.non_expert_bytes + VRAM_HEADROOM
@@ -551,7 +552,7 @@ def calibrate(build: Any, model: Path | None = None, threads: int | None = None,
     # alone back in RAM: the CPU's rate and the round trip each from what isolates it (_split_costs) ---
     round_trip = prompt_rate = None
     if found and not gpu_build:
-        notes.append(f"a {build.manifest.get('backend', 'CPU')} build: the round trip and the prompt uploads "
+        notes.append(f"a {build.backend.label} build: the round trip and the prompt uploads "
                      "need a CUDA build and are not measured")
     elif use_gpu and not dense_fits:
         notes.append(f"the weights beside the experts ({human_bytes(info.non_expert_bytes)}) do not fit in GPU 0's "

@@ -116,7 +116,7 @@ def contenders(m: InstalledModel, progress: ProgressFn = silent) -> list[Contend
         else:
             progress(Note(f"{m.name}: the fitted figures plan the same server flags as this machine's: one plan "
                           f"to check"))
-    out.append(Contender("stock", None, "", side(stock_args(mine), {}), weight))
+    out.append(Contender("stock", None, "", side(stock_args(mine), dict(mine.device_env)), weight))  # the same GPU
     return out
 
 

@@ -22,7 +22,8 @@ from moeplug.planner.costs import DEFAULT_COSTS, CostModel
 from moeplug.planner.request import COSTS_FITTED, MachineFacts, PlanChoices, PlanRequest
 from moeplug.planner.server_flags import stock_args
 from moeplug.profile.format import Profile
-from moeplug.machine.probes import available_ram_bytes, usable_cores
+from moeplug.machine.backend import Backend
+from moeplug.machine.probes import available_ram_bytes, pinned_memory, pinned_refusal_marker, usable_cores
 from moeplug.profile.runner import DEFAULT_PROMPT_SETS
 from moeplug.core.progress import Note, ProgressFn, silent
 from moeplug.model.refs import ModelRef, ResolvedModel, parse_ref, resolve_ref
@@ -127,18 +128,43 @@ def probe_machine(info: ModelInfo, request: PlanRequest, build: Any = None,
     still None without a GPU: a CPU plan)."""
     from moeplug.planner.fit_estimate import gpu_need
 
-    found = gpus()
+    found, backend, device_env, device_notes = machine_gpus(build, progress)
     budget = vram_budgets(request.vram_budget, found)
     one_gpu = budget is not None and not isinstance(budget, list)
     fit_tool = build.binary("llama-fit-params") if build is not None else None
     need = gpu_need(fit_tool, info.path, request.ctx) if fit_tool is not None and one_gpu else None
     note = one_budget_note(budget, found)
     remote, remote_notes = remote_for(request, build, progress)
+    pinned, pinned_note = pinned_memory(pinned_refusal_marker())
     facts = MachineFacts(ram_available=available_ram_bytes(), cpu_cores=usable_cores(), need=need,
                          draft_need=draft_need_for(request.spec, request.ctx, fit_tool if one_gpu else None),
                          costs=machine_costs(request, build, bool(found), progress, info.path),
-                         notes=((note,) if note else ()) + remote_notes, remote=remote)
+                         notes=((note,) if note else ()) + device_notes + remote_notes, remote=remote,
+                         backend=backend, pinned=pinned, pinned_note=pinned_note, device_env=device_env)
     return replace(request, vram_budget=budget), facts
+
+
+def machine_gpus(build: Any, progress: ProgressFn = silent) -> tuple[list[Any], Backend, tuple[tuple[str, str], ...],
+                                                                      tuple[str, ...]]:
+    """The GPUs a plan for `build` may use, the backend they run on, the environment the server needs to
+    see them and what the plan says of them: NVML's GPUs, else (a GPU build) the devices llama.cpp lists
+    (machine.devices): an AMD or Intel card through Vulkan, or a software Vulkan device named by index."""
+    from moeplug.machine.devices import listed_gpus
+
+    gpu_build = build is not None and getattr(build, "backend", Backend.CPU).gpu
+    backend = build.backend if gpu_build else Backend.CUDA
+    found = gpus()
+    if found or not gpu_build:
+        return found, backend, (), ()
+    listed = listed_gpus(build.binary("llama-server"), build.backend)
+    notes: tuple[str, ...] = ()
+    if listed.software:
+        g = listed.gpus[0]
+        notes = (f"{g.device} is {g.name}, a Vulkan driver that runs on the CPU: llama.cpp uses it only when named "
+                 f"({', '.join(f'{k}={v}' for k, v in listed.env.items())}, which the server gets); same results, "
+                 f"no speedup",)
+        progress(Note(notes[0]))
+    return listed.gpus, backend, tuple(listed.env.items()), notes
 
 
 def remote_for(request: PlanRequest, build: Any, progress: ProgressFn = silent) -> tuple[tuple[Any, ...], tuple[str, ...]]:
@@ -205,9 +231,19 @@ def plan_for(info: ModelInfo, request: PlanRequest, profile: Path | None, loaded
     return make_plan(info, request, machine, loaded, profile)
 
 
-def demo_slots(info: ModelInfo, slots_on_cpu: bool) -> int:
-    """Slots per layer the demo holds in RAM without a GPU (0: none)."""
-    return max(1, info.n_expert // 4) if slots_on_cpu else 0
+def demo_slots(info: ModelInfo, demo: bool) -> int:
+    """Slots per layer the demo holds (in RAM without a GPU, on it with one), a quarter of its experts; 0: not the
+    demo."""
+    return max(1, info.n_expert // 4) if demo else 0
+
+
+def demo_budget(info: ModelInfo, ctx: int, backend: Backend) -> int:
+    """The demo's budget on a GPU where none is given: what the GPU holds beside the experts (moeplug's
+    estimate) and a quarter of the expert bytes, so that the tiny model keeps most experts in RAM and the
+    slots show, as on a consumer GPU (any GPU holds all of it)."""
+    whole = make_plan(info, PlanRequest(ctx, 1 << 50), MachineFacts(backend=backend))
+    other = whole.non_expert_vram_bytes + whole.kv_cache_bytes + whole.compute_bytes + whole.margin_bytes
+    return other + info.expert_bytes // 4
 
 
 def draft_need_for(spec: Speculation | None, ctx: int, fit_tool: Path | None) -> Any:
@@ -267,12 +303,14 @@ def installed_record(text: str, choices: PlanChoices, backend: str | None, jobs:
     profile = ensure_profile(resolved.path, result.binary("llama-moe-profile"),
                              profile_tokens or default_profile_tokens(ref),
                              list(prompt_sets or DEFAULT_PROMPT_SETS), progress=progress)
-    slots_on_cpu = ref.kind == "demo" and result.manifest.get("backend") == "cpu"
-    request = choices.over(PlanRequest(ctx, slots_in_ram=demo_slots(info, slots_on_cpu)), ctx)
+    slots_on_cpu = ref.kind == "demo" and not result.backend.gpu
+    if ref.kind == "demo" and result.backend.gpu and choices.vram_budget is None:
+        choices = replace(choices, vram_budget=demo_budget(info, ctx, result.backend))
+    request = choices.over(PlanRequest(ctx, slots_in_ram=demo_slots(info, ref.kind == "demo")), ctx)
     plan = plan_for(info, request, profile, build=result, progress=progress)
     record = InstalledModel(name=model_name(ref), ref=text, path=str(resolved.path), profile=str(profile),
                             build_id=result.build_id, ctx=ctx, plan=plan,
-                            slots_on_cpu=slots_on_cpu and plan.backend == "cpu" and not plan.devices,
+                            slots_on_cpu=slots_on_cpu and not plan.backend.gpu and not plan.devices,
                             request=replace(request, vram_budget=plan.budget))
     write_installed(record)
     refresh_hooks(list_installed(), progress)
@@ -288,7 +326,8 @@ def launch_installed(m: InstalledModel, build: Any, serving: ServeOptions) -> An
 
     plan = m.plan
     check_hosts(m.request.rpc if m.request else ())  # llama.cpp would abort on one: say which first
-    args, env = (stock_args(plan), {}) if m.placement == "stock" else (plan.server_args, m.server_env())
+    # stock's placement still needs to see the plan's GPU (a software Vulkan device named by index)
+    args, env = (stock_args(plan), dict(plan.device_env)) if m.placement == "stock" else (plan.server_args, m.server_env())
     return launch_verified(m.name, Path(m.path), build.binary("llama-server"), m.build_id, args, plan.ctx, env=env,
                            plan=plan, **serving.launch_options())
 

@@ -25,6 +25,7 @@ from typing import Callable
 
 from moeplug.core.errors import MoeplugError
 from moeplug.core.output import human_bytes
+from moeplug.machine.backend import CAPABILITIES
 from moeplug.model.inspect import ModelInfo
 from moeplug.planner.costs import DEFAULT_COSTS, CostModel
 from moeplug.planner.estimates import DEFAULT_UBATCH
@@ -145,7 +146,7 @@ def server_threads(plan: Plan, cpu_cores: int | None, asked: int | None, costs: 
     if asked is not None:
         return asked or None
     partial = sum(0 < n < plan.n_expert for n in plan.slots_per_layer)
-    if plan.backend != "cuda" or not partial or "--moe-cache-slots" not in plan.server_args:
+    if not plan.backend.gpu or not partial or "--moe-cache-slots" not in plan.server_args:
         return None
     if partial > costs.server_threads_few_partial * len(plan.slots_per_layer):
         return None
@@ -170,15 +171,21 @@ def plan_copies(info: ModelInfo, request: PlanRequest, machine: MachineFacts, pr
                 profile_path: Path | None) -> Plan:
     """The plan at request.ubatch, with or without the copies ahead as asked, or the planner's choice:
     with them, unless the plan keeps at most CostModel.copy_ahead_few_partial of the MoE layers partly
-    resident, where the bytes of their second weight copy go to slots instead (one GPU)."""
+    resident, where the bytes of their second weight copy go to slots instead (one GPU); never on a GPU
+    backend without them (asked for there: a one-line error)."""
     def planned(ahead: bool) -> Plan:
         return plan_once(info, request, machine, profile, profile_path, ahead)
 
+    gpu = machine.backend if request.vram_budget is not None else None
+    if gpu is not None and not gpu.can_copy_ahead:
+        if request.copy_ahead:
+            raise MoeplugError(f"copies ahead: not on {gpu.label} yet ({CAPABILITIES['copy_ahead']}: CUDA only)")
+        return planned(False)
     if request.copy_ahead is not None:
         return planned(request.copy_ahead)
     plan = planned(True)
     partial = sum(0 < n < info.n_expert for n in plan.slots_per_layer)
-    if plan.backend != "cuda" or plan.devices is not None or not partial or \
+    if not plan.backend.gpu or plan.devices is not None or not partial or \
             partial > machine.costs.copy_ahead_few_partial * len(plan.slots_per_layer):
         return plan
     single = planned(False)

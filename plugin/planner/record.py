@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
+from moeplug.machine.backend import Backend, backend as backend_of
 from moeplug.planner.allocate import PREFILL_WEIGHT
 from moeplug.planner.estimates import DEFAULT_UBATCH
 from moeplug.planner.multi_gpu import DevicePlan
@@ -28,7 +29,7 @@ PLANNER_REVISION = 3
 @dataclass
 class Plan:
     model: str
-    backend: str  # "cuda" or "cpu"
+    backend: Backend  # the build it runs on: CPU (no GPU), CUDA or Vulkan
     ctx: int
     vram_budget_bytes: int | None
     non_expert_vram_bytes: int
@@ -106,6 +107,12 @@ class Plan:
     # the cost model the plan was made with (CostModel.to_json()) where it is not the GPU machine's
     # fitted figures (a calibration of this machine, or a file given by hand); absent from the JSON otherwise
     cost_model: dict[str, Any] | None = None
+    # the environment the server needs to see the plan's GPU (machine.devices: a software Vulkan device named
+    # by index), beside server_env's own
+    device_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.backend = backend_of(self.backend)
 
     @property
     def workload_source(self) -> str:
@@ -117,13 +124,16 @@ class Plan:
 
     def server_env(self) -> dict[str, str]:
         """The environment the plan's server runs with beside its flags."""
-        return {} if self.copy_ahead else {"GGML_SCHED_EXPERT_COPY_AHEAD": "0"}
+        ahead_off = not self.copy_ahead and self.backend.can_copy_ahead  # a backend without them needs no switch
+        return dict(self.device_env) | ({"GGML_SCHED_EXPERT_COPY_AHEAD": "0"} if ahead_off else {})
 
     def to_json(self) -> dict[str, Any]:
-        doc = asdict(self)
+        doc = asdict(self) | {"backend": self.backend.value}
         for key in ("devices", "tensor_split", "cost_model"):
             if doc[key] is None:
                 del doc[key]
+        if not doc["device_env"]:
+            del doc["device_env"]
         if self.devices:
             doc["devices"] = [d.to_json() for d in self.devices]
         return doc

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from moeplug.core.errors import MoeplugError
+from moeplug.machine.backend import Backend
 from moeplug.machine.rpc import RemoteDevice
 from moeplug.planner.allocate import PREFILL_WEIGHT
 from moeplug.planner.costs import DEFAULT_COSTS, CostModel
@@ -46,7 +47,9 @@ class PlanRequest:
     threads: int | None = None  # the server's -t (0: llama.cpp's default; None: the planner's choice)
     ubatch: int = UBATCH_AUTO  # the server's -ub (UBATCH_AUTO: the planner's choice)
     prompt_tokens: int | None = None  # the prompt length prompt batches are planned for (None: the profile's)
-    slots_in_ram: int = 0  # without a GPU, slots per layer held in RAM anyway (the demo's stand-in for a GPU)
+    # the demo's slots per layer, whatever the cost model says: without a GPU held in RAM (its stand-in for a GPU),
+    # with one on it
+    slots_in_ram: int = 0
     # the served traffic prefill_weight and prompt_tokens were learned from (serving.traffic), or None
     workload: dict[str, Any] | None = None
     # a calibration file to plan with (a machine's measured costs: operations.calibrate), or None: this
@@ -110,6 +113,14 @@ class MachineFacts:
     costs: CostModel = DEFAULT_COSTS
     notes: tuple[str, ...] = ()  # what the probe has to say in the plan (e.g. one budget for two GPUs)
     remote: tuple[RemoteDevice, ...] = ()  # the devices of the request's rpc-servers (machine.rpc), in order
+    # the backend of the build the plan's GPU runs (what its GPU paths can do: machine.backend)
+    backend: Backend = Backend.CUDA
+    # whether the server may rely on pinned host memory (False under WSL2, which caps it near 1 GiB, or where a
+    # server's log showed it refused: machine.probes.pinned_refusal), and why not
+    pinned: bool = True
+    pinned_note: str = ""
+    # what the server needs to see the GPU planned for (machine.devices: a software Vulkan device named by index)
+    device_env: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

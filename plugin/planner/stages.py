@@ -25,6 +25,7 @@ import numpy as np
 from moeplug.core.errors import MoeplugError
 from moeplug.core.output import human_bytes
 from moeplug.core.sizes import GIB
+from moeplug.machine.backend import Backend
 from moeplug.model.inspect import ModelInfo
 from moeplug.planner.allocate import (LayerCost, allocate_against_stock, hit_curves, long_prompt_uploads,
                                       modelled_prompt_seconds, modelled_seconds, prefill_uploads, stream_share)
@@ -93,16 +94,17 @@ class Setting:
         GPUs; None for one GPU or none."""
         budget, remote = self.budget, self.machine.remote
         local = budget if isinstance(budget, list) else [] if budget is None else [budget]
+        prefix = self.machine.backend.device_prefix
         if not remote:
-            return [SplitDevice(f"CUDA{i}", b) for i, b in enumerate(local)] if len(local) > 1 else None
+            return [SplitDevice(f"{prefix}{i}", b) for i, b in enumerate(local)] if len(local) > 1 else None
         asked = self.request.rpc_budget or []
         return ([SplitDevice(d.name, asked[i] if i < len(asked) else d.free_bytes, d.endpoint, d.free_bytes)
-                 for i, d in enumerate(remote)] + [SplitDevice(f"CUDA{i}", b) for i, b in enumerate(local)])
+                 for i, d in enumerate(remote)] + [SplitDevice(f"{prefix}{i}", b) for i, b in enumerate(local)])
 
     @property
-    def backend(self) -> str:
-        """The build the plan runs on: CUDA where this machine has a GPU to plan for."""
-        return "cpu" if self.budget is None else "cuda"
+    def backend(self) -> Backend:
+        """The build the plan runs on: the machine's GPU backend where it has a GPU to plan for, else the CPU."""
+        return Backend.CPU if self.budget is None else self.machine.backend
 
     @property
     def nextn_slots(self) -> list[int]:
@@ -186,9 +188,13 @@ def setting(info: ModelInfo, request: PlanRequest, machine: MachineFacts, profil
         raise MoeplugError(f"{info.path}: routed experts only in its MTP (NextN) blocks: nothing for moeplug to plan")
     draft = spec_need(info, spec, request.ctx, machine.draft_need)
     costs = layer_costs(trunk, profile, request, machine, copy_ahead)
-    # pinned memory speeds up copies to a GPU of this machine: without one, mmap
-    load_mode, load_notes = choose_load_mode(info, machine.ram_available) if request.vram_budget is not None \
-        else ("mmap", ())
+    # pinned memory speeds up copies to a GPU of this machine: without one, or where the machine refuses it, mmap
+    if request.vram_budget is None:
+        load_mode, load_notes = "mmap", ()
+    elif not machine.pinned:
+        load_mode, load_notes = "mmap", (machine.pinned_note,) if machine.pinned_note else ()
+    else:
+        load_mode, load_notes = choose_load_mode(info, machine.ram_available)
     return Setting(info, trunk, request, machine, profile, profile_path, copy_ahead, draft, costs, load_mode,
                    list(load_notes))
 
@@ -235,8 +241,16 @@ def allocate_one_gpu(s: Setting, room: Room) -> Allocation:
     stock_slots = whole_layers_first(trunk, left + ahead)  # --fit's placement; stock has no second copy
     slots, factor = (allocate_against_stock(s.costs, left, stock_slots) if s.profile
                      else (whole_layers_first(trunk, left), 1.0))
-    alloc = Allocation(slots, stock_slots, left, budget, ahead, prompt_factor=factor, copy_ahead=s.copy_ahead)
-    if s.profile and s.load_mode == "pinned" and s.partial(slots):
+    notes = []
+    demo = [min(s.request.slots_in_ram, trunk.n_expert)] * len(trunk.layers)
+    if s.profile and demo[0] and sum(n * layer.bytes_per_expert for n, layer in zip(demo, trunk.layers)) <= left:
+        # the demo's slots, whatever the cost model makes of a model this small: the path is what it shows
+        slots, factor = demo, 1.0
+        notes.append(f"the demo: {demo[0]} slots per layer on the GPU whatever the cost model says (its experts are too "
+                     f"small for slots to pay), to show the path")
+    alloc = Allocation(slots, stock_slots, left, budget, ahead, prompt_factor=factor, copy_ahead=s.copy_ahead,
+                       notes=notes)
+    if s.profile and s.partial(slots):
         streamed(s, alloc, room)
     if alloc.ahead and not s.partial(alloc.slots):
         # no partly resident layer: no cache, so no copies ahead; their bytes hold whole layers
@@ -247,8 +261,19 @@ def allocate_one_gpu(s: Setting, room: Room) -> Allocation:
 
 def streamed(s: Setting, alloc: Allocation, room: Room) -> None:
     """The GPU's share of the partly resident layers' misses (allocate.stream_share), where it saves
-    enough: the slots re-allocated around the side tensors (biases, scales) the GPU's pass keeps in VRAM."""
+    enough, the experts are in pinned memory and the backend can: the slots re-allocated around the side
+    tensors (biases, scales) the GPU's pass keeps in VRAM. Where it would pay but cannot be, the plan says why."""
     share, saving = stream_share(s.costs, alloc.slots)
+    backend = s.machine.backend
+    why = (f"{backend.label} cannot yet" if not backend.can_stream else
+           "it needs pinned host memory, which this plan does not use" if not s.machine.pinned else None)
+    if share and why:
+        alloc.notes.append(f"no streamed misses (--moe-cache-stream): the GPU computing {share:.0%} of the partly "
+                           f"resident layers' misses from RAM was modelled {1e3 * saving:.2f} ms less per token, but "
+                           f"{why}")
+        return
+    if s.load_mode != "pinned":
+        return
     side = expert_side_bytes(s.trunk.layers)
     if share and side:
         again, factor = (allocate_against_stock(s.costs, alloc.room - side, alloc.stock_slots) if alloc.room >= side
@@ -387,13 +412,25 @@ def lever_flags(s: Setting, alloc: Allocation, flags: Flags) -> None:
             f"misses from RAM while the CPU computes the rest (--moe-cache-stream {alloc.share:g}): modelled "
             f"{1e3 * alloc.saving:.2f} ms less host time per {'verification step' if k > 1 else 'token'}")
     flags.args += s.spec.server_args(gpu=True) if s.spec else []
-    # one GPU only: on two the cache's device copy engages on the first alone (native/DESIGN.md), unmeasured
-    if "--moe-cache-slots" in flags.args and not alloc.split_args and s.partial(slots):
+    # one GPU only: on two the cache's device copy engages on the first alone (native/DESIGN.md), unmeasured; and
+    # only where the GPU copies experts from the slots itself (CUDA)
+    if ("--moe-cache-slots" in flags.args and not alloc.split_args and s.partial(slots)
+            and s.machine.backend.can_copy_experts):
         short = flags.offload_min_batch = s.machine.costs.short_prompt_offload
         flags.args += [OFFLOAD_MIN_BATCH_FLAG, str(short)]
         flags.notes.append(f"short prompts go to the GPU from {short} tokens on, their missed experts copied over "
                            f"({OFFLOAD_MIN_BATCH_FLAG} {short}; llama.cpp sends batches below {MIN_UBATCH} tokens to "
                            f"the CPU, which computes every missed selection of each token)")
+
+
+def backend_notes(s: Setting, alloc: Allocation, flags: Flags) -> list[str]:
+    """What a plan with slots on a GPU whose backend lacks some of the cache's GPU paths says of them, in one
+    line (nothing on CUDA, which has them all)."""
+    missing = s.backend.missing()
+    if not missing or "--moe-cache-slots" not in flags.args or not s.partial(alloc.slots):
+        return []
+    return [f"on {s.backend.label} the slots hold the hottest experts ({flags.cache_policy} policy) and the CPU "
+            f"computes each layer's misses beside them; not on {s.backend.label} yet: {'; '.join(missing)}"]
 
 
 def tokens_per_step(acceptance: float, n_draft: int) -> float:
@@ -515,6 +552,7 @@ def gpu_plan(s: Setting) -> Plan:
         alloc = allocate_one_gpu(s, room)
     flags = placement_flags(s, alloc)
     lever_flags(s, alloc, flags)
+    flags.notes += backend_notes(s, alloc, flags)
     p = placed(s, alloc.slots, alloc.room)
     costs, slots, stock_slots = s.costs, alloc.slots, alloc.stock_slots
     cache = "--moe-cache-slots" in flags.args  # without it, prompt batches take stock's path
@@ -529,6 +567,7 @@ def gpu_plan(s: Setting) -> Plan:
         offload_min_batch=flags.offload_min_batch, warnings=fit_warnings(p.fit_fraction, p.predicted_hit_rate),
         notes=flags.notes, cache_policy=flags.cache_policy, load_mode=s.load_mode, copy_ahead=alloc.copy_ahead,
         devices=room.devices, tensor_split=room.tensor_split, slots_per_layer=p.slots_per_layer,
+        device_env=dict(s.machine.device_env),
         slots_total=sum(p.slots_per_layer), whole_layers=p.whole_layers, fit_fraction=p.fit_fraction,
         predicted_hit_rate=p.predicted_hit_rate, expert_vram_bytes=p.expert_vram_bytes, **common_fields(s, room))
 

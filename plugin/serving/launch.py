@@ -294,6 +294,7 @@ def launch_verified(name: str, model: Path, binary: Path, build_id: str, server_
         _write_record(pending)
         server.wait_healthy(timeout=timeout)
         text = log_path.read_text(errors="replace")
+        keep_pinned_refusal(text)
         cache = parse_cache_line(text)
         if "--moe-cache-slots" in server_args and not (cache and cache.engaged) and not allow_fallback:
             why = cache.reason if cache else "the server did not report on the cache"
@@ -310,6 +311,21 @@ def launch_verified(name: str, model: Path, binary: Path, build_id: str, server_
                        traffic_from=traffic_from, counters_from=counters_from)
     _write_record(verified)
     return verified
+
+
+def keep_pinned_refusal(log_text: str) -> str | None:
+    """Where a server's log shows pinned host memory refused (llama.cpp then falls back to pageable
+    buffers without a word more), keep the line for this machine's next plans, which then do not rely on
+    pinned memory (machine.probes.pinned_memory); returns the line, or None."""
+    from moeplug.core.fsutil import write_text_atomic
+    from moeplug.machine.probes import pinned_refusal_marker, pinned_refused
+
+    line = pinned_refused(log_text)
+    if line is not None:
+        marker = pinned_refusal_marker()
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(marker, line + "\n")
+    return line
 
 
 def can_record(binary: Path) -> bool:

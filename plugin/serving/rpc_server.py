@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from moeplug.machine.backend import Backend, backend as backend_of
 from moeplug.core.errors import MoeplugError
 from moeplug.core.paths import logs_dir
 from moeplug.core.progress import Note, ProgressFn, silent
@@ -115,12 +116,12 @@ def served_build(progress: ProgressFn = silent) -> Any:
     return build(opts, progress=progress)
 
 
-def rpc_builds(backend: str | None = None) -> list[Any]:
+def rpc_builds(backend: Backend | str | None = None) -> list[Any]:
     """The patched, unsanitized builds here that have ggml-rpc-server (of `backend`; None: any)."""
     from moeplug.native.build import installed_builds
 
     return [b for b in installed_builds() if not b.manifest.get("stock") and not b.manifest.get("sanitize")
-            and backend in (None, b.manifest.get("backend")) and b.binary(BINARY).exists()]
+            and (backend is None or b.backend is backend_of(backend)) and b.binary(BINARY).exists()]
 
 
 class _Output(threading.Thread):

@@ -9,10 +9,24 @@
 #           whole one does not fit beside a build: 64 MiB travel per call): its prompts 0-249 (to
 #           profile) and 400-409 (to replay), renumbered 0-259; later calls add the packed CUDA
 #           build (README.md)
-# Needs pip's access to PyPI; takes about a minute. Safe to run again.
+#   .gl, .vk  with --vulkan only (the Vulkan calls): Debian 12's Vulkan loader, unpacked into / there as the
+#           device tool's README says (.gl), and what a Vulkan build of llama.cpp needs, unpacked beside it
+#           (.vk: the Vulkan and SPIR-V headers, glslc and its library)
+# Needs pip's access to PyPI (and Debian's, with --vulkan); takes about a minute. Safe to run again.
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
+if [ "${1:-}" = "--vulkan" ]; then
+    for d in /.gl/ /.vk/; do
+        grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude
+    done
+    mkdir -p .gl .vk /tmp/amd64/partial
+    o='-oAPT::Architecture=amd64 -oAPT::Architectures=amd64 -oDir::State::Lists=/tmp/amd64'
+    apt-get $o update -q > /dev/null
+    (cd .gl && apt-get $o download libvulkan1 libegl1 libglvnd0 libopengl0 libgl1 libglx0 libgles2)
+    (cd .vk && apt-get $o download libvulkan-dev glslc libshaderc1 spirv-headers)
+    du -sh .gl .vk
+fi
 for d in /.whl/ /.carry/; do
     grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude
 done
