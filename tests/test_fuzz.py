@@ -35,7 +35,7 @@ from helpers import make_profile, program_env, run_cli, sanitizer_reports
 from moeplug.serving.server import free_port, server_argv
 from moeplug.model.synth import ModelSpec, make_model
 
-CASES = int(os.environ.get("MOEPLUG_FUZZ_CASES", "2000"))
+CASES = int(os.environ.get("MOEPLUG_FUZZ_CASES", "1000"))  # mutants (and every truncation) a CLI fuzz test runs
 NATIVE_CASES = int(os.environ.get("MOEPLUG_FUZZ_NATIVE_CASES", "150"))
 SANITIZED_CASES = int(os.environ.get("MOEPLUG_FUZZ_SANITIZED_CASES", "200"))
 TIME_LIMIT_S = 60  # per test
