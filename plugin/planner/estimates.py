@@ -11,7 +11,7 @@ from __future__ import annotations
 from moeplug.core.errors import EXIT_USAGE, MoeplugError
 from moeplug.model.inspect import ModelInfo, MoeLayer, scalar_or_max
 from moeplug.core.sizes import GIB
-from moeplug.planner.costs import DEFAULT_COSTS
+from moeplug.planner.costs import DEFAULT_COSTS, CostModel
 
 DEFAULT_UBATCH = 512  # llama-server's physical batch (-ub)
 DEFAULT_BATCH = 2048  # and its logical batch (-b), never below the physical one
@@ -148,7 +148,7 @@ def cache_compute_single_copy(info: ModelInfo, extra: int) -> int:
 
 
 
-def ubatch_growth_bytes(info: ModelInfo, ubatch: int) -> int:
+def ubatch_growth_bytes(info: ModelInfo, ubatch: int, costs: CostModel = DEFAULT_COSTS) -> int:
     """What a server on a GPU holds beyond llama.cpp's own estimate at its default ubatch (512) when it
     runs prompt batches of `ubatch` tokens; nothing at 512 or less (llama.cpp's estimate then counts
     a ubatch of logits the server does not hold, left as headroom). llama.cpp's estimate asked at the
@@ -156,7 +156,7 @@ def ubatch_growth_bytes(info: ModelInfo, ubatch: int) -> int:
     the servers did not hold."""
     n_embd, n_ff = embd_and_expert_ff(info)
     per_token = 4 * info.n_expert_used * 2 * (n_ff + n_embd)
-    return int(DEFAULT_COSTS.ubatch_growth_factor * max(0, ubatch - DEFAULT_UBATCH) * per_token)
+    return int(costs.ubatch_growth_factor * max(0, ubatch - DEFAULT_UBATCH) * per_token)
 
 
 def bytes_per_slot(info: ModelInfo) -> int:

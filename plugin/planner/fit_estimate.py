@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moeplug.core.sizes import MIB
-from moeplug.planner.costs import DEFAULT_COSTS
 
 
 
@@ -69,8 +68,3 @@ def _gpu_need(fit_tool: Path, model: Path, ctx: int, extra_args: tuple[str, ...]
         return None
     devices = parse_fit_print(r.stdout)
     return devices[0] if devices else None
-
-
-def expert_room(need: DeviceNeed, vram_budget: int) -> int:
-    """VRAM left for routed experts (whole layers and slots) at this budget."""
-    return vram_budget - need.total - DEFAULT_COSTS.cuda_context_reserve

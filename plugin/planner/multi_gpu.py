@@ -57,7 +57,7 @@ from moeplug.model.inspect import ModelInfo
 from moeplug.core.sizes import GIB
 from moeplug.planner.speculation import Speculation, draft_compute_bytes, nextn_blocks, read_draft
 from moeplug.planner.split import layer_devices, split_counts
-from moeplug.planner.costs import DEFAULT_COSTS
+from moeplug.planner.costs import CostModel
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
 
@@ -152,7 +152,7 @@ class DraftShare:
 class DraftSplit:
     """The draft's bytes per GPU as a function of the target's split (module docstring)."""
 
-    def __init__(self, info: ModelInfo, ctx: int, spec: Speculation | None):
+    def __init__(self, info: ModelInfo, ctx: int, spec: Speculation | None, machine: CostModel):
         self.kind = spec.kind if spec is not None and spec.kind != "ngram" else None
         self.model = read_draft(spec) if self.kind == "draft" else info
         if self.kind == "draft":
@@ -163,7 +163,7 @@ class DraftSplit:
             self.per_block = [n if b in nextn_blocks(info) else 0 for b, n in enumerate(per_block)]
             self.outside = 0
             self.kv = kv_cache_bytes_per_block(info, ctx, mtp=True)
-        self.compute = draft_compute_bytes(self.model) if self.kind else 0
+        self.compute = draft_compute_bytes(self.model, machine) if self.kind else 0
 
     def share(self, proportions: list[int]) -> DraftShare:
         m = len(proportions)
@@ -195,21 +195,22 @@ class _Split:
     """What every split point is weighed with: each block's bytes and the model's costs (plan_split)."""
 
     def __init__(self, info: ModelInfo, trunk: ModelInfo, ctx: int, devices: list[SplitDevice],
-                 costs: list[LayerCost], profiled: bool, spec: Speculation | None, hop_s: float):
+                 costs: list[LayerCost], profiled: bool, spec: Speculation | None, machine: CostModel, hop_s: float):
         self.info, self.trunk, self.devices, self.costs, self.profiled, self.hop_s = (info, trunk, devices, costs,
                                                                                       profiled, hop_s)
-        self.draft = DraftSplit(info, ctx, spec)
+        self.draft = DraftSplit(info, ctx, spec, machine)
+        self.margin = machine.safety_margin
         self.per_block, self.outside = bytes_by_block(info)
         if self.draft.kind == "mtp":  # the NextN blocks' weights are the draft's (all of them, experts included)
             self.per_block = [0 if self.draft.per_block[b] else self.per_block[b] for b in range(info.n_layer)]
         self.kv = kv_cache_bytes_per_block(info, ctx)
-        self.compute = compute_buffer_bytes(info) + DEFAULT_COSTS.cuda_pool_headroom
+        self.compute = compute_buffer_bytes(info) + machine.cuda_pool_headroom
         with_experts, _ = bytes_by_block(info, experts=True)
         self.whole_block = [with_experts[b] + self.kv[b] for b in range(info.n_layer)]
 
     def whole_blocks(self, budget: int, start: int) -> int:
         """How many blocks from `start` a device holds whole (experts and KV cache) within `budget`."""
-        room, b = budget - self.compute - DEFAULT_COSTS.safety_margin, start
+        room, b = budget - self.compute - self.margin, start
         while b < self.info.n_layer and self.whole_block[b] <= room:
             room -= self.whole_block[b]
             b += 1
@@ -223,7 +224,7 @@ class _Split:
         share = self.draft.share(proportions)
         devices = [DevicePlan(d.name, d.budget, blocks, output[i], 0, 0, 0,
                               sum(self.per_block[b] for b in blocks) + (self.outside if output[i] else 0),
-                              sum(self.kv[b] for b in blocks), self.compute, DEFAULT_COSTS.safety_margin, 0,
+                              sum(self.kv[b] for b in blocks), self.compute, self.margin, 0,
                               share.weights[i], share.kv_cache[i], share.compute[i], d.endpoint, d.free)
                    for i, (d, blocks) in enumerate(zip(self.devices, block_sets))]
         rooms = [dev.headroom_bytes for dev in devices]
@@ -269,16 +270,17 @@ class _Split:
 
 
 def plan_split(info: ModelInfo, trunk: ModelInfo, ctx: int, devices: list[SplitDevice], costs: list[LayerCost],
-               profiled: bool, spec: Speculation | None = None, hop_s: float = 0.0) -> SplitPlan:
+               profiled: bool, spec: Speculation | None, machine: CostModel, hop_s: float = 0.0) -> SplitPlan:
     """The split and per-device slots (module docstring). info: the whole model (its blocks are what
     llama.cpp splits); trunk: its MoE layers that take slots (costs are theirs); devices: in llama.cpp's
     order, remote ones first: all but the last two take whole blocks from the first block on, as many
     as their budget holds, and the split point between the last two is searched; spec: speculative
-    decoding, whose draft each device holds its share of; hop_s: a remote device's round trip."""
+    decoding, whose draft each device holds its share of; machine: the machine's figures (its pool headroom
+    and safety margin); hop_s: a remote device's round trip."""
     n = info.n_layer
     if n + 1 > 99:  # the split is planned for -ngl covering every layer, and the flags say -ngl 99
         raise MoeplugError(f"{info.path}: {n} blocks: split plans cover models of at most 98 blocks")
-    split = _Split(info, trunk, ctx, devices, costs, profiled, spec, hop_s)
+    split = _Split(info, trunk, ctx, devices, costs, profiled, spec, machine, hop_s)
     prefix: list[list[int]] = []
     start = 0
     for d in devices[:-2]:

@@ -44,11 +44,10 @@ from moeplug.core.errors import EXIT_USAGE, MoeplugError
 from moeplug.planner.estimates import compute_buffer_bytes, kv_cache_bytes, logits_bytes, nextn_layers
 from moeplug.planner.fit_estimate import DeviceNeed
 from moeplug.model.inspect import ModelInfo, inspect_model
-from moeplug.planner.costs import DEFAULT_COSTS
+from moeplug.planner.costs import DEFAULT_COSTS, CostModel
 
 DEFAULT_DRAFT_MAX = 3  # llama.cpp common.h: common_params_speculative_draft::n_max
 DEFAULT_NGRAM_MAX = 48  # llama.cpp common.h: common_params_speculative_ngram_map::size_m
-DRAFT_POOL_HEADROOM = DEFAULT_COSTS.cuda_pool_headroom // 4
 
 
 @dataclass(frozen=True)
@@ -159,11 +158,11 @@ def nextn_weight_bytes(info: ModelInfo) -> int:
     return sum(t.n_bytes for t in info.tensors if t.name.startswith(prefixes)) if prefixes else 0
 
 
-def draft_compute_bytes(info: ModelInfo) -> int:
+def draft_compute_bytes(info: ModelInfo, costs: CostModel = DEFAULT_COSTS) -> int:
     """The draft context's compute buffer: moeplug's estimate for one ubatch (estimates.py; the CPU
     build allocates logits for the whole ubatch there too), and pool headroom of its own CUDA
     context, a quarter of the trunk's (not measured on a GPU yet)."""
-    return compute_buffer_bytes(info) + DRAFT_POOL_HEADROOM
+    return compute_buffer_bytes(info) + costs.cuda_pool_headroom // 4
 
 
 def read_draft(spec: Speculation) -> ModelInfo:
@@ -181,7 +180,8 @@ def draft_weight_bytes(draft: ModelInfo) -> int:
     return sum(t.n_bytes for t in draft.tensors if tied or t.name != "token_embd.weight")
 
 
-def spec_need(info: ModelInfo, spec: Speculation | None, ctx: int, measured: DeviceNeed | None = None) -> SpecNeed:
+def spec_need(info: ModelInfo, spec: Speculation | None, ctx: int, measured: DeviceNeed | None = None,
+              costs: CostModel = DEFAULT_COSTS) -> SpecNeed:
     """What the draft holds on the GPU for a server of `info` at ctx tokens (module docstring).
     measured: llama.cpp's own estimate for the draft model alone (fit_estimate.gpu_need with every
     weight on the GPU), which replaces moeplug's where llama-fit-params saw a GPU."""
@@ -191,9 +191,9 @@ def spec_need(info: ModelInfo, spec: Speculation | None, ctx: int, measured: Dev
         if not nextn_blocks(info) or not nextn_weight_bytes(info):
             raise MoeplugError(f"--spec mtp: {info.path} has no MTP (NextN) block "
                                f"({info.arch}.nextn_predict_layers is not set or its blocks hold no tensor)")
-        return SpecNeed(nextn_weight_bytes(info), kv_cache_bytes(info, ctx, mtp=True), draft_compute_bytes(info))
+        return SpecNeed(nextn_weight_bytes(info), kv_cache_bytes(info, ctx, mtp=True), draft_compute_bytes(info, costs))
     draft = read_draft(spec)
     if measured is not None:
         return SpecNeed(measured.model, measured.context,
-                        max(measured.compute - logits_bytes(draft), 0) + DEFAULT_COSTS.draft_context_extra)
-    return SpecNeed(draft_weight_bytes(draft), kv_cache_bytes(draft, ctx), draft_compute_bytes(draft))
+                        max(measured.compute - logits_bytes(draft), 0) + costs.draft_context_extra)
+    return SpecNeed(draft_weight_bytes(draft), kv_cache_bytes(draft, ctx), draft_compute_bytes(draft, costs))

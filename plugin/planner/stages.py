@@ -186,7 +186,7 @@ def setting(info: ModelInfo, request: PlanRequest, machine: MachineFacts, profil
     trunk = trunk_of(info)
     if not trunk.layers:
         raise MoeplugError(f"{info.path}: routed experts only in its MTP (NextN) blocks: nothing for moeplug to plan")
-    draft = spec_need(info, spec, request.ctx, machine.draft_need)
+    draft = spec_need(info, spec, request.ctx, machine.draft_need, machine.costs)
     costs = layer_costs(trunk, profile, request, machine, copy_ahead)
     # pinned memory speeds up copies to a GPU of this machine: without one, or where the machine refuses it, mmap
     if request.vram_budget is None:
@@ -204,7 +204,7 @@ def room_beside_experts(s: Setting) -> Room:
     prompt batch, plus what a larger one adds) or moeplug's estimate."""
     need, info, ubatch, c = s.machine.need, s.info, s.request.ubatch, s.machine.costs
     if need is not None:
-        return Room(need.model, need.context, need.compute + ubatch_growth_bytes(info, ubatch), c.cuda_context_reserve,
+        return Room(need.model, need.context, need.compute + ubatch_growth_bytes(info, ubatch, c), c.cuda_context_reserve,
                     "llama-fit-params")
     # with an MTP draft the NextN blocks' weights are the draft's; without one they count here
     # (llama.cpp skips some of them: hy_v3 still loads their FFN)
@@ -288,7 +288,7 @@ def streamed(s: Setting, alloc: Allocation, room: Room) -> None:
 def allocate_split(s: Setting, devices: list[SplitDevice]) -> tuple[Room, Allocation]:
     """Each device's layers, whole layers and slots within its own budget (multi_gpu.py), summed: two
     GPUs, or remote devices (machine.rpc) before this machine's GPUs."""
-    split = plan_split(s.info, s.trunk, s.request.ctx, devices, s.costs, s.profile is not None, s.spec,
+    split = plan_split(s.info, s.trunk, s.request.ctx, devices, s.costs, s.profile is not None, s.spec, s.machine.costs,
                        s.machine.costs.rpc_hop_s)
     remote = list(dict.fromkeys(d.endpoint for d in devices if d.endpoint))  # one entry per rpc-server
     devices = split.devices
