@@ -79,7 +79,7 @@ def test_a_vulkan_plan_refuses_what_only_cuda_can_with_its_reason(tmp_path: Path
     assert vk.backend is Backend.VULKAN and any(0 < n < info.n_expert for n in vk.slots_per_layer)
     assert "--moe-cache-slots" in vk.server_args and "--moe-cache-stream" not in vk.server_args
     assert "--moe-cache-offload-min-batch" not in vk.server_args and vk.stream_share == 0
-    assert not vk.copy_ahead and "GGML_SCHED_EXPERT_COPY_AHEAD" not in vk.server_env()
+    assert not vk.copy_ahead and "--moe-cache-copy-ahead" not in vk.server_args  # a backend without them needs no switch
     assert any(n.startswith("no streamed misses (--moe-cache-stream)") and "Vulkan cannot yet" in n for n in vk.notes)
     [summary] = [n for n in vk.notes if n.startswith("on Vulkan the slots")]
     assert "not on Vulkan yet: streamed misses" in summary and "copies ahead" in summary

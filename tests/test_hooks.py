@@ -2,10 +2,13 @@
 plans, against the real pinned llama-server in router mode and the llama-swap schema moeplug ships (and
 llama-swap's own config-schema.json where ../shared has it).
 
-Two synthetic models are installed once for the module in temp XDG homes: the demo through the
-real `moeplug install`, and a second model through the same library calls (profile, plan with
-its slots held in RAM as the demo's, record). Each test gets its own state home, so the hook
-records of one test are not the next test's.
+Three synthetic models are installed once for the module in temp XDG homes, each with a plan of its
+own: the demo through the real `moeplug install` (dynamic slots), a second model through the same
+library calls (profile, a static plan with its slots held in RAM as the demo's, its copies ahead
+off), and a third whose check chose stock's placement. Every road (the router, llama-swap's
+commands, `moeplug serve`) must start each with its own plan, read back from the engine's settings
+line, never from moeplug's files. Each test gets its own state home, so the hook records of one test
+are not the next test's.
 """
 
 from __future__ import annotations
@@ -56,11 +59,13 @@ def wait_for_router(url: str, router: subprocess.Popen, log: Path, timeout: floa
 
 @pytest.fixture(scope="module")
 def store(patched_build, tmp_path_factory: pytest.TempPathFactory):
-    """XDG homes holding two installed models, demo and other, both with slots in RAM; other's plan
-    without the copies ahead (as the planner makes it where few layers are partly resident on a GPU),
-    so its environment carries GGML_SCHED_EXPERT_COPY_AHEAD=0 beside the slots' LLAMA_MOE_CACHE_DEVICE."""
+    """XDG homes holding three installed models: demo (dynamic, slots in RAM); other, static, its slots
+    in RAM and its copies ahead off (as the planner turns them off on a GPU where few layers are partly
+    resident: a flag of its own, --moe-cache-copy-ahead off); third, checked to stock's placement."""
+    import time as clock
+
     from moeplug.core.fsutil import write_text_atomic
-    from moeplug.serving.installed import InstalledModel, installed_dir
+    from moeplug.serving.installed import InstalledModel, Verdict, installed_dir
     from moeplug.operations.install import demo_slots, ensure_profile, plan_for
     from moeplug.planner.request import PlanRequest
     from moeplug.model.inspect import inspect_model
@@ -73,15 +78,23 @@ def store(patched_build, tmp_path_factory: pytest.TempPathFactory):
                            capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stderr[-3000:]
 
-        path = make_model(ModelSpec(arch="qwen3moe", layers=4, experts=32, used=4, embd=256, expert_ff=256,
-                                    dtype="q8_0", seed=99, name="other"), root / "other.gguf")[0]
-        profile = ensure_profile(path, patched_build.binary("llama-moe-profile"), 16, ["codeish"])
-        info = inspect_model(path)
-        plan = plan_for(info, PlanRequest(1024, slots_in_ram=demo_slots(info, True)), profile)
-        record = InstalledModel(name="other", ref=str(path), path=str(path), profile=str(profile),
-                                build_id=patched_build.build_id, ctx=1024,
-                                plan=plan.to_json() | {"copy_ahead": False}, slots_on_cpu=True)
-        write_text_atomic(installed_dir() / "other.json", json.dumps(asdict(record), indent=2) + "\n")
+        for name, seed in (("other", 99), ("third", 7)):
+            path = make_model(ModelSpec(arch="qwen3moe", layers=4, experts=32, used=4, embd=256, expert_ff=256,
+                                        dtype="q8_0", seed=seed, name=name), root / f"{name}.gguf")[0]
+            profile = ensure_profile(path, patched_build.binary("llama-moe-profile"), 16, ["codeish"])
+            info = inspect_model(path)
+            plan = plan_for(info, PlanRequest(1024, slots_in_ram=demo_slots(info, True), policy="static"), profile)
+            assert plan.cache_policy == "static" and "--moe-cache-device" in plan.server_args
+            doc = plan.to_json()
+            if name == "other":
+                doc |= {"copy_ahead": False, "server_args": plan.server_args + ["--moe-cache-copy-ahead", "off"]}
+            verdict = None if name == "other" else Verdict(
+                placement="stock", decode=0.5, prefill=0.9, decode_lowest=0.4, prompts=4, budget_bytes=None,
+                checked_at=clock.time(), chosen="stock")
+            record = InstalledModel(name=name, ref=str(path), path=str(path), profile=str(profile),
+                                    build_id=patched_build.build_id, ctx=1024, plan=doc, slots_on_cpu=True,
+                                    verdict=verdict)
+            write_text_atomic(installed_dir() / f"{name}.json", json.dumps(asdict(record), indent=2) + "\n")
         yield root
 
 
@@ -98,6 +111,39 @@ def installed() -> dict[str, object]:
     return {m.name: m for m in list_installed()}
 
 
+MODELS = ["demo", "other", "third"]
+
+
+def engine_settings(log: str) -> list[dict[str, str]]:
+    """Every 'moe-settings: k=v ...' line the engine logged (common_moeplug_settings), as dicts."""
+    return [dict(kv.split("=", 1) for kv in line.split()) for line in re.findall(r"moe-settings: (.*)", log)]
+
+
+def own_settings(m: object) -> dict[str, str]:
+    """What the engine must report for an installed model: stock's placement, or its plan's every
+    --moe-cache-KEY flag under KEY (the plan file's keys)."""
+    if m.placement == "stock":  # type: ignore[attr-defined]
+        return {"placement": "stock"}
+    flags = dict(flag_pairs(m.plan.server_args))  # type: ignore[attr-defined]
+    keys = ("slots", "max-batch", "policy", "half-life", "uploads", "stream", "offload-min-batch", "copy-ahead",
+            "device")
+    return {"placement": "moeplug", **{k: flags["--moe-cache-" + k] for k in keys if "--moe-cache-" + k in flags}}
+
+
+def runs_its_own_plan(name: str, log: str) -> None:
+    """The engine's log of one server of `name`: the settings of its own plan, slots only where it has
+    them (stock's placement: the engine never engaged, or was not asked)."""
+    m = installed()[name]
+    want = own_settings(m)
+    if want["placement"] == "stock":
+        assert all(s["placement"] == "stock" for s in engine_settings(log)), engine_settings(log)
+        assert not re.search(r"moe-cache: \d+ layers x", log), log[-2000:]
+        return
+    [got] = engine_settings(log)
+    assert {k: got[k] for k in want} == want, (name, got, want)
+    assert got["plan"] == "none" and re.search(r"moe-cache: 4 layers x 8 slots", log)
+
+
 def without_moeplug_blocks(text: str) -> str:
     return re.sub(r"; >>> moeplug (\S+) .*?; <<< moeplug \1\n", "", text, flags=re.S)
 
@@ -110,15 +156,16 @@ def test_router_starts_each_model_with_moeplugs_flags_and_swaps(hooks_home: dict
     preset = tmp_path / "router.ini"
     preset.write_text("; my router\n[*]\nc = 2048 ; shared by every model\n")
     port = free_port()
-    r = moeplug(hooks_home, "hook", "llama-server", "--preset", str(preset), "--port", str(port), "--json")
+    r = moeplug(hooks_home, "hook", "llama-server", "--preset", str(preset), "--port", str(port), "--models-max", "2",
+                "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
-    assert doc["hook"]["models"] == ["demo", "other"] and doc["changed"]
+    assert doc["hook"]["models"] == MODELS and doc["changed"]
     command = doc["router_command"]
-    # both hold their slots in RAM; other's plan runs without the copies ahead: the router's environment,
-    # which every child inherits
-    assert command.startswith("GGML_SCHED_EXPERT_COPY_AHEAD=0 LLAMA_MOE_CACHE_DEVICE=CPU ")
-    assert "--models-preset" in command and "--models-max 1" in command
+    # every choice of a plan is a flag of its own section: the router's environment, which every child
+    # inherits, holds none of them (no merged environment)
+    assert "=" not in command.split()[0]
+    assert "--models-preset" in command and "--models-max 2" in command
 
     log = tmp_path / "router.log"
     with open(log, "wb") as out:  # the printed command, as a user pastes it
@@ -129,7 +176,7 @@ def test_router_starts_each_model_with_moeplugs_flags_and_swaps(hooks_home: dict
         wait_for_router(url, router, log)
 
         models = installed()
-        for name in ("demo", "other"):
+        for name in MODELS:
             r2 = requests.post(f"{url}/v1/chat/completions", timeout=300, json={
                 "model": name, "max_tokens": 8, "messages": [{"role": "user", "content": "Hello"}]})
             assert r2.status_code == 200, r2.text
@@ -138,24 +185,39 @@ def test_router_starts_each_model_with_moeplugs_flags_and_swaps(hooks_home: dict
             assert status[name]["value"] == "loaded"
             # the child ran with the installed plan's flags, in the router's long spelling
             args = status[name]["args"]
-            plan = dict(flag_pairs(models[name].plan.server_args))
             assert args[args.index("--model") + 1] == models[name].path
+            if models[name].placement == "stock":
+                assert not any(a.startswith("--moe-cache") for a in args), args
+                continue
+            plan = dict(flag_pairs(models[name].plan.server_args))
             assert args[args.index("--ctx-size") + 1] == plan["-c"] == "1024"  # the model's, over [*]'s 2048
             assert args[args.index("--moe-cache-slots") + 1] == plan["--moe-cache-slots"] == "8"
             assert args[args.index("--moe-cache-profile") + 1] == plan["--moe-cache-profile"] == models[name].profile
-        # --models-max 1: asking for other swapped demo out
-        assert status["demo"]["value"] == "unloaded"
+        # --models-max 2: asking for third swapped demo out, other stayed
+        assert status["demo"]["value"] == "unloaded" and status["other"]["value"] == "loaded"
 
         text = log.read_text(errors="replace")
         ports = dict(re.findall(r"spawning server instance with name=(\S+) on port (\d+)", text))
-        assert sorted(ports) == ["demo", "other"]
+        assert sorted(ports) == MODELS
         for name, child in ports.items():
-            cache = re.findall(rf"\[\s*{child}\] .*moe-cache: (\d+) layers x (\d+) slots", text)
-            assert cache == [("4", "8")], f"{name}: {cache}"
+            runs_its_own_plan(name, "\n".join(re.findall(rf"\[\s*{child}\] (.*)", text)))
     finally:
         if router.poll() is None:
             os.killpg(router.pid, signal.SIGTERM)  # its own session: the router and its children
         router.wait(timeout=30)
+
+
+def test_moeplug_serve_runs_each_models_own_plan(hooks_home: dict[str, str]) -> None:
+    """`moeplug serve`: each of the three models with its own plan's settings as the engine took them,
+    the stock-placed one without slots."""
+    try:
+        for name in MODELS:
+            r = moeplug(hooks_home, "serve", name, "--json")
+            assert r.returncode == 0, r.stderr
+            log = Path(json.loads(r.stdout)["server"]["log"])
+            runs_its_own_plan(name, log.read_text(errors="replace"))
+    finally:
+        moeplug(hooks_home, "stop", "--all")
 
 
 USER_PRESET = (
@@ -208,12 +270,15 @@ def test_preset_update_keeps_the_users_sections_and_comments_byte_for_byte(hooks
 def test_print_shows_the_plans_flags_without_writing(hooks_home: dict[str, str]) -> None:
     r = moeplug(hooks_home, "hook", "llama-server", "--print")
     assert r.returncode == 0, r.stderr
+    from moeplug.planner.server_flags import stock_args
+
     models = installed()
     for name, m in models.items():
         section = re.search(rf"^\[{name}\]\n(.*?)^; <<< moeplug {name}$", r.stdout, re.S | re.M)[1]
         keys = [line.split(" = ", 1) for line in section.splitlines()]
+        served = stock_args(m.plan) if m.placement == "stock" else m.plan.server_args  # its check's choice
         expected = [["model", m.path]] + [[f.lstrip("-"), v if v is not None else "true"]
-                                          for f, v in flag_pairs(m.plan.server_args)]
+                                          for f, v in flag_pairs(served)]
         assert keys == [*expected, ["load-on-startup", "false"]]
     assert json.loads(moeplug(hooks_home, "hook", "list", "--json").stdout)["hooks"] == []
 
@@ -280,17 +345,32 @@ def test_llama_swap_fragment_is_valid_and_runs_the_plans_flags(hooks_home: dict[
     assert sorted(p.name for p in folder.iterdir()) == ["00-main.yaml", "moeplug.yaml"]
     fragment = yaml.safe_load((folder / "moeplug.yaml").read_text())
     valid_for_llama_swap(fragment)
-    assert sorted(fragment) == ["models"] and sorted(fragment["models"]) == ["demo", "other"]
+    assert sorted(fragment) == ["models"] and sorted(fragment["models"]) == MODELS
     for name, m in installed().items():
         entry = fragment["models"][name]
         assert entry["checkEndpoint"] == "/health" and entry["ttl"] == 300
-        assert entry["env"] == (["GGML_SCHED_EXPERT_COPY_AHEAD=0"] if name == "other" else []) + \
-            ["LLAMA_MOE_CACHE_DEVICE=CPU"]  # each model's own environment, its plan's included
+        assert "env" not in entry  # every choice of the plan is a flag of its own command
         argv = shlex.split(entry["cmd"])
         binary = Path(argv[0])
         assert binary.name == "llama-server" and binary.parent.parent.name == m.build_id
         assert argv[argv.index("--port") + 1] == "${PORT}" and argv[argv.index("-m") + 1] == m.path
-        assert argv[-len(m.plan.server_args):] == m.plan.server_args
+        if m.placement != "stock":
+            assert argv[-len(m.plan.server_args):] == m.plan.server_args
+        else:
+            assert not any(a.startswith("--moe-cache") for a in argv)
+
+        # the command as llama-swap runs it: ${PORT} filled in, the entry's environment over its own
+        port = free_port()
+        log = tmp_path / f"swap-{name}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([a.replace("${PORT}", str(port)) for a in argv], stdout=out,
+                                    stderr=subprocess.STDOUT, env=dict(os.environ))
+        try:
+            wait_for_router(f"http://127.0.0.1:{port}", proc, log, path="/health")
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+        runs_its_own_plan(name, log.read_text(errors="replace"))
     # merged on top of the example config, as llama-swap merges the folder, it is still valid
     main = yaml.safe_load(SWAP_CONFIG.read_text())
     main["models"].update(fragment["models"])

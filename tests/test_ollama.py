@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -129,7 +130,7 @@ def answer(binary: Path, blob: Path, log: Path, env: dict[str, str]) -> tuple[li
 
 
 def cache_lines(log: str) -> list[str]:
-    return [ln for ln in log.splitlines() if ln.startswith("moe-cache:")]
+    return [ln for ln in log.splitlines() if ln.startswith(("moe-cache:", "moe-settings:"))]
 
 
 def test_hook_swaps_in_every_model_finds_its_profile_and_remove_restores(ollama, tmp_path: Path) -> None:
@@ -141,9 +142,8 @@ def test_hook_swaps_in_every_model_finds_its_profile_and_remove_restores(ollama,
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["environment"]["LLAMA_ARG_MOE_CACHE_SLOTS"] == "auto" and "export LLAMA_ARG_MOE_CACHE_PROFILE=" in doc["next"]
-    # short prompts to the GPU for the cache's layers alone, per model (not GGML_OP_OFFLOAD_MIN_BATCH: every model)
-    assert doc["environment"]["LLAMA_ARG_MOE_CACHE_OFFLOAD_MIN_BATCH"] == "8"
-    assert not any(k.startswith("GGML_") for k in doc["environment"])
+    # one environment, the same for every model: each model's choices are in its own slots file, not here
+    assert sorted(doc["environment"]) == ["LLAMA_ARG_MOE_CACHE_PROFILE", "LLAMA_ARG_MOE_CACHE_SLOTS"]
     assert tree_digest(lib) != ollama["stock"]
     assert "moe_cache_profile" in subprocess.run([str(lib / "llama-server"), "--help"], capture_output=True,
                                                  text=True).stdout.replace("-", "_")
@@ -164,7 +164,9 @@ def test_hook_swaps_in_every_model_finds_its_profile_and_remove_restores(ollama,
     sidecar = Path(inst["profile"]).with_suffix(".slots")
     assert f"slots = {slots[0] if len(set(slots)) == 1 else ','.join(map(str, slots))}" in sidecar.read_text()
 
-    env = {**doc["environment"], "LLAMA_MOE_CACHE_DEVICE": "CPU"}  # every variable the hook sets, read by its server
+    # every variable the hook sets, read by its server; and, this machine having no GPU, the engine's debugging
+    # switch that holds a GPU plan's slots in RAM (the same for every model)
+    env = {**doc["environment"], "LLAMA_MOE_CACHE_DEVICE": "CPU"}
     tokens, log = answer(lib / "llama-server", ollama["blobs"]["alpha"], tmp_path / "alpha.log", env)
     lines = cache_lines(log)
     used = [n for n in slots if n]
@@ -172,6 +174,31 @@ def test_hook_swaps_in_every_model_finds_its_profile_and_remove_restores(ollama,
     assert any(f"from {sidecar}" in ln for ln in lines), lines
     assert any(ln.startswith(f"moe-cache: {len(used)} layers x {span} slots") for ln in lines), lines
     assert tokens == stock_answers["alpha"]  # bitwise stock on the CPU
+    # the engine took alpha's own plan from the file: every setting of its flags, as its flags say it
+    flags = dict(zip(inst["plan"]["server_args"], inst["plan"]["server_args"][1:]))
+    [settings] = [dict(kv.split("=", 1) for kv in ln.split()[1:]) for ln in lines if ln.startswith("moe-settings:")]
+    for key in ("policy", "max-batch", "half-life", "uploads", "offload-min-batch", "device", "copy-ahead"):
+        if f"--moe-cache-{key}" in flags:
+            assert settings[key] == flags[f"--moe-cache-{key}"], (key, settings, flags)
+    assert settings["placement"] == "moeplug" and settings["plan"] == str(sidecar)
+
+    # its check chose stock's placement (the record as the check writes it): the hook's refresh writes
+    # placement = stock, and the same environment runs alpha without slots
+    from moeplug.serving.installed import Verdict, read_installed, write_installed
+    from dataclasses import replace as replaced
+    import time as clock
+    record = read_installed(inst["name"])  # the module's homes are this process's environment
+    write_installed(replaced(record, verdict=Verdict(placement="stock", decode=0.6, prefill=0.9, decode_lowest=0.5,
+                                                      prompts=4, budget_bytes=budget, checked_at=clock.time(),
+                                                      chosen="stock")))
+    r = moeplug(None, "hook", "ollama", "--ollama-dir", str(prefix), "--json")
+    assert r.returncode == 0, r.stderr
+    assert "placement = stock" in sidecar.read_text() and "slots =" not in sidecar.read_text()
+    tokens, log = answer(lib / "llama-server", ollama["blobs"]["alpha"], tmp_path / "alpha-stock.log", env)
+    lines = cache_lines(log)
+    assert any(ln.startswith("moe-settings: placement=stock") for ln in lines), lines
+    assert not any(re.match(r"moe-cache: \d+ layers x", ln) for ln in lines), lines
+    assert tokens == stock_answers["alpha"]
 
     tokens, log = answer(lib / "llama-server", ollama["blobs"]["beta"], tmp_path / "beta.log", env)
     assert cache_lines(log) == [f"moe-cache: not engaged, running without it: no profile for this model in "
@@ -299,7 +326,27 @@ def test_profile_dir_no_match_two_matches_corrupt_slots_auto(ollama, patched_bui
 
     (corrupt / "p.slots").unlink()  # no slots file: auto, on the CPU device a quarter of the experts
     lines = run(corrupt, slots=None)
-    assert len(lines) == 2 and "slots 8 from auto" in lines[0] and lines[1].startswith("moe-cache: 4 layers x 8 slots"), lines
+    assert len(lines) == 3 and "slots 8 from auto" in lines[0], lines
+    assert lines[1].startswith("moe-settings: placement=moeplug slots=8 ") and lines[1].endswith(" plan=none"), lines
+    assert lines[2].startswith("moe-cache: 4 layers x 8 slots"), lines
+
+    # a version 2 file: a setting no flag would take is refused, naming the key, and the model runs without the cache
+    from moeplug.profile.format import model_fingerprint
+    fp = model_fingerprint(alpha)
+    (corrupt / "p.slots").write_text(f"version = 2\nmodel.meta_hash = {fp.meta_hash}\nmodel.size = {fp.size}\n"
+                                     f"slots = 8\npolicy = sometimes\n")
+    assert run(corrupt) == [f"moe-cache: not engaged, running without it: the slots file {corrupt / 'p.slots'} is "
+                            f"corrupt: policy = sometimes is not a value --moe-cache-policy takes"]
+    # ... and a good one sets what no flag gave: the flag given (LLAMA_ARG_*) wins over the file
+    (corrupt / "p.slots").write_text(f"version = 2\nmodel.meta_hash = {fp.meta_hash}\nmodel.size = {fp.size}\n"
+                                     f"slots = 6\npolicy = dynamic\nuploads = 3\nmax-batch = 64\ncopy-ahead = off\n")
+    env = {"LLAMA_ARG_MOE_CACHE_PROFILE": str(corrupt), "LLAMA_ARG_MOE_CACHE_SLOTS": "auto",
+           "LLAMA_ARG_MOE_CACHE_DEVICE": "CPU", "LLAMA_ARG_MOE_CACHE_MAX_BATCH": "32"}
+    tokens, log = answer(binary, alpha, tmp_path / "v2.log", env)
+    assert tokens == stock_tokens
+    [line] = [ln for ln in cache_lines(log) if ln.startswith("moe-settings:")]
+    assert ("placement=moeplug slots=6 max-batch=32 margin=1024 policy=dynamic half-life=128 uploads=3 stream=0 "
+            "offload-min-batch=0 copy-ahead=off device=CPU plan=" + str(corrupt / "p.slots")) in line, line
 
 
 def test_the_environment_carries_the_plans_remote_devices(ollama, patched_build, tmp_path: Path) -> None:
@@ -360,3 +407,31 @@ def test_the_environment_carries_the_plans_remote_devices(ollama, patched_build,
         assert moeplug(None, "hook", "remove", "ollama").returncode == 0
         (units / "ollama.service").unlink()
     assert tree_digest(lib) == ollama["stock"] and not dropin.exists()
+
+
+def test_a_slow_bus_plan_stays_static_through_ollama(ollama, tmp_path: Path) -> None:
+    """The demo (its slots in RAM, a quarter of its experts whatever the costs say) planned with this
+    machine's defaults follows the prompt (dynamic, 8 uploads a batch); planned again with a calibration
+    that reads a narrow bus (6 GB/s), static: not one upload a batch would keep to its share of the bus.
+    Ollama's environment, the same for every model, runs each plan as made (it used to give every model
+    the dynamic policy and 8 uploads a batch, whatever its plan said)."""
+    lib, prefix = ollama["lib"], ollama["prefix"]
+    cal = tmp_path / "slow-bus.json"
+    cal.write_text(json.dumps({"cpu_expert_bytes_per_s": 30e9, "h2d_bytes_per_s": 6e9}))
+    try:
+        for extra, policy in (([], "dynamic"), (["--calibration", str(cal)], "static")):
+            r = moeplug(None, "install", "demo", *extra, "--no-serve", "--ctx", "1024", "--json")
+            assert r.returncode == 0, r.stderr
+            inst = json.loads(r.stdout)
+            assert inst["plan"]["cache_policy"] == policy and "--moe-cache-slots" in inst["plan"]["server_args"]
+            r = moeplug(None, "hook", "ollama", "--ollama-dir", str(prefix), "--json")
+            assert r.returncode == 0, r.stderr
+            env = json.loads(r.stdout)["environment"]  # nothing else: the demo's plan holds its slots in RAM itself
+            _, log = answer(lib / "llama-server", Path(inst["model"]), tmp_path / f"demo-{policy}.log", env)
+            [settings] = [dict(kv.split("=", 1) for kv in ln.split()[1:]) for ln in cache_lines(log)
+                          if ln.startswith("moe-settings:")]
+            assert (settings["policy"], settings["device"], settings["slots"]) == (policy, "CPU", "8"), settings
+            assert settings["uploads"] == ("8" if policy == "dynamic" else "4")  # static: the flag's default, unused
+            assert any(re.match(rf"moe-cache: 4 layers x 8 slots, .*policy {policy}", ln) for ln in cache_lines(log))
+    finally:
+        assert moeplug(None, "hook", "remove", "ollama").returncode == 0

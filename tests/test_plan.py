@@ -32,6 +32,11 @@ MIB = 1 << 20
 PROMPTS = Path(__file__).parents[1] / "profiles" / "codeish.txt"
 
 
+def flag_value(args: list[str], flag: str) -> str | None:
+    """The value after `flag` in a server's arguments (None: not there)."""
+    return args[args.index(flag) + 1] if flag in args else None
+
+
 @pytest.mark.parametrize("text,value", [("12GiB", 12 << 30), ("12G", 12 << 30), ("8000MiB", 8000 << 20),
                                         ("1.5 GiB", int(1.5 * (1 << 30))), ("4096", 4096)])
 def test_parse_size(text: str, value: int) -> None:
@@ -390,7 +395,9 @@ def test_a_plan_without_copies_ahead_gives_their_bytes_to_slots(tmp_path: Path) 
     # both layers partly resident: the planner keeps the copies ahead
     assert plan_with(info, 2048, budget, tmp_path / "p.gguf", profile=profile).to_json() == on.to_json()
     assert on.copy_ahead and not off.copy_ahead
-    assert on.server_env() == {} and off.server_env() == {"GGML_SCHED_EXPERT_COPY_AHEAD": "0"}
+    # the choice is the server's flag, never its environment (a proxy serving several models cannot hold that apart)
+    assert on.server_env() == off.server_env() == {}
+    assert "--moe-cache-copy-ahead" not in on.server_args and flag_value(off.server_args, "--moe-cache-copy-ahead") == "off"
     assert off.compute_bytes == on.compute_bytes - expert_copy_ahead_bytes(info)
     assert off.slots_total > on.slots_total and off.expert_vram_bytes > on.expert_vram_bytes
     assert off.stock_ncmoe == on.stock_ncmoe  # stock's placement is the same either way
@@ -414,7 +421,7 @@ def test_a_plan_without_copies_ahead_gives_their_bytes_to_slots(tmp_path: Path) 
 def test_the_planner_drops_the_copies_ahead_where_few_layers_are_partly_resident(tmp_path: Path) -> None:
     """With most layers whole and one partly resident (at most a quarter of them, plan.COPY_AHEAD_FEW_PARTIAL)
     the planner plans prompt batches without the copies ahead and gives their bytes to slots; with
-    most layers partly resident it keeps them. The installed record's server environment follows."""
+    most layers partly resident it keeps them. The installed record's flags follow, its environment stays empty."""
     from moeplug.serving.installed import InstalledModel
     from moeplug.model.synth import ModelSpec, make_model
 
@@ -434,12 +441,13 @@ def test_the_planner_drops_the_copies_ahead_where_few_layers_are_partly_resident
     assert auto.compute_bytes == forced.compute_bytes - expert_copy_ahead_bytes(info)
     assert any("prompt batches copy their expert weights one at a time" in n for n in auto.notes)
     from moeplug.commands.install import plan_text
-    assert "server environment: GGML_SCHED_EXPERT_COPY_AHEAD=0\n" in plan_text(auto) + "\n"
+    assert "--moe-cache-copy-ahead off" in plan_text(auto)
     assert "copied one at a time" in plan_text(auto) and "copied ahead" in plan_text(forced)
-    assert "server environment" not in plan_text(forced)
+    assert "server environment" not in plan_text(auto) + plan_text(forced)
     record = InstalledModel(name="m", ref=str(path), path=str(path), profile=None, build_id="b", ctx=2048, plan=auto)
-    assert record.server_env() == {"GGML_SCHED_EXPERT_COPY_AHEAD": "0"}
-    assert InstalledModel.from_json(json.loads(json.dumps(record.to_json()))).server_env() == record.server_env()
+    assert record.server_env() == {} and flag_value(record.plan.server_args, "--moe-cache-copy-ahead") == "off"
+    back = InstalledModel.from_json(json.loads(json.dumps(record.to_json())))
+    assert back.plan.server_args == record.plan.server_args and back.server_env() == {}
     many = fixed_bytes(info, 2048) + 4 * layer  # half the experts' bytes: spread over most layers
     kept = plan_with(info, 2048, many, tmp_path / "p.gguf", profile=prof)
     assert sum(0 < n < info.n_expert for n in kept.slots_per_layer) > DEFAULT_COSTS.copy_ahead_few_partial * 8

@@ -328,14 +328,17 @@ def test_serve_bench_replay(patched_build, stock_build, bench_model: Path, tmp_p
 
 def test_serve_bench_copy_ahead_rows(patched_build, stock_build, bench_model: Path, tmp_path: Path) -> None:
     """--copy-ahead on,off: two moeplug rows, the second planned without the copies ahead and its
-    server run with GGML_SCHED_EXPERT_COPY_AHEAD=0 (on the CPU build both hold their slots in RAM)."""
+    server run with --moe-cache-copy-ahead off (on the CPU build both hold their slots in RAM: --moe-cache-device CPU)."""
     stdout, doc = run_bench(patched_build, stock_build, bench_model, tmp_path, "--workloads", "random",
                             "--copy-ahead", "on,off")
     rows = doc["tables"]["random"]
     assert len(rows) == 2 and rows[1]["moeplug"] == rows[0]["moeplug"] + ", no copies ahead"
     mine = [c for c in doc["configs"] if c["side"] == "moeplug"]
     assert [c["plan"]["copy_ahead"] for c in mine] == [True, False]
-    assert [c["env"].get("GGML_SCHED_EXPERT_COPY_AHEAD") for c in mine] == [None, "0"]
+    ahead = [c["server_args"][c["server_args"].index("--moe-cache-copy-ahead") + 1] if "--moe-cache-copy-ahead" in c["server_args"]
+             else None for c in mine]
+    assert ahead == [None, "off"] and all("GGML_SCHED_EXPERT_COPY_AHEAD" not in c["env"] for c in mine)
+    assert all(c["server_args"].count("--moe-cache-device") == 1 for c in mine)
     assert all(len(v) == 2 for c in mine for v in c["samples"].values())  # both served every round
     # one request per prompt: no first-request line beside the medians, which are those requests already
     assert all(r["prefill_first"] is None for r in rows) and "first request" not in stdout

@@ -21,7 +21,7 @@ rest on moeplug's side, 4-15% on stock's):
             prompts for the text and random workloads; for the replay workload, a profile of the
             trace's training prompts, `moeplug profile --from-trace`); `--copy-ahead on,off` adds a
             row planned for prompt batches that copy their expert weights one at a time (the second
-            weight copy's compute buffer given to slots, GGML_SCHED_EXPERT_COPY_AHEAD=0)
+            weight copy's compute buffer given to slots, --moe-cache-copy-ahead off)
   stock     stock llama-server `--fit on -fitt (free VRAM - budget)` from a stock build, with the
             same context, load mode (-lm), threads and parallel slots. llama.cpp's estimate leaves out
             some of what its server holds (154-172 MiB over 8-16 GiB budgets on the H200):
@@ -890,7 +890,7 @@ def print_tables(pairs: list[tuple[Config, Config]], workloads: list[str]) -> di
 
 def main(argv: list[str] | None = None) -> int:
     from moeplug.planner.fit_estimate import gpu_need
-    from moeplug.serving.installed import SLOTS_ON_CPU_ENV
+    from moeplug.planner.server_flags import SLOTS_IN_RAM_ARGS
     from moeplug.operations.install import draft_need_for, plan_for
     from moeplug.planner.request import PlanRequest
     from moeplug.model.inspect import inspect_model
@@ -946,7 +946,7 @@ def main(argv: list[str] | None = None) -> int:
                     "(budget-side-row-rN.log; native/bench/timeline.py reads GGML_SCHED_TIMELINE's reports from them)")
     ap.add_argument("--copy-ahead", default="", help="moeplug rows planned with and without a prompt batch's expert "
                     "weights copied ahead (on,off; off: the compute buffer's second weight copy goes to slots and the "
-                    "server runs with GGML_SCHED_EXPERT_COPY_AHEAD=0; auto: the planner's choice, the default)")
+                    "server runs with --moe-cache-copy-ahead off; auto: the planner's choice, the default)")
     ap.add_argument("--prefill-reps", type=int, default=1, help="time each text or random prompt's prefill this many "
                     "times per launch (the decoding request, then passes over the prompts with requests of one token, "
                     "so each meets the slots another prompt left) and take the median: a prompt batch takes tens "
@@ -1067,7 +1067,7 @@ def main(argv: list[str] | None = None) -> int:
     model = prepare_model(a)
     info = inspect_model(model)
     free = free_vram_or_say("VRAM budgets (running as a CPU smoke test: slots in RAM, no VRAM)")
-    slots_env = dict(SLOTS_ON_CPU_ENV) if free is None else {}
+    slots_args = SLOTS_IN_RAM_ARGS if free is None else []
 
     skipped: dict[str, str] = {}
     replay = None
@@ -1160,8 +1160,9 @@ def main(argv: list[str] | None = None) -> int:
                 desc += "" if plan.copy_ahead else ", no copies ahead"
                 desc += f", {spec.kind}" if spec else ""
                 mine = Config(label, "moeplug", mine_bin, patched.build_id,
-                              [*plan.server_args, *record, *stream, *spec_args, *common, *more, *extra], group,
-                              {**slots_env, **plan.server_env(), **every_env, **env}, desc,
+                              [*plan.server_args, *(a for a in slots_args if "--moe-cache-device" not in plan.server_args),
+                               *record, *stream, *spec_args, *common, *more, *extra], group,
+                              {**plan.server_env(), **every_env, **env}, desc,
                               plan=plan.to_json())
                 print(f"# {label} {'+'.join(group)}: moeplug {' '.join(mine.server_args)} | stock "
                       f"{' '.join(theirs.server_args)}", file=sys.stderr)

@@ -188,7 +188,6 @@ def speedup_table(pairs: list[tuple[Row, Row]], depths: list[int], draft_s: floa
 
 def main(argv: list[str] | None = None) -> int:
     from moeplug.planner.fit_estimate import gpu_need
-    from moeplug.serving.installed import SLOTS_ON_CPU_ENV
     from moeplug.operations.install import plan_for
     from moeplug.planner.request import PlanRequest
     from moeplug.model.inspect import inspect_model
@@ -248,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     profile_path, replay, _ = got
     profile = read_profile(profile_path)
     free = free_vram_or_say("VRAM budgets (running as a CPU smoke test: slots in RAM, no VRAM)")
-    slots_env = dict(SLOTS_ON_CPU_ENV) if free is None else {}
+    # llama-bench takes no --moe-cache-device: the slots in RAM through the engine's debugging override
+    slots_env = {"LLAMA_MOE_CACHE_DEVICE": "CPU"} if free is None else {}
     ctx = max(depths) + max(ks)
     load = ["-lm", "none"] if free is not None else []  # pinned weights, as both servers load them on a GPU
     need = gpu_need(patched.binary("llama-fit-params"), model, ctx) if free is not None else None

@@ -40,7 +40,6 @@ from moeplug.core.fsutil import atomic_path, sha256_file, write_text_atomic
 from moeplug.hooks.command import Installed, flag_pairs
 from moeplug.core.paths import data_dir, state_dir
 from moeplug.core.progress import Note, ProgressFn, silent
-from moeplug.planner.costs import DEFAULT_COSTS
 
 SERVER = "llama-server"
 # The flags and variables Ollama's startLlamaServer can pass (llm/llama_server.go), for when the
@@ -260,16 +259,12 @@ def profiles_dir() -> Path:
 
 
 def environment(models: Sequence[Installed] = ()) -> dict[str, str]:
-    """What `ollama serve` needs: every model finds its profile and planned slots in moeplug's store,
-    the slots follow the prompt as under `moeplug serve` (server_flags.DYNAMIC_ARGS), and short prompts
-    go to the GPU as moeplug's plans send them (plan.SHORT_PROMPT_OFFLOAD): for the layers whose GPU
-    copies their experts from the slots alone, so a model without a profile runs as Ollama ran it; and
-    the installed models' remote devices (rpc_environment)."""
-    from moeplug.planner.server_flags import DYNAMIC_ARGS, OFFLOAD_MIN_BATCH_FLAG, env_of
-
+    """What `ollama serve` needs, the same for every model: each model finds its profile in moeplug's
+    store and, beside it, its slots file (slots_text): its own plan's slots and settings, or stock's
+    placement where its check chose that, so that no choice of one model's plan is every model's; a
+    model without a profile there runs as Ollama ran it. And the installed models' remote devices
+    (rpc_environment)."""
     return {"LLAMA_ARG_MOE_CACHE_PROFILE": str(profiles_dir()), "LLAMA_ARG_MOE_CACHE_SLOTS": "auto",
-            "LLAMA_ARG_MOE_CACHE_MAX_BATCH": "512",
-            **env_of(DYNAMIC_ARGS + [OFFLOAD_MIN_BATCH_FLAG, str(DEFAULT_COSTS.short_prompt_offload)]),
             **rpc_environment(models)[0]}
 
 
@@ -359,26 +354,41 @@ def slots_path(profile: Path) -> Path:
     return profile.with_suffix(".slots") if profile.suffix == ".gguf" else profile.with_name(profile.name + ".slots")
 
 
+# the engine's settings a slots file holds (native/SLOTS-FORMAT.md, version 2): the flag --moe-cache-KEY of each
+SETTINGS = ("max-batch", "margin", "policy", "half-life", "uploads", "stream", "offload-min-batch", "copy-ahead", "device")
+
+
 def slots_text(m: Installed) -> str | None:
-    """The slots file of an installed model's plan, or None when the plan holds no slot."""
+    """The slots file of an installed model's plan: its slots in the profile's layer order and every
+    setting of the engine its flags give (SETTINGS), so that a server started with the profile folder
+    and `--moe-cache-slots auto` runs this model's own plan; `placement = stock` where the install's
+    check found stock's placement faster here (the engine then runs without the cache). None where
+    the plan holds no slot or was planned from another profile (the engine's auto rule applies)."""
     from moeplug.profile.format import model_fingerprint, read_profile
 
-    plan = m.plan
+    plan, stock = m.plan, m.placement == "stock"
     slots = list(plan.slots_per_layer)
-    if not m.profile or not any(slots):
+    if not m.profile or not (any(slots) or stock):
         return None
     tensors = read_profile(m.profile).tensors
     blocks = sorted(int(t.split(".")[1]) for t in tensors)
-    if len(blocks) != len(slots):
+    if len(blocks) != len(slots) and not stock:
         return None  # a plan of another profile: the engine's auto rule applies
     by_block = dict(zip(blocks, slots))
-    counts = [by_block[int(t.split(".")[1])] for t in tensors]
+    counts = [by_block.get(int(t.split(".")[1]), 0) for t in tensors]
     spec = str(counts[0]) if len(set(counts)) == 1 else ",".join(map(str, counts))
     fp = model_fingerprint(m.path)
     budget = f"{plan.vram_budget_bytes / 2**30:.2f}GiB" if plan.vram_budget_bytes else "none"
     digest = hashlib.sha256(json.dumps(plan.to_json(), sort_keys=True).encode()).hexdigest()[:16]
-    return "\n".join([f"{SLOTS_HEADER} from the installed plan of {m.name}; edits are replaced", "version = 1",
-                      f"model.meta_hash = {fp.meta_hash}", f"model.size = {fp.size}", f"slots = {spec}",
+    if stock:
+        settings = ["placement = stock"]
+    else:
+        flags = dict(flag_pairs(plan.server_args))
+        settings = ["placement = moeplug", f"slots = {spec}",
+                    *(f"{key} = {flags['--moe-cache-' + key]}" for key in SETTINGS if flags.get("--moe-cache-" + key))]
+    return "\n".join([f"{SLOTS_HEADER} from the installed plan of {m.name}; edits are replaced", "version = 2",
+                      f"model.meta_hash = {fp.meta_hash}", f"model.size = {fp.size}",
+                      f"profile = {Path(m.profile).name}", *settings,
                       f"plan = {m.name} ctx={plan.ctx} budget={budget} sha256:{digest}", ""])
 
 

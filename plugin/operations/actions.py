@@ -40,7 +40,8 @@ def plan_model(model: str, choices: PlanChoices = PlanChoices(), profile: Path |
                       slots_in_ram=0)
     profile = profile or default_profile_path(model_fingerprint(path))
     build = installed_build(installed[model]) if model in installed else None
-    return plan_for(info, request, profile if profile.exists() else None, build=build, progress=progress)
+    plan = plan_for(info, request, profile if profile.exists() else None, build=build, progress=progress)
+    return installed[model].with_slots_in_ram(plan) if model in installed else plan
 
 
 def install(text: str, choices: PlanChoices = PlanChoices(), serving: ServeOptions | None = ServeOptions(), *,

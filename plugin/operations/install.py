@@ -312,6 +312,7 @@ def installed_record(text: str, choices: PlanChoices, backend: str | None, jobs:
                             build_id=result.build_id, ctx=ctx, plan=plan,
                             slots_on_cpu=slots_on_cpu and not plan.backend.gpu and not plan.devices,
                             request=replace(request, vram_budget=plan.budget))
+    record = replace(record, plan=record.with_slots_in_ram(plan))
     write_installed(record)
     refresh_hooks(list_installed(), progress)
     return record, result
@@ -358,7 +359,8 @@ def plan_installed(m: InstalledModel, choices: PlanChoices = PlanChoices(), prof
         build = installed_build(m)
     except MoeplugError:
         build = None  # the build is gone: moeplug's own estimate
-    return plan_for(inspect_model(m.path), installed_request(m, choices, learned), path, profile, build=build)
+    return m.with_slots_in_ram(plan_for(inspect_model(m.path), installed_request(m, choices, learned), path, profile,
+                                        build=build))
 
 
 def replan(m: InstalledModel, choices: PlanChoices = PlanChoices(),

@@ -194,5 +194,5 @@ def plan_copies(info: ModelInfo, request: PlanRequest, machine: MachineFacts, pr
     single.notes.append(f"{partial} of {len(plan.slots_per_layer)} MoE layers partly resident: prompt batches copy "
                         f"their expert weights one at a time, as stock's do, and the "
                         f"{human_bytes(plan.compute_bytes - single.compute_bytes)} a second weight copy would take "
-                        f"hold slots (GGML_SCHED_EXPERT_COPY_AHEAD=0)")
+                        f"hold slots (--moe-cache-copy-ahead off)")
     return single

@@ -22,8 +22,9 @@ from moeplug.planner.request import UBATCH_AUTO
 # `moeplug bench` and the hooks re-plan an installed model whose plan an older revision made, from its
 # stored budget, context and choices (install.up_to_date; 1: the threads halved only where few layers are
 # partly resident; 2: short prompt batches on the GPU, CostModel.short_prompt_offload; 3: the same through
-# the server's flag, not its environment)
-PLANNER_REVISION = 3
+# the server's flag, not its environment; 4: the copies ahead switched off by the flag --moe-cache-copy-ahead, not
+# the environment)
+PLANNER_REVISION = 4
 
 
 @dataclass
@@ -82,7 +83,7 @@ class Plan:
     modelled_stream_saving_ms: float = 0.0
     # whether a prompt batch's later expert weights are copied while the split before computes (native
     # patch 0021, on by default); off, the compute buffer holds one weight copy as stock's does and the
-    # bytes go to slots (the server then runs with GGML_SCHED_EXPERT_COPY_AHEAD=0: server_env)
+    # bytes go to slots (the server then runs with --moe-cache-copy-ahead off)
     copy_ahead: bool = True
     # prompt batches of this many tokens or more go to the GPU with their missed experts copied over
     # (--moe-cache-offload-min-batch in server_args; CostModel.short_prompt_offload), None for llama.cpp's
@@ -123,9 +124,9 @@ class Plan:
         return "asked" if self.prefill_weight != PREFILL_WEIGHT or self.prompt_tokens else "default"
 
     def server_env(self) -> dict[str, str]:
-        """The environment the plan's server runs with beside its flags."""
-        ahead_off = not self.copy_ahead and self.backend.can_copy_ahead  # a backend without them needs no switch
-        return dict(self.device_env) | ({"GGML_SCHED_EXPERT_COPY_AHEAD": "0"} if ahead_off else {})
+        """The environment the plan's server runs with beside its flags: the machine's device switches
+        alone (the same for every model on it); every choice of the plan is a flag."""
+        return dict(self.device_env)
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self) | {"backend": self.backend.value}

@@ -29,6 +29,9 @@ DYNAMIC_ARGS = dynamic_args()
 # slots (native patch 0025); llama.cpp's own threshold, GGML_OP_OFFLOAD_MIN_BATCH (32), applies to
 # every model of a process, this flag to one model and to its cache's layers alone
 OFFLOAD_MIN_BATCH_FLAG = "--moe-cache-offload-min-batch"
+COPY_AHEAD_FLAG = "--moe-cache-copy-ahead"  # on|off: a prompt batch's expert copies on a second queue
+DEVICE_FLAG = "--moe-cache-device"  # CPU: the slots in RAM (the demo's stand-in for a GPU)
+SLOTS_IN_RAM_ARGS = [DEVICE_FLAG, "CPU"]
 
 
 def env_of(args: list[str]) -> dict[str, str]:

@@ -37,7 +37,7 @@ from moeplug.planner.costs import DEFAULT_COSTS
 from moeplug.planner.multi_gpu import DevicePlan, SplitDevice, plan_split
 from moeplug.planner.record import Plan
 from moeplug.planner.request import MachineFacts, PlanRequest
-from moeplug.planner.server_flags import (OFFLOAD_MIN_BATCH_FLAG, dynamic_args, experts_in_ram_args, placement_args,
+from moeplug.planner.server_flags import (COPY_AHEAD_FLAG, OFFLOAD_MIN_BATCH_FLAG, SLOTS_IN_RAM_ARGS, dynamic_args, experts_in_ram_args, placement_args,
                                           ubatch_args)
 from moeplug.planner.speculation import SpecNeed, Speculation, nextn_blocks, nextn_weight_bytes, spec_need
 from moeplug.profile.format import Profile
@@ -515,7 +515,7 @@ def common_fields(s: Setting, room: Room) -> dict:
 
 
 def cpu_plan(s: Setting) -> Plan:
-    """No GPU: every expert on the CPU; the demo holds slots in RAM anyway (LLAMA_MOE_CACHE_DEVICE=CPU)
+    """No GPU: every expert on the CPU; the demo holds slots in RAM anyway (--moe-cache-device CPU)
     to show the cache engage: same results as stock, no speedup. Pinned memory only speeds up copies
     to a GPU: without one, mmap."""
     info, n_trunk = s.info, len(s.trunk.layers)
@@ -523,12 +523,12 @@ def cpu_plan(s: Setting) -> Plan:
     args = ["-c", str(s.request.ctx), *ubatch_args(s.request.ubatch), "-ngl", "0"]
     note, policy = "no NVIDIA GPU found: a CPU plan, every expert on the CPU, no slots", "static"
     if slots[0]:
-        args += ["--moe-cache-slots", str(slots[0])]
+        args += ["--moe-cache-slots", str(slots[0]), *SLOTS_IN_RAM_ARGS]
         args += ["--moe-cache-profile", str(s.profile_path)] if s.profile_path else []
         if s.profile_path and s.request.policy in ("auto", "dynamic") and s.machine.costs.dynamic_uploads > 0:
             policy = "dynamic"
             args += dynamic_args(s.machine.costs.dynamic_uploads)
-        note = (f"no NVIDIA GPU: {slots[0]} slots per layer held in RAM (LLAMA_MOE_CACHE_DEVICE=CPU) to show the "
+        note = (f"no NVIDIA GPU: {slots[0]} slots per layer held in RAM (--moe-cache-device CPU) to show the "
                 f"cache engage: same results as stock, no speedup")
     args += s.spec.server_args(gpu=False) if s.spec else []
     p = placed(s, slots[:n_trunk], None)
@@ -556,6 +556,8 @@ def gpu_plan(s: Setting) -> Plan:
     p = placed(s, alloc.slots, alloc.room)
     costs, slots, stock_slots = s.costs, alloc.slots, alloc.stock_slots
     cache = "--moe-cache-slots" in flags.args  # without it, prompt batches take stock's path
+    if not alloc.copy_ahead and s.backend.can_copy_ahead:  # a backend without them needs no switch
+        flags.args += [COPY_AHEAD_FLAG, "off"]
     prompts = any(c.prefill is not None for c in costs)
     return Plan(
         backend=s.backend, vram_budget_bytes=alloc.budget, stock_ncmoe=stock_ncmoe(s.trunk, alloc.room + alloc.ahead),

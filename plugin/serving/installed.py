@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,6 @@ from moeplug.planner.record import Plan
 from moeplug.planner.request import PlanRequest
 from moeplug.planner.speculation import Speculation
 
-SLOTS_ON_CPU_ENV = {"LLAMA_MOE_CACHE_DEVICE": "CPU"}
 PLACEMENTS = ("moeplug", "stock")  # what a model is served with: its plan, or stock --fit's placement
 
 
@@ -161,9 +160,20 @@ class InstalledModel:
                            prompt_tokens=p.prompt_tokens, workload=p.workload,
                            slots_in_ram=max(1, p.n_expert // 4) if self.slots_on_cpu else 0)
 
+    def with_slots_in_ram(self, plan: Plan) -> Plan:
+        """`plan` as this model serves it: where the demo's slots stand in RAM for a GPU (slots_on_cpu),
+        with the flag that puts them there (--moe-cache-device CPU), as every road passes the plan's flags."""
+        from moeplug.planner.server_flags import SLOTS_IN_RAM_ARGS
+
+        if not self.slots_on_cpu or "--moe-cache-slots" not in plan.server_args or \
+                SLOTS_IN_RAM_ARGS[0] in plan.server_args:
+            return plan
+        return replace(plan, server_args=[*plan.server_args, *SLOTS_IN_RAM_ARGS])
+
     def server_env(self) -> dict[str, str]:
-        """The environment its llama-server runs with beside the plan's flags."""
-        return (dict(SLOTS_ON_CPU_ENV) if self.slots_on_cpu else {}) | self.plan.server_env()
+        """The environment its llama-server runs with beside the plan's flags (the machine's device
+        switches alone: the slots in RAM are the plan's flag --moe-cache-device CPU)."""
+        return self.plan.server_env()
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self) | {"plan": self.plan.to_json(), "request": self.request.to_json() if self.request else None,

@@ -337,7 +337,8 @@ std::vector<common_moeplug_cache_choice> common_moeplug_cache_choose(
 
 bool common_moeplug_cache_enable(llama_model * model, const std::string & model_path, const std::string & profile_path,
         const std::string & slots, int32_t max_batch, int32_t margin_mib, bool count,
-        const std::string & policy, float half_life, int32_t uploads, float stream, int32_t offload_min_batch) {
+        const std::string & policy, float half_life, int32_t uploads, float stream, int32_t offload_min_batch,
+        bool copy_ahead, bool slots_on_cpu) {
     llama_moeplug_cache_result result = {};
     const bool dynamic = policy == "dynamic";
     try {
@@ -368,6 +369,8 @@ bool common_moeplug_cache_enable(llama_model * model, const std::string & model_
         mp.max_uploads = uploads;
         mp.stream_share = stream;
         mp.offload_min_batch = offload_min_batch;
+        mp.no_copy_ahead = !copy_ahead;
+        mp.slots_on_cpu  = slots_on_cpu;
         if (!llama_model_moeplug_cache_init(model, &mp, &result)) {
             throw std::runtime_error(result.reason);
         }
@@ -403,24 +406,54 @@ bool common_moeplug_cache_enable(llama_model * model, const std::string & model_
     return true;
 }
 
-bool common_moeplug_cache_init(llama_model * model, const common_params & params) {
-    bool engaged = false;
-    if (params.moeplug.cache_profile.empty()) {
-        if (!params.moeplug.cache_slots.empty()) {
+// the cache as the settings ask (a plan file's taken where no flag gave them), the settings line logged
+static bool moe_cache_start(llama_model * model, const std::string & model_path, common_moeplug_params mp, bool count) {
+    std::string plan_path;
+    bool stock = false;
+    try {
+        if (!mp.cache_plan.empty()) {
+            const common_moeplug_plan_file plan = common_moeplug_read_plan_file(mp.cache_plan, common_moeplug_fingerprint_of(model_path));
+            common_moeplug_apply_plan(mp, plan);
+            plan_path = plan.path;
+            stock     = plan.stock;
+        }
+    } catch (const std::exception & err) {
+        LOG_WRN("moe-cache: not engaged, running without it: %s\n", err.what());
+        return false;
+    }
+    if (mp.cache_profile.empty() && !stock) {
+        if (!mp.cache_slots.empty()) {
             LOG_WRN("moe-cache: not engaged, running without it: --moe-cache-slots needs --moe-cache-profile\n");
         }
-    } else {
-        const common_moeplug_cache_source src = common_moeplug_cache_resolve(params.model.path, params.moeplug.cache_profile,
-            params.moeplug.cache_slots, params.moeplug.cache_margin_mib);
+        return false;
+    }
+    const bool on_cpu = mp.cache_device == "CPU";
+    common_moeplug_cache_source src;
+    if (!stock) {
+        src = common_moeplug_cache_resolve(model_path, mp.cache_profile, mp.cache_slots, mp.cache_margin_mib, on_cpu);
         if (!src.reason.empty()) {
             LOG_WRN("moe-cache: not engaged, running without it: %s\n", src.reason.c_str());
-        } else {
-            engaged = common_moeplug_cache_enable(model, params.model.path, src.profile, src.slots,
-                params.moeplug.cache_max_batch, params.moeplug.cache_margin_mib, params.endpoint_metrics,
-                params.moeplug.cache_policy, params.moeplug.cache_half_life, params.moeplug.cache_uploads,
-                params.moeplug.cache_stream, params.moeplug.cache_offload_min_batch);
+            return false;
         }
+        if (!src.plan.path.empty()) { // the plan file beside the profile
+            common_moeplug_apply_plan(mp, src.plan);
+            plan_path = src.plan.path;
+            stock     = src.plan.stock;
+        }
+        mp.cache_slots = src.slots;
     }
+    LOG_INF("moe-settings: %s\n", common_moeplug_settings(mp, stock, plan_path).c_str());
+    if (stock) {
+        LOG_INF("moe-cache: not engaged: the plan %s places this model as stock llama.cpp does\n", plan_path.c_str());
+        return false;
+    }
+    return common_moeplug_cache_enable(model, model_path, src.profile, src.slots, mp.cache_max_batch, mp.cache_margin_mib,
+        count, mp.cache_policy, mp.cache_half_life, mp.cache_uploads, mp.cache_stream, mp.cache_offload_min_batch,
+        mp.cache_copy_ahead, mp.cache_device == "CPU");
+}
+
+bool common_moeplug_cache_init(llama_model * model, const common_params & params) {
+    const bool engaged = moe_cache_start(model, params.model.path, params.moeplug, params.endpoint_metrics);
     if (params.moeplug.cache_record) {
         if (llama_model_moeplug_record_init(model)) {
             LOG_INF("moe-cache: recording the router's selections of %zu layers\n",
@@ -520,12 +553,80 @@ static std::string moe_trim(const std::string & s) {
     return b == std::string::npos ? "" : s.substr(b, e - b + 1);
 }
 
-std::string common_moeplug_read_slots_file(const std::string & path, const common_moeplug_fingerprint & fp) {
+// the settings a plan file may hold, each the name of its flag without "--moe-cache-"
+static const char * const MOE_PLAN_SETTINGS[] = {
+    "slots", "max-batch", "margin", "policy", "half-life", "uploads", "stream", "offload-min-batch", "copy-ahead", "device",
+};
+
+static int32_t moe_parse_int(const std::string & value, int32_t min) {
+    size_t end = 0;
+    const long v = std::stol(value, &end); // std::invalid_argument, std::out_of_range: common_moeplug_set's message
+    if (end != value.size() || v < min || v > INT32_MAX) {
+        throw std::invalid_argument("invalid value");
+    }
+    return (int32_t) v;
+}
+
+static float moe_parse_float(const std::string & value, float min, float max) {
+    size_t end = 0;
+    const float v = std::stof(value, &end);
+    if (end != value.size() || !(v >= min && v <= max)) {
+        throw std::invalid_argument("invalid value");
+    }
+    return v;
+}
+
+void common_moeplug_set(common_moeplug_params & mp, const std::string & key, const std::string & value) {
+    if (key == "slots") {
+        common_moeplug_parse_slots(value); // its own message: what --moe-cache-slots takes
+        mp.cache_slots = value;
+        return;
+    }
+    try {
+        if (key == "max-batch") {
+            mp.cache_max_batch = moe_parse_int(value, 1);
+        } else if (key == "margin") {
+            mp.cache_margin_mib = moe_parse_int(value, 0);
+        } else if (key == "policy") {
+            if (value != "static" && value != "dynamic") {
+                throw std::invalid_argument("invalid value");
+            }
+            mp.cache_policy = value;
+        } else if (key == "half-life") {
+            mp.cache_half_life = moe_parse_float(value, 1.0f, 1e6f);
+        } else if (key == "uploads") {
+            mp.cache_uploads = moe_parse_int(value, 1);
+        } else if (key == "stream") {
+            mp.cache_stream = moe_parse_float(value, 0.0f, 1.0f);
+        } else if (key == "offload-min-batch") {
+            mp.cache_offload_min_batch = moe_parse_int(value, 0);
+        } else if (key == "copy-ahead") {
+            if (value != "on" && value != "off") {
+                throw std::invalid_argument("invalid value");
+            }
+            mp.cache_copy_ahead = value == "on";
+        } else if (key == "device") {
+            if (value != "CPU" && value != "auto") {
+                throw std::invalid_argument("invalid value");
+            }
+            mp.cache_device = value == "auto" ? "" : value;
+        } else {
+            throw std::invalid_argument("no such setting: " + key);
+        }
+    } catch (const std::exception &) { // std::stol/stof's own, out of range, or the checks above
+        throw std::invalid_argument(key == "stream" ? "invalid value: give a share from 0 to 1" :
+            key == "offload-min-batch" ? "invalid value: give 0 or more tokens" : "invalid value");
+    }
+}
+
+common_moeplug_plan_file common_moeplug_read_plan_file(const std::string & path, const common_moeplug_fingerprint & fp) {
     std::ifstream f(path);
     if (!f) {
         throw std::runtime_error("cannot read the slots file " + path);
     }
-    std::map<std::string, std::string> kv;
+    common_moeplug_plan_file res;
+    res.path = path;
+    std::map<std::string, std::string> & kv = res.kv;
     std::string line;
     for (int n = 1; std::getline(f, line); ++n) {
         line = moe_trim(line);
@@ -538,25 +639,71 @@ std::string common_moeplug_read_slots_file(const std::string & path, const commo
         }
         kv[moe_trim(line.substr(0, eq))] = moe_trim(line.substr(eq + 1));
     }
-    for (const char * key : { "version", "model.meta_hash", "model.size", "slots" }) {
+    for (const char * key : { "version", "model.meta_hash", "model.size" }) {
         if (kv.find(key) == kv.end()) {
             throw std::runtime_error(string_format("the slots file %s is corrupt: no %s", path.c_str(), key));
         }
     }
-    if (kv["version"] != "1") {
-        throw std::runtime_error("the slots file " + path + " is version " + kv["version"] + "; this build reads version 1");
+    if (kv["version"] != "1" && kv["version"] != "2") {
+        throw std::runtime_error("the slots file " + path + " is version " + kv["version"] + "; this build reads versions 1 and 2");
     }
     if (kv["model.meta_hash"] != fp.meta_hash || kv["model.size"] != std::to_string(fp.size)) {
         throw std::runtime_error("the slots file " + path + " was planned for another model (model.meta_hash or model.size differ)");
     }
-    try {
-        if (kv["slots"] == "auto" || common_moeplug_parse_slots(kv["slots"]).empty()) {
-            throw std::invalid_argument("auto");
-        }
-    } catch (const std::invalid_argument &) {
+    const std::string placement = kv.count("placement") ? kv["placement"] : "moeplug";
+    if (placement != "moeplug" && placement != "stock") {
+        throw std::runtime_error("the slots file " + path + " is corrupt: placement = " + placement + " is not moeplug or stock");
+    }
+    res.stock = placement == "stock";
+    if (!res.stock && kv.find("slots") == kv.end()) {
+        throw std::runtime_error("the slots file " + path + " is corrupt: no slots");
+    }
+    if (kv.count("slots") && (kv["slots"] == "auto" || kv["slots"].empty())) {
         throw std::runtime_error("the slots file " + path + " is corrupt: slots = " + kv["slots"] + " is not N or N0,N1,...");
     }
-    return kv["slots"];
+    // version 1 holds the slots alone; version 2 may hold every setting (unknown keys are skipped)
+    common_moeplug_params check;
+    for (const char * key : MOE_PLAN_SETTINGS) {
+        const auto it = kv.find(key);
+        if (it == kv.end()) {
+            continue;
+        }
+        if (kv["version"] == "1" && it->first != "slots") {
+            continue;
+        }
+        try {
+            common_moeplug_set(check, it->first, it->second);
+        } catch (const std::invalid_argument &) {
+            throw std::runtime_error("the slots file " + path + " is corrupt: " + it->first + " = " + it->second +
+                (it->first == "slots" ? " is not N or N0,N1,..." : " is not a value --moe-cache-" + it->first + " takes"));
+        }
+        res.settings[it->first] = it->second;
+    }
+    if (kv.count("profile") && !kv["profile"].empty()) {
+        const std::filesystem::path profile(kv["profile"]);
+        res.profile = profile.is_absolute() ? profile.string() : (std::filesystem::path(path).parent_path() / profile).string();
+    }
+    return res;
+}
+
+void common_moeplug_apply_plan(common_moeplug_params & mp, const common_moeplug_plan_file & plan) {
+    for (const auto & [key, value] : plan.settings) {
+        if (!mp.given.count(key) || (key == "slots" && mp.cache_slots == "auto")) {
+            common_moeplug_set(mp, key, value); // read_plan_file checked every value
+        }
+    }
+    if (mp.cache_profile.empty()) {
+        mp.cache_profile = plan.profile;
+    }
+}
+
+std::string common_moeplug_settings(const common_moeplug_params & mp, bool stock, const std::string & plan) {
+    return string_format("placement=%s slots=%s max-batch=%d margin=%d policy=%s half-life=%g uploads=%d stream=%g "
+        "offload-min-batch=%d copy-ahead=%s device=%s plan=%s",
+        stock ? "stock" : "moeplug", stock || mp.cache_slots.empty() ? "none" : mp.cache_slots.c_str(), mp.cache_max_batch,
+        mp.cache_margin_mib, mp.cache_policy.c_str(), (double) mp.cache_half_life, mp.cache_uploads, (double) mp.cache_stream,
+        mp.cache_offload_min_batch, mp.cache_copy_ahead ? "on" : "off", mp.cache_device.empty() ? "auto" : mp.cache_device.c_str(),
+        plan.empty() ? "none" : plan.c_str());
 }
 
 // bytes of one expert of every routed-expert tensor of the block of `down` (the profile's layer)
@@ -575,7 +722,7 @@ static uint64_t moe_slot_bytes(const common_moeplug_fingerprint & fp, const std:
 }
 
 std::string common_moeplug_auto_slots(const std::string & profile_path, const common_moeplug_fingerprint & fp,
-        int32_t margin_mib, std::string & origin) {
+        int32_t margin_mib, bool slots_on_cpu, std::string & origin) {
     gguf_init_params ip = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
     gguf_context_ptr gp { gguf_init_from_file(profile_path.c_str(), ip) };
     if (!gp) {
@@ -591,8 +738,8 @@ std::string common_moeplug_auto_slots(const std::string & profile_path, const co
     }
     const uint64_t margin = (uint64_t) std::max(margin_mib, 0) * 1024 * 1024;
 
-    const char * dev_env = getenv("LLAMA_MOE_CACHE_DEVICE");
-    const bool on_cpu = dev_env != nullptr && strcmp(dev_env, "CPU") == 0;
+    const char * dev_env = getenv("LLAMA_MOE_CACHE_DEVICE"); // the debugging override
+    const bool on_cpu = slots_on_cpu || (dev_env != nullptr && strcmp(dev_env, "CPU") == 0);
     uint64_t room = 0;
     std::string where;
     for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
@@ -610,7 +757,7 @@ std::string common_moeplug_auto_slots(const std::string & profile_path, const co
         }
     }
     if (where.empty()) {
-        throw std::runtime_error("--moe-cache-slots auto: no GPU to hold slots (LLAMA_MOE_CACHE_DEVICE=CPU holds them in RAM)");
+        throw std::runtime_error("--moe-cache-slots auto: no GPU to hold slots (--moe-cache-device CPU holds them in RAM)");
     }
     const uint64_t fit = room / per_slot;
     const uint64_t want = on_cpu ? std::max<uint64_t>(1, fp.n_expert / 4) : fp.n_expert;
@@ -626,7 +773,7 @@ std::string common_moeplug_auto_slots(const std::string & profile_path, const co
 }
 
 common_moeplug_cache_source common_moeplug_cache_resolve(const std::string & model_path, const std::string & profile,
-        const std::string & slots, int32_t margin_mib) {
+        const std::string & slots, int32_t margin_mib, bool slots_on_cpu) {
     namespace fs = std::filesystem;
     common_moeplug_cache_source res;
     std::error_code ec;
@@ -678,15 +825,16 @@ common_moeplug_cache_source common_moeplug_cache_resolve(const std::string & mod
             res.slots = slots;
         } else if (fs::exists(common_moeplug_slots_path(res.profile), ec)) {
             res.origin = common_moeplug_slots_path(res.profile);
-            res.slots  = common_moeplug_read_slots_file(res.origin, fp);
+            res.plan   = common_moeplug_read_plan_file(res.origin, fp);
+            res.slots  = res.plan.stock ? "" : res.plan.settings.at("slots");
         } else {
-            res.slots = common_moeplug_auto_slots(res.profile, fp, margin_mib, res.origin);
+            res.slots = common_moeplug_auto_slots(res.profile, fp, margin_mib, slots_on_cpu, res.origin);
         }
     } catch (const std::exception & err) {
         res.reason = err.what();
         return res;
     }
-    LOG_INF("moe-cache: profile %s, slots %s%s%s\n", res.profile.c_str(), res.slots.c_str(),
+    LOG_INF("moe-cache: profile %s, slots %s%s%s\n", res.profile.c_str(), res.plan.stock ? "none (stock's placement)" : res.slots.c_str(),
         res.origin.empty() ? "" : " from ", res.origin.c_str());
     return res;
 }
@@ -777,28 +925,24 @@ void common_moeplug_add_args(const common_params & params, const std::function<v
         "or one per layer of the profile (0 leaves a layer out; all of a layer's experts run it without a host pass);\n"
         "auto: the slots file beside the profile, else what the free device memory holds",
         [](common_params & params, const std::string & value) {
-            common_moeplug_parse_slots(value); // a malformed list is a usage error
-            params.moeplug.cache_slots = value;
+            common_moeplug_set(params.moeplug, "slots", value);
+            params.moeplug.given.insert("slots");
         }
     ).set_env("LLAMA_ARG_MOE_CACHE_SLOTS"));
     add_opt(common_arg(
         {"--moe-cache-max-batch"}, "N",
         string_format("expert slot cache: larger batches run without it (default: %d)", params.moeplug.cache_max_batch),
-        [](common_params & params, int value) {
-            if (value < 1) {
-                throw std::invalid_argument("invalid value");
-            }
-            params.moeplug.cache_max_batch = value;
+        [](common_params & params, const std::string & value) {
+            common_moeplug_set(params.moeplug, "max-batch", value);
+            params.moeplug.given.insert("max-batch");
         }
     ).set_env("LLAMA_ARG_MOE_CACHE_MAX_BATCH"));
     add_opt(common_arg(
         {"--moe-cache-margin"}, "MiB",
         string_format("expert slot cache: device memory to leave free (default: %d)", params.moeplug.cache_margin_mib),
-        [](common_params & params, int value) {
-            if (value < 0) {
-                throw std::invalid_argument("invalid value");
-            }
-            params.moeplug.cache_margin_mib = value;
+        [](common_params & params, const std::string & value) {
+            common_moeplug_set(params.moeplug, "margin", value);
+            params.moeplug.given.insert("margin");
         }
     ).set_env("LLAMA_ARG_MOE_CACHE_MARGIN"));
     add_opt(common_arg(
@@ -807,10 +951,8 @@ void common_moeplug_add_args(const common_params & params, const std::function<v
         "resident expert for a hot missed one between batches (use counts decayed over tokens, seeded\n"
         "from the profile; uploads never stall a batch) (default: static)",
         [](common_params & params, const std::string & value) {
-            if (value != "static" && value != "dynamic") {
-                throw std::invalid_argument("invalid value");
-            }
-            params.moeplug.cache_policy = value;
+            common_moeplug_set(params.moeplug, "policy", value);
+            params.moeplug.given.insert("policy");
         }
     ).set_env("LLAMA_ARG_MOE_CACHE_POLICY"));
     add_opt(common_arg(
@@ -818,22 +960,17 @@ void common_moeplug_add_args(const common_params & params, const std::function<v
         string_format("expert slot cache, dynamic policy: tokens over which an expert's use count halves (default: %.0f)",
             (double) params.moeplug.cache_half_life),
         [](common_params & params, const std::string & value) {
-            const float v = std::stof(value);
-            if (!(v >= 1.0f && v <= 1e6f)) {
-                throw std::invalid_argument("invalid value");
-            }
-            params.moeplug.cache_half_life = v;
+            common_moeplug_set(params.moeplug, "half-life", value);
+            params.moeplug.given.insert("half-life");
         }
     ).set_env("LLAMA_ARG_MOE_CACHE_HALF_LIFE"));
     add_opt(common_arg(
         {"--moe-cache-uploads"}, "N",
         string_format("expert slot cache, dynamic policy: slot uploads started after a batch, all layers (default: %d)",
             params.moeplug.cache_uploads),
-        [](common_params & params, int value) {
-            if (value < 1) {
-                throw std::invalid_argument("invalid value");
-            }
-            params.moeplug.cache_uploads = value;
+        [](common_params & params, const std::string & value) {
+            common_moeplug_set(params.moeplug, "uploads", value);
+            params.moeplug.given.insert("uploads");
         }
     ).set_env("LLAMA_ARG_MOE_CACHE_UPLOADS"));
     add_opt(common_arg(
@@ -842,12 +979,8 @@ void common_moeplug_add_args(const common_params & params, const std::function<v
             "selections are copied by the GPU from host memory and computed there, beside the CPU computing the others "
             "(0 to 1; needs the slots on the first GPU and --load-mode none; default: %.1f)", (double) params.moeplug.cache_stream),
         [](common_params & params, const std::string & value) {
-            char * end = nullptr;
-            const float share = std::strtof(value.c_str(), &end);
-            if (end == value.c_str() || *end != '\0' || !(share >= 0.0f && share <= 1.0f)) {
-                throw std::invalid_argument("invalid value: give a share from 0 to 1");
-            }
-            params.moeplug.cache_stream = share;
+            common_moeplug_set(params.moeplug, "stream", value);
+            params.moeplug.given.insert("stream");
         }
     ).set_env("LLAMA_ARG_MOE_CACHE_STREAM"));
     add_opt(common_arg(
@@ -855,13 +988,37 @@ void common_moeplug_add_args(const common_params & params, const std::function<v
         "expert slot cache: prompt batches of N tokens or more go to the GPU for the layers whose GPU copies their "
         "experts from the slots, whatever GGML_OP_OFFLOAD_MIN_BATCH says for the rest of the model (0: that "
         "threshold, 32 by default; default: 0)",
-        [](common_params & params, int value) {
-            if (value < 0) {
-                throw std::invalid_argument("invalid value: give 0 or more tokens");
-            }
-            params.moeplug.cache_offload_min_batch = value;
+        [](common_params & params, const std::string & value) {
+            common_moeplug_set(params.moeplug, "offload-min-batch", value);
+            params.moeplug.given.insert("offload-min-batch");
         }
     ).set_env("LLAMA_ARG_MOE_CACHE_OFFLOAD_MIN_BATCH"));
+    add_opt(common_arg(
+        {"--moe-cache-copy-ahead"}, "on|off",
+        "expert slot cache: a prompt batch's expert weights copied on a second queue while the split before computes,\n"
+        "where the device can (default: on)",
+        [](common_params & params, const std::string & value) {
+            common_moeplug_set(params.moeplug, "copy-ahead", value);
+            params.moeplug.given.insert("copy-ahead");
+        }
+    ).set_env("LLAMA_ARG_MOE_CACHE_COPY_AHEAD"));
+    add_opt(common_arg(
+        {"--moe-cache-device"}, "CPU|auto",
+        "expert slot cache: CPU keeps the slots in RAM with the weights' own buffer type (the whole mechanism on a CPU,\n"
+        "same kernels); auto: on each layer's device (default: auto)",
+        [](common_params & params, const std::string & value) {
+            common_moeplug_set(params.moeplug, "device", value);
+            params.moeplug.given.insert("device");
+        }
+    ).set_env("LLAMA_ARG_MOE_CACHE_DEVICE"));
+    add_opt(common_arg(
+        {"--moe-cache-plan"}, "FNAME",
+        "expert slot cache: the model's plan file (moeplug writes one per model): its profile, slots and settings,\n"
+        "each where no flag gives it; placement = stock runs the model without the cache",
+        [](common_params & params, const std::string & value) {
+            params.moeplug.cache_plan = value;
+        }
+    ).set_env("LLAMA_ARG_MOE_CACHE_PLAN"));
     add_opt(common_arg(
         {"--moe-cache-record"},
         "count the router's selections per MoE layer and expert, prompt and generated tokens apart\n"

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -79,10 +80,14 @@ std::vector<common_moeplug_cache_choice> common_moeplug_cache_choose(
 bool common_moeplug_cache_enable(llama_model * model, const std::string & model_path, const std::string & profile_path,
         const std::string & slots, int32_t max_batch, int32_t margin_mib, bool count = false,
         const std::string & policy = "static", float half_life = 0.0f, int32_t uploads = 0, float stream = 0.0f,
-        int32_t offload_min_batch = 0);
+        int32_t offload_min_batch = 0, bool copy_ahead = true, bool slots_on_cpu = false);
 
 // common_moeplug_cache_enable from params.moeplug (common/moeplug-params.h), when a profile is given (through
-// common_moeplug_cache_resolve); counts slot hits when the server's metrics endpoint is on; then,
+// common_moeplug_cache_resolve) or a plan file (--moe-cache-plan, or the one beside the profile), its settings
+// taken where no flag gave them; counts slot hits when the server's metrics endpoint is on. Logs the settings
+// it took, in the plan file's keys (common_moeplug_settings):
+//   moe-settings: placement=moeplug slots=8 max-batch=31 ... device=auto plan=FILE|none
+// and, where the plan places the model as stock does (placement = stock), runs it without the cache. Then,
 // with --moe-cache-record, starts recording and logs
 //   moe-cache: recording the router's selections of L layers
 bool common_moeplug_cache_init(llama_model * model, const common_params & params);
@@ -96,11 +101,21 @@ std::string common_moeplug_record_profile(const llama_model * model, const std::
 // what --moe-cache-profile FILE|DIR and --moe-cache-slots N|N0,N1,...|auto come to for one model
 // (native/SLOTS-FORMAT.md): the profile file, the slots spec, and where the spec came from; or,
 // when the cache cannot apply, only the reason (the model then runs without it)
+// a plan file (native/SLOTS-FORMAT.md, "the slots file"): what it sets, checked
+struct common_moeplug_plan_file {
+    std::string path;
+    std::map<std::string, std::string> kv;       // every key
+    std::map<std::string, std::string> settings; // the settings' keys (slots, max-batch, ..., device), values checked
+    std::string profile;                         // its profile key, relative to the file's folder resolved ("" none)
+    bool        stock = false;                   // placement = stock: the model runs without the cache
+};
+
 struct common_moeplug_cache_source {
     std::string profile; // the profile file
-    std::string slots;   // a spec common_moeplug_parse_slots reads ("auto" resolved)
+    std::string slots;   // a spec common_moeplug_parse_slots reads ("auto" resolved; "" where the plan is stock's)
     std::string origin;  // "" (as given), the slots file's path, or how auto chose
     std::string reason;  // set: not engaged, why
+    common_moeplug_plan_file plan; // the slots file read (path "": none)
 };
 
 // A DIR holds profiles (moeplug names them <arch>-<meta_hash>.gguf) and, beside each, its slots
@@ -108,22 +123,35 @@ struct common_moeplug_cache_source {
 // one: a reason). Slots "auto", or none with a DIR: the slots file beside the profile, else
 // common_moeplug_auto_slots.
 common_moeplug_cache_source common_moeplug_cache_resolve(const std::string & model_path, const std::string & profile,
-        const std::string & slots, int32_t margin_mib);
+        const std::string & slots, int32_t margin_mib, bool slots_on_cpu = false);
 
 // the slots file beside a profile: P.gguf -> P.slots
 std::string common_moeplug_slots_path(const std::string & profile_path);
 
-// reads a slots file (native/SLOTS-FORMAT.md) planned for the model fp; throws std::runtime_error
-std::string common_moeplug_read_slots_file(const std::string & path, const common_moeplug_fingerprint & fp);
+// reads a slots file (native/SLOTS-FORMAT.md, versions 1 and 2) planned for the model fp, every setting's value
+// checked; throws std::runtime_error naming the file and the key
+common_moeplug_plan_file common_moeplug_read_plan_file(const std::string & path, const common_moeplug_fingerprint & fp);
+
+// one setting by its plan-file key (the flag's name without "--moe-cache-": slots, max-batch, margin, policy,
+// half-life, uploads, stream, offload-min-batch, copy-ahead, device), as the flag takes it; throws
+// std::invalid_argument on a value the flag refuses. The flags and the plan files go through here
+void common_moeplug_set(common_moeplug_params & mp, const std::string & key, const std::string & value);
+
+// the plan file's settings into mp, each where its flag was not given (mp.given; slots given as auto yield too),
+// and its profile where none was given
+void common_moeplug_apply_plan(common_moeplug_params & mp, const common_moeplug_plan_file & plan);
+
+// the settings as the engine takes them, in the plan file's keys: "placement=moeplug slots=... plan=FILE"
+std::string common_moeplug_settings(const common_moeplug_params & mp, bool stock, const std::string & plan);
 
 // --moe-cache-slots auto without a slots file: one count for every profiled layer, the device
 // memory free now (after the model loaded) less the margin, divided by the bytes of one slot in
 // every profiled layer, at most the layer's experts; summed over the GPUs. With the slots on the
-// CPU (LLAMA_MOE_CACHE_DEVICE=CPU): a quarter of the experts (at least 1), as moeplug's demo
+// CPU (--moe-cache-device CPU, or LLAMA_MOE_CACHE_DEVICE=CPU): a quarter of the experts (at least 1), as moeplug's demo
 // plans, within the host memory free less the margin. Sets how it chose in origin; throws
 // std::runtime_error when no slot fits or there is no device to hold one.
 std::string common_moeplug_auto_slots(const std::string & profile_path, const common_moeplug_fingerprint & fp,
-        int32_t margin_mib, std::string & origin);
+        int32_t margin_mib, bool slots_on_cpu, std::string & origin);
 
 // the cache's counters in the Prometheus text format of llama-server's /metrics ("" without a cache)
 std::string common_moeplug_cache_metrics(const llama_model * model);

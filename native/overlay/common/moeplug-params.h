@@ -7,6 +7,7 @@
 // debugging overrides (native/README.md, "Environment switches"; native/DESIGN.md, "Settings").
 
 #include <cstdint>
+#include <set>
 #include <string>
 
 struct common_moeplug_params {
@@ -19,6 +20,10 @@ struct common_moeplug_params {
     int32_t     cache_uploads      = 4;       // dynamic: slot uploads started after a batch
     float       cache_stream       = 0.0f;    // of each layer's misses, the share the device computes from host memory
     int32_t     cache_offload_min_batch = 0;  // prompt batches of the copied layers go to the device from N (0: ggml's)
+    bool        cache_copy_ahead   = true;    // a prompt batch's expert copies go ahead on a second queue where the device can
+    std::string cache_device;                 // "CPU": the slots in RAM with the source's buffer type; "": each layer's device
+    std::string cache_plan;                   // the model's plan file (native/SLOTS-FORMAT.md): the settings not given as flags
+    std::set<std::string> given;              // the settings given as flags or LLAMA_ARG_* (their plan-file keys): a plan file's yield to them
     bool        cache_record       = false;   // count the router's selections (llama-server: /moe-cache/profile)
     std::string route_replay;                 // recorded router decisions that replace the router's
 };

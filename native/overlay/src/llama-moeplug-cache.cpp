@@ -152,6 +152,7 @@ void llama_moeplug_cache_init_sched(const llama_moeplug_cache * cache, ggml_back
     if (cache == nullptr) {
         return;
     }
+    ggml_backend_sched_set_expert_copy_ahead(sched, cache->copy_ahead);
     ggml_backend_sched_set_device_expert_copy(sched, true);
     bool overlap = false;
     for (const auto & [down, layer] : cache->layers) {
@@ -474,6 +475,7 @@ struct moe_layer_plan {
 // per cache built; the settings themselves are the caller's (llama_moeplug_cache_params)
 struct moe_overrides {
     bool         slots_on_cpu      = false;   // LLAMA_MOE_CACHE_DEVICE=CPU: the slots on the CPU, the source's buffer type
+                                              // (as llama_moeplug_cache_params::slots_on_cpu asks)
     bool         no_resident       = false;   // LLAMA_MOE_CACHE_NO_RESIDENT=1: every expert mapped to its source
     bool         device_copy       = true;    // LLAMA_MOE_CACHE_DEVICE_COPY=0: prompt batches keep the two passes
     bool         overlap           = true;    // LLAMA_MOE_CACHE_OVERLAP=0: a layer's device pass waits for its CPU pass
@@ -700,7 +702,7 @@ std::string moe_plans_failure(const std::map<std::string, int> & reasons) {
 bool llama_moeplug_cache_build(llama_model & model, const llama_moeplug_cache_params & params, llama_moeplug_cache_result & result) {
     const int64_t t_start = ggml_time_us();
     const moe_overrides over = moe_read_overrides();
-    const bool debug_cpu = over.slots_on_cpu;
+    const bool debug_cpu = over.slots_on_cpu || params.slots_on_cpu;
 
     if (params.max_batch < 1) {
         throw std::runtime_error(format("max batch %d: it must be at least 1", params.max_batch));
@@ -855,6 +857,7 @@ bool llama_moeplug_cache_build(llama_model & model, const llama_moeplug_cache_pa
         cache->offload_min_batch = over.offload_min_batch;
     }
     cache->copy_min_batch = params.offload_min_batch;
+    cache->copy_ahead     = !params.no_copy_ahead;
     result.offload_min_batch = cache->copy_min_batch > 0 ? cache->copy_min_batch : cache->offload_min_batch;
     for (const auto & [down, layer] : cache->layers) {
         result.n_layers_copied     += layer->device_copy;

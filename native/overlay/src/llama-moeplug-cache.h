@@ -179,6 +179,8 @@ struct llama_moeplug_cache {
     // ... those of the layers whose device copies their experts (device_copy) from this many, their weights named to
     // the scheduler (ggml_backend_sched_set_expert_offload); 0: offload_min_batch
     int32_t copy_min_batch = 0;
+    // a prompt batch's expert copies go ahead, on a second queue, where the device can (llama_moeplug_cache_params)
+    bool copy_ahead = true;
 
     int32_t min_batch(const llama_moeplug_cache_layer & layer) const {
         return layer.device_copy && copy_min_batch > 0 ? copy_min_batch : offload_min_batch;

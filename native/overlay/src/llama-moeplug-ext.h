@@ -42,6 +42,9 @@ struct llama_moeplug_cache_params {
                                // the CPU (0: none; where the device copies experts itself, or the slots are on the CPU)
     int32_t      offload_min_batch; // prompt batches of the layers whose device copies their experts go to the device from
                                     // this many tokens (0: the device's threshold, GGML_OP_OFFLOAD_MIN_BATCH or 32)
+    bool         no_copy_ahead; // a prompt batch's expert copies wait for the split before them (false: they go ahead where the
+                                // device can copy on a second queue)
+    bool         slots_on_cpu;  // the slots in RAM with the source's buffer type (false: on each layer's device)
 };
 
 struct llama_moeplug_cache_result {

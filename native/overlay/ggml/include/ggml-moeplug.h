@@ -31,6 +31,9 @@ extern "C" {
     // and down weights, its up weights' split having run), those that can copy ahead copy while the split before computes
     // (GGML_SCHED_EXPERT_COPY_AHEAD=0 turns that part off)
     GGML_API void ggml_backend_sched_set_device_expert_copy(ggml_backend_sched_t sched, bool enable);
+    // ... whether those copies go ahead where they can (on by default; call before
+    // ggml_backend_sched_set_device_expert_copy; GGML_SCHED_EXPERT_COPY_AHEAD=0|1 overrides)
+    GGML_API void ggml_backend_sched_set_expert_copy_ahead(ggml_backend_sched_t sched, bool enable);
     // ... and copy the experts of `weights` with slot_of[e] >= 0 from their slot in `slots`, on the backend's device
     // (slot_of: I32, one per expert, read on the device when the copy runs; slots NULL: forget `weights`)
     GGML_API void ggml_backend_sched_set_expert_slots(ggml_backend_sched_t sched, const struct ggml_tensor * weights,
