@@ -345,8 +345,11 @@ def installed_request(m: InstalledModel, choices: PlanChoices = PlanChoices(),
     """What a re-plan of an installed model asks: what was asked for it (InstalledModel.asked) with the
     choices given now (PlanChoices: None where not given; a budget not given is the stored one) and
     what a re-profile learned from its served requests (`learned`: prefill_weight, prompt_tokens and
-    the traffic, `workload`)."""
+    the traffic, `workload`). A budget given now asks for the planner's slots in it: the demo's fixed
+    quarter of slots (slots_in_ram) goes, as `moeplug plan` (operations.actions.plan_model) drops it."""
     request = choices.over(m.asked(), choices.ctx or m.ctx)
+    if choices.vram_budget is not None:
+        request = replace(request, slots_in_ram=0)
     return request.given(**learned) if learned else request
 
 

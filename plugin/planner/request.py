@@ -152,8 +152,7 @@ class PlanChoices:
     def over(self, asked: PlanRequest, ctx: int, budget_kept: bool = True) -> PlanRequest:
         """The request these choices make of `asked` (an installed model's, or a new PlanRequest) at
         the context resolved for them; budget_kept False: a budget not given is each GPU's free VRAM
-        (None), not the one asked before. A budget given asks for the planner's slots in it: the demo's
-        fixed quarter of slots (slots_in_ram) goes, as `moeplug plan` (operations.actions.plan_model) drops it."""
+        (None), not the one asked before."""
         spec = self.spec.resolve(asked.spec.to_json() if asked.spec else None) \
             if isinstance(self.spec, KeepInstalled) else self.spec
         request = asked.given(prefill_weight=self.prefill_weight, threads=self.threads, ubatch=self.ubatch,
@@ -164,5 +163,4 @@ class PlanChoices:
         if self.calibration is not None:  # a calibration named now: its figures, not the fitted ones a check chose
             request = replace(request, costs=COSTS_MACHINE)
         budget = request.vram_budget if budget_kept or self.vram_budget is not None else None
-        slots_in_ram = asked.slots_in_ram if self.vram_budget is None else 0
-        return replace(request, ctx=ctx, spec=spec, vram_budget=budget, slots_in_ram=slots_in_ram)
+        return replace(request, ctx=ctx, spec=spec, vram_budget=budget)
