@@ -371,3 +371,44 @@ def test_max_batch_decides_which_batches_take_the_slots(patched_build, cache_mod
         # the last layer computes only the rows that give logits: one token of the prompt, in both runs
         prompt_rows = n_prompt if il < n_layers - 1 else 0
         assert counts["selections"] - default.layers[il]["selections"] == FIXTURE_SHAPE["used"] * prompt_rows
+
+
+def test_the_server_fills_its_slots_as_the_planner_ranks(patched_build, cache_models, profiles, slots_on_cpu,
+                                                         tmp_path: Path) -> None:
+    """One ranking on each side: llama-server fills each layer's slots from a profile with the experts
+    moeplug.planner.allocate.slot_order ranks first (generated tokens' selections, then the prompts',
+    then the lower id), the ranking the planner's hit curves use. A profile whose prompt tokens favour
+    the other half of the experts: on a recorded completion (every batch through the slots), each layer's
+    slot hits are exactly the recorded selections of slot_order's experts, and not those of the experts
+    a ranking by all selections would have put there."""
+    import numpy as np
+    import requests
+
+    from moeplug.planner.allocate import served_share
+    from moeplug.profile.format import read_profile, write_profile
+
+    real = read_profile(profiles["qwen3moe"])
+    n_layers, n = real.counts_decode.shape
+    half = n // 2
+    decode, prefill = np.zeros_like(real.counts_decode), np.zeros_like(real.counts_prefill)
+    decode[:, :half] = np.arange(half, 0, -1) * 10  # generated tokens: the first half, fewer selections
+    prefill[:, half:] = 1000  # prompt tokens: the second half
+    crafted = replace(real, counts_decode=decode, counts_prefill=prefill, sources=[])
+    path = write_profile(crafted, tmp_path / "crafted.profile.gguf")
+    args = ["--metrics", "--moe-cache-record", "--moe-cache-profile", str(path), "--moe-cache-slots", str(half),
+            "--moe-cache-max-batch", "512"]
+    with start_server(patched_build.binary("llama-server"), cache_models["qwen3moe"], tmp_path / "ranked.log",
+                      extra_args=args, ctx=512, threads=2) as srv:
+        srv.wait_healthy(timeout=120)
+        srv.complete("def fibonacci(n):\n    return n", n_predict=24, ignore_eos=True)
+        counters = parse_cache_counters(requests.get(f"{srv.url}/metrics", timeout=10).text)
+        recorded = tmp_path / "recorded.gguf"
+        recorded.write_bytes(requests.get(f"{srv.url}/moe-cache/profile", timeout=10).content)
+    assert counters is not None
+    traffic = read_profile(recorded).counts_prefill + read_profile(recorded).counts_decode
+    measured = [counters.layers[il]["hits"] / counters.layers[il]["selections"] for il in range(n_layers)]
+    assert [counters.layers[il]["selections"] for il in range(n_layers)] == [int(t.sum()) for t in traffic]
+    assert measured == pytest.approx(served_share(crafted, [half] * n_layers, traffic), abs=1e-12)
+    by_all = [traffic[il][np.argsort(-(decode + prefill)[il], kind="stable")[:half]].sum() / traffic[il].sum()
+              for il in range(n_layers)]
+    assert by_all != pytest.approx(measured, abs=1e-12)

@@ -15,7 +15,7 @@ import pytest
 
 from helpers import layer_costs_of, make_profile, plan_with, run_cli, run_cli_process, xdg_homes
 from moeplug.planner.allocate import (LayerCost, _curve, _layer_counts, allocate, hit_curves, modelled_seconds, prefill_uploads,
-                              stream_share,
+                              served_share, slot_order, stream_share,
                               uniform_hits)
 from moeplug.core.errors import MoeplugError
 from moeplug.model.inspect import inspect_model
@@ -23,7 +23,7 @@ from moeplug.planner.estimates import (cache_compute_extra, compute_buffer_bytes
 from moeplug.planner.record import Plan
 from moeplug.planner.server_flags import experts_in_ram_args, placement_args
 from moeplug.core.sizes import GIB, parse_size
-from moeplug.profile.format import Profile, ProfileSource, read_profile
+from moeplug.profile.format import PHASE_DECODE, PHASE_PREFILL, Profile, ProfileSource, read_profile
 from moeplug.serving.launch import parse_buffers
 from moeplug.serving.server import start_server
 from moeplug.planner.costs import DEFAULT_COSTS
@@ -822,8 +822,37 @@ def test_hit_curves_split_by_prompt() -> None:
     by_prompt = hit_curves(prof, n_layers, n_expert)
     assert abs(by_prompt[:, 32].mean() - 0.25) < 0.05
     even, odd = (_layer_counts(seq[i::2].astype(np.int64), n_layers, n_expert) for i in (0, 1))
-    by_token = np.mean([_curve(even[i], odd[i])[32] for i in range(n_layers)])
+    by_token = np.mean([_curve(even[i], even[i] * 0, odd[i])[32] for i in range(n_layers)])
     assert by_token > 0.33
+
+
+def test_hit_curves_rank_as_the_server_fills_its_slots() -> None:
+    """One ranking on both sides: each fold's experts ranked as llama-server fills its slots from a
+    profile (allocate.slot_order: generated tokens' selections first, then the prompts'), scored on the
+    other fold's selections of both. Two prompts whose prompt tokens pick experts 4-7 and whose
+    generated tokens pick 0-3, fewer times: the top 4 are 0-3, serving the generated tokens' share of
+    the traffic, not 4-7's larger prompt share that a ranking by all selections would claim."""
+    n_expert, k = 8, 2
+    steps, meta = [], []
+    for prompt in range(2):
+        for pos in range(30):  # prompt tokens: experts 4-7
+            steps.append([[4 + pos % 4, 4 + (pos + 1) % 4]])
+            meta.append([prompt, pos, PHASE_PREFILL])
+        for pos in range(30, 40):  # generated tokens: experts 0-3
+            steps.append([[pos % 4, (pos + 1) % 4]])
+            meta.append([prompt, pos, PHASE_DECODE])
+    seq, meta_arr = np.array(steps, dtype=np.int16), np.array(meta, dtype=np.int32)
+    decode = np.bincount(seq[meta_arr[:, 2] == PHASE_DECODE].ravel(), minlength=n_expert)[None, :]
+    prefill = np.bincount(seq[meta_arr[:, 2] == PHASE_PREFILL].ravel(), minlength=n_expert)[None, :]
+    prof = Profile(fingerprint=None, tensors=["blk.0.ffn_down_exps.weight"],  # type: ignore[arg-type]
+                   counts_prefill=prefill, counts_decode=decode,
+                   sources=[ProfileSource("t", ["a", "b"], seq, meta_arr)])
+    assert sorted(slot_order(decode[0], prefill[0])[:4]) == [0, 1, 2, 3]
+    curve = hit_curves(prof, 1, n_expert)
+    assert curve[0, 4] == pytest.approx(10 / 40)  # the generated tokens' share: what those slots serve
+    assert served_share(prof, [4], decode + prefill) == [pytest.approx(10 / 40)]
+    # without sequences: the same ranking over the profile's counts, scored on its generated tokens
+    assert hit_curves(replace(prof, sources=[]), 1, n_expert)[0, 4] == pytest.approx(1.0)
 
 
 def test_warnings_at_20_and_15_percent(tmp_path: Path) -> None:

@@ -78,7 +78,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from moeplug.profile.format import Profile, ProfileSource
+from moeplug.profile.format import PHASE_DECODE, Profile, ProfileSource
 from moeplug.planner.costs import DEFAULT_COSTS, CostModel
 
 TIE_BREAK_S = 1e-12
@@ -146,12 +146,13 @@ def uniform_hits(n_expert: int) -> np.ndarray:
     return np.arange(n_expert + 1, dtype=np.float64) / n_expert
 
 
-def _curve(rank_counts: np.ndarray, score_counts: np.ndarray) -> np.ndarray:
-    """Share of score_counts' selections served by the experts ranked first by rank_counts."""
-    order = np.lexsort((np.arange(len(rank_counts)), -rank_counts))  # most selected first, then lower id
+def _curve(rank_decode: np.ndarray, rank_prefill: np.ndarray, score_counts: np.ndarray) -> np.ndarray:
+    """Share of score_counts' selections served by the experts a server would fill its slots with from
+    counts rank_decode and rank_prefill (slot_order: the engine's one ranking)."""
+    order = slot_order(rank_decode, rank_prefill)
     total = score_counts.sum()
     if total == 0:
-        return uniform_hits(len(rank_counts))
+        return uniform_hits(len(rank_decode))
     return np.concatenate([[0.0], np.cumsum(score_counts[order]) / total])
 
 
@@ -189,24 +190,33 @@ def hit_curves(profile: Profile | None, n_layers: int, n_expert: int) -> np.ndar
     Sources with sequences are cross-validated by prompt, each token counted at its source's
     weight (older traffic counts less after a decayed merge). Counts no sequence holds (a
     llama-server's live counts: the file's counts minus the weighted sequences) have no prompts
-    to split: half of them goes to each fold, so that part is scored on itself."""
+    to split: half of them goes to each fold, so that part is scored on itself. Each fold's experts
+    are ranked as the engine fills its slots from a profile (slot_order: generated tokens' selections
+    first, then the prompts'), and scored on the other fold's selections of both."""
     if profile is None:
         return np.tile(uniform_hits(n_expert), (n_layers, 1))
     sources = [s for s in profile.sources if len(s.seq)]
     if sources:
         seq = np.concatenate([s.seq for s in sources]).astype(np.int64)
         weights = np.concatenate([np.full(len(s.seq), s.weight) for s in sources])
+        # a source without per-step phases (no meta rows) counts as generated tokens
+        decode = np.concatenate([s.meta[:, 2] == PHASE_DECODE if s.meta.shape[0] == len(s.seq)
+                                 else np.ones(len(s.seq), dtype=bool) for s in sources])
         fold = _prompt_folds(sources)
-        halves = [_layer_counts(seq[fold == f], n_layers, n_expert, weights[fold == f]) for f in (0, 1)]
+        halves = [[_layer_counts(seq[(fold == f) & (decode == d)], n_layers, n_expert, weights[(fold == f) & (decode == d)])
+                   for d in (True, False)] for f in (0, 1)]  # [fold][decode, prefill]
         if any(not len(s.seq) for s in profile.sources):
-            counted = (profile.counts_prefill + profile.counts_decode).astype(np.float64)
-            rest = np.maximum(counted - halves[0] - halves[1], 0.0) / 2
-            halves = [h + rest for h in halves]
-        curves = np.stack([(_curve(halves[0][i], halves[1][i]) + _curve(halves[1][i], halves[0][i])) / 2
+            for phase, counted in enumerate((profile.counts_decode, profile.counts_prefill)):
+                rest = np.maximum(counted.astype(np.float64) - halves[0][phase] - halves[1][phase], 0.0) / 2
+                halves[0][phase], halves[1][phase] = halves[0][phase] + rest, halves[1][phase] + rest
+        curves = np.stack([(_curve(*(h[i] for h in halves[0]), sum(h[i] for h in halves[1])) +
+                            _curve(*(h[i] for h in halves[1]), sum(h[i] for h in halves[0]))) / 2
                            for i in range(n_layers)])
     else:
         counts = profile.counts_decode if profile.counts_decode.sum() > 0 else profile.counts_prefill
-        curves = np.stack([_curve(c, c) for c in np.asarray(counts, dtype=np.int64)])
+        curves = np.stack([_curve(d, p, c) for d, p, c in zip(np.asarray(profile.counts_decode, dtype=np.int64),
+                                                               np.asarray(profile.counts_prefill, dtype=np.int64),
+                                                               np.asarray(counts, dtype=np.int64))])
     curves = np.maximum.accumulate(np.clip(curves, 0.0, 1.0), axis=1)
     curves[:, -1] = 1.0
     return curves
