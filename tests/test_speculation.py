@@ -65,7 +65,7 @@ def test_batch_misses_match_a_simulation() -> None:
     rng = np.random.default_rng(8)
     counts = np.array([900, 500, 300, 200, 100, 60, 40, 20, 10, 5, 5, 4, 3, 2, 1, 1], float)
     used = 2
-    layer = LayerCost(1, len(counts), used, _curve(counts, counts), tokens_per_step=4)
+    layer = LayerCost(1, len(counts), used, _curve(counts, counts * 0, counts), tokens_per_step=4)
     p = used * counts / counts.sum()  # per-token probability of each expert, ranked
     draws = rng.random((40_000, 4, len(counts))) < p  # [batch, token, expert]
     picked = draws.any(axis=1)
@@ -73,7 +73,7 @@ def test_batch_misses_match_a_simulation() -> None:
         simulated = picked[:, n_slots:].sum(axis=1).mean()
         assert layer.missed_experts(np.array(n_slots)) == pytest.approx(simulated, rel=0.02, abs=0.01)
     # a batch reads a shared expert once: fewer than k times the per-token misses
-    one = LayerCost(1, len(counts), used, _curve(counts, counts))
+    one = LayerCost(1, len(counts), used, _curve(counts, counts * 0, counts))
     assert layer.missed_experts(np.array(3)) < 4 * one.missed_experts(np.array(3))
 
 
@@ -85,7 +85,7 @@ def test_batches_give_a_flat_layer_slots_a_skewed_one_had() -> None:
     flat = np.full(n, 300.0) + np.arange(n)[::-1]
 
     def layers(k: int) -> list[LayerCost]:
-        return [LayerCost(bpe, n, 4, _curve(c, c), k) for c in (skewed, flat)]
+        return [LayerCost(bpe, n, 4, _curve(c, c * 0, c), k) for c in (skewed, flat)]
 
     one, four = allocate(layers(1), 8 * bpe), allocate(layers(4), 8 * bpe)
     assert sum(one) == sum(four) == 8
