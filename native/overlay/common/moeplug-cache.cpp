@@ -18,6 +18,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <numeric>
 #include <stdexcept>
 #include <iterator>
@@ -406,6 +407,55 @@ bool common_moeplug_cache_enable(llama_model * model, const std::string & model_
     return true;
 }
 
+// the settings as the engine takes them, in the plan file's keys, in one order for the log line and /metrics
+static std::vector<std::pair<std::string, std::string>> moe_settings_pairs(const common_moeplug_params & mp, bool stock,
+        const std::string & plan) {
+    return {
+        { "placement",         stock ? "stock" : "moeplug" },
+        { "slots",             stock || mp.cache_slots.empty() ? "none" : mp.cache_slots },
+        { "max-batch",         std::to_string(mp.cache_max_batch) },
+        { "margin",            std::to_string(mp.cache_margin_mib) },
+        { "policy",            mp.cache_policy },
+        { "half-life",         string_format("%g", (double) mp.cache_half_life) },
+        { "uploads",           std::to_string(mp.cache_uploads) },
+        { "stream",            string_format("%g", (double) mp.cache_stream) },
+        { "offload-min-batch", std::to_string(mp.cache_offload_min_batch) },
+        { "copy-ahead",        mp.cache_copy_ahead ? "on" : "off" },
+        { "device",            mp.cache_device.empty() ? "auto" : mp.cache_device },
+        { "plan",              plan.empty() ? "none" : plan },
+    };
+}
+
+// the settings each loaded model took (moe_cache_start), for /metrics; a model is never looked through
+static std::mutex moe_settings_mutex;
+static std::map<const llama_model *, std::vector<std::pair<std::string, std::string>>> moe_settings_of;
+
+static void moe_settings_keep(const llama_model * model, std::vector<std::pair<std::string, std::string>> pairs) {
+    std::lock_guard<std::mutex> lock(moe_settings_mutex);
+    moe_settings_of[model] = std::move(pairs);
+}
+
+// llamacpp:moe_cache_settings{placement="moeplug",slots="8",...,plan="FILE"} 1: the settings line as an info gauge
+static std::string moe_settings_metric(const llama_model * model) {
+    std::lock_guard<std::mutex> lock(moe_settings_mutex);
+    const auto it = moe_settings_of.find(model);
+    if (it == moe_settings_of.end()) {
+        return "";
+    }
+    std::string labels;
+    for (const auto & [key, value] : it->second) {
+        std::string name = key, escaped;
+        std::replace(name.begin(), name.end(), '-', '_');
+        for (const char c : value) {
+            escaped += c == '\\' ? "\\\\" : c == '"' ? "\\\"" : c == '\n' ? "\\n" : std::string(1, c);
+        }
+        labels += (labels.empty() ? "" : ",") + name + "=\"" + escaped + "\"";
+    }
+    return "# HELP llamacpp:moe_cache_settings The expert cache's settings as the model took them (labels; placement=stock: no cache).\n"
+           "# TYPE llamacpp:moe_cache_settings gauge\n"
+           "llamacpp:moe_cache_settings{" + labels + "} 1\n";
+}
+
 // the cache as the settings ask (a plan file's taken where no flag gave them), the settings line logged
 static bool moe_cache_start(llama_model * model, const std::string & model_path, common_moeplug_params mp, bool count) {
     std::string plan_path;
@@ -443,6 +493,7 @@ static bool moe_cache_start(llama_model * model, const std::string & model_path,
         mp.cache_slots = src.slots;
     }
     LOG_INF("moe-settings: %s\n", common_moeplug_settings(mp, stock, plan_path).c_str());
+    moe_settings_keep(model, moe_settings_pairs(mp, stock, plan_path));
     if (stock) {
         LOG_INF("moe-cache: not engaged: the plan %s places this model as stock llama.cpp does\n", plan_path.c_str());
         return false;
@@ -698,12 +749,11 @@ void common_moeplug_apply_plan(common_moeplug_params & mp, const common_moeplug_
 }
 
 std::string common_moeplug_settings(const common_moeplug_params & mp, bool stock, const std::string & plan) {
-    return string_format("placement=%s slots=%s max-batch=%d margin=%d policy=%s half-life=%g uploads=%d stream=%g "
-        "offload-min-batch=%d copy-ahead=%s device=%s plan=%s",
-        stock ? "stock" : "moeplug", stock || mp.cache_slots.empty() ? "none" : mp.cache_slots.c_str(), mp.cache_max_batch,
-        mp.cache_margin_mib, mp.cache_policy.c_str(), (double) mp.cache_half_life, mp.cache_uploads, (double) mp.cache_stream,
-        mp.cache_offload_min_batch, mp.cache_copy_ahead ? "on" : "off", mp.cache_device.empty() ? "auto" : mp.cache_device.c_str(),
-        plan.empty() ? "none" : plan.c_str());
+    std::string out;
+    for (const auto & [key, value] : moe_settings_pairs(mp, stock, plan)) {
+        out += (out.empty() ? "" : " ") + key + "=" + value;
+    }
+    return out;
 }
 
 // bytes of one expert of every routed-expert tensor of the block of `down` (the profile's layer)
@@ -842,7 +892,7 @@ common_moeplug_cache_source common_moeplug_cache_resolve(const std::string & mod
 std::string common_moeplug_cache_metrics(const llama_model * model) {
     std::vector<llama_moeplug_cache_layer_stats> stats(llama_model_moeplug_cache_stats(model, nullptr, 0));
     if (stats.empty()) {
-        return "";
+        return moe_settings_metric(model);
     }
     llama_model_moeplug_cache_stats(model, stats.data(), stats.size());
 
@@ -870,7 +920,8 @@ std::string common_moeplug_cache_metrics(const llama_model * model) {
         return string_format("# HELP llamacpp:%s %s\n# TYPE llamacpp:%s counter\nllamacpp:%s %llu\n",
             name, help, name, name, (unsigned long long) value);
     };
-    return counter("moe_cache_selections_total", "Expert selections in batches that ran the expert cache.", selected) +
+    return moe_settings_metric(model) +
+           counter("moe_cache_selections_total", "Expert selections in batches that ran the expert cache.", selected) +
            counter("moe_cache_hits_total", "Of them, experts computed from resident slots.", resident) +
            counter("moe_cache_cpu_experts_total", "Of them, experts computed from host memory.", selected - resident) +
            counter("moe_cache_cpu_bytes_total", "Expert bytes read from host memory for them.", cpu_bytes) +
@@ -910,6 +961,12 @@ void common_moeplug_replay_reset(const llama_model * model) {
     llama_model_moeplug_replay_reset(model);
 }
 
+// a setting given on the command line (or its LLAMA_ARG_* variable): checked, and kept over a plan file's
+static void moe_set_given(common_params & params, const char * key, const std::string & value) {
+    common_moeplug_set(params.moeplug, key, value);
+    params.moeplug.given.insert(key);
+}
+
 void common_moeplug_add_args(const common_params & params, const std::function<void(common_arg)> & add_opt) {
     add_opt(common_arg(
         {"--moe-cache-profile"}, "FNAME|DIR",
@@ -924,92 +981,62 @@ void common_moeplug_add_args(const common_params & params, const std::function<v
         "expert slot cache: experts of each MoE layer kept on the layer's device, one count for every layer\n"
         "or one per layer of the profile (0 leaves a layer out; all of a layer's experts run it without a host pass);\n"
         "auto: the slots file beside the profile, else what the free device memory holds",
-        [](common_params & params, const std::string & value) {
-            common_moeplug_set(params.moeplug, "slots", value);
-            params.moeplug.given.insert("slots");
-        }
+        [](common_params & params, const std::string & value) { moe_set_given(params, "slots", value); }
     ).set_env("LLAMA_ARG_MOE_CACHE_SLOTS"));
     add_opt(common_arg(
         {"--moe-cache-max-batch"}, "N",
         string_format("expert slot cache: larger batches run without it (default: %d)", params.moeplug.cache_max_batch),
-        [](common_params & params, const std::string & value) {
-            common_moeplug_set(params.moeplug, "max-batch", value);
-            params.moeplug.given.insert("max-batch");
-        }
+        [](common_params & params, const std::string & value) { moe_set_given(params, "max-batch", value); }
     ).set_env("LLAMA_ARG_MOE_CACHE_MAX_BATCH"));
     add_opt(common_arg(
         {"--moe-cache-margin"}, "MiB",
         string_format("expert slot cache: device memory to leave free (default: %d)", params.moeplug.cache_margin_mib),
-        [](common_params & params, const std::string & value) {
-            common_moeplug_set(params.moeplug, "margin", value);
-            params.moeplug.given.insert("margin");
-        }
+        [](common_params & params, const std::string & value) { moe_set_given(params, "margin", value); }
     ).set_env("LLAMA_ARG_MOE_CACHE_MARGIN"));
     add_opt(common_arg(
         {"--moe-cache-policy"}, "static|dynamic",
         "expert slot cache: 'static' keeps the profile's experts in the slots; 'dynamic' swaps a cold\n"
         "resident expert for a hot missed one between batches (use counts decayed over tokens, seeded\n"
         "from the profile; uploads never stall a batch) (default: static)",
-        [](common_params & params, const std::string & value) {
-            common_moeplug_set(params.moeplug, "policy", value);
-            params.moeplug.given.insert("policy");
-        }
+        [](common_params & params, const std::string & value) { moe_set_given(params, "policy", value); }
     ).set_env("LLAMA_ARG_MOE_CACHE_POLICY"));
     add_opt(common_arg(
         {"--moe-cache-half-life"}, "N",
         string_format("expert slot cache, dynamic policy: tokens over which an expert's use count halves (default: %.0f)",
             (double) params.moeplug.cache_half_life),
-        [](common_params & params, const std::string & value) {
-            common_moeplug_set(params.moeplug, "half-life", value);
-            params.moeplug.given.insert("half-life");
-        }
+        [](common_params & params, const std::string & value) { moe_set_given(params, "half-life", value); }
     ).set_env("LLAMA_ARG_MOE_CACHE_HALF_LIFE"));
     add_opt(common_arg(
         {"--moe-cache-uploads"}, "N",
         string_format("expert slot cache, dynamic policy: slot uploads started after a batch, all layers (default: %d)",
             params.moeplug.cache_uploads),
-        [](common_params & params, const std::string & value) {
-            common_moeplug_set(params.moeplug, "uploads", value);
-            params.moeplug.given.insert("uploads");
-        }
+        [](common_params & params, const std::string & value) { moe_set_given(params, "uploads", value); }
     ).set_env("LLAMA_ARG_MOE_CACHE_UPLOADS"));
     add_opt(common_arg(
         {"--moe-cache-stream"}, "F",
         string_format("expert slot cache: of each layer's experts without a slot, the hottest carrying this share of their "
             "selections are copied by the GPU from host memory and computed there, beside the CPU computing the others "
             "(0 to 1; needs the slots on the first GPU and --load-mode none; default: %.1f)", (double) params.moeplug.cache_stream),
-        [](common_params & params, const std::string & value) {
-            common_moeplug_set(params.moeplug, "stream", value);
-            params.moeplug.given.insert("stream");
-        }
+        [](common_params & params, const std::string & value) { moe_set_given(params, "stream", value); }
     ).set_env("LLAMA_ARG_MOE_CACHE_STREAM"));
     add_opt(common_arg(
         {"--moe-cache-offload-min-batch"}, "N",
         "expert slot cache: prompt batches of N tokens or more go to the GPU for the layers whose GPU copies their "
         "experts from the slots, whatever GGML_OP_OFFLOAD_MIN_BATCH says for the rest of the model (0: that "
         "threshold, 32 by default; default: 0)",
-        [](common_params & params, const std::string & value) {
-            common_moeplug_set(params.moeplug, "offload-min-batch", value);
-            params.moeplug.given.insert("offload-min-batch");
-        }
+        [](common_params & params, const std::string & value) { moe_set_given(params, "offload-min-batch", value); }
     ).set_env("LLAMA_ARG_MOE_CACHE_OFFLOAD_MIN_BATCH"));
     add_opt(common_arg(
         {"--moe-cache-copy-ahead"}, "on|off",
         "expert slot cache: a prompt batch's expert weights copied on a second queue while the split before computes,\n"
         "where the device can (default: on)",
-        [](common_params & params, const std::string & value) {
-            common_moeplug_set(params.moeplug, "copy-ahead", value);
-            params.moeplug.given.insert("copy-ahead");
-        }
+        [](common_params & params, const std::string & value) { moe_set_given(params, "copy-ahead", value); }
     ).set_env("LLAMA_ARG_MOE_CACHE_COPY_AHEAD"));
     add_opt(common_arg(
         {"--moe-cache-device"}, "CPU|auto",
         "expert slot cache: CPU keeps the slots in RAM with the weights' own buffer type (the whole mechanism on a CPU,\n"
         "same kernels); auto: on each layer's device (default: auto)",
-        [](common_params & params, const std::string & value) {
-            common_moeplug_set(params.moeplug, "device", value);
-            params.moeplug.given.insert("device");
-        }
+        [](common_params & params, const std::string & value) { moe_set_given(params, "device", value); }
     ).set_env("LLAMA_ARG_MOE_CACHE_DEVICE"));
     add_opt(common_arg(
         {"--moe-cache-plan"}, "FNAME",

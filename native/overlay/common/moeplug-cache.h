@@ -153,7 +153,9 @@ std::string common_moeplug_settings(const common_moeplug_params & mp, bool stock
 std::string common_moeplug_auto_slots(const std::string & profile_path, const common_moeplug_fingerprint & fp,
         int32_t margin_mib, bool slots_on_cpu, std::string & origin);
 
-// the cache's counters in the Prometheus text format of llama-server's /metrics ("" without a cache)
+// the cache's counters in the Prometheus text format of llama-server's /metrics, after the settings the model took
+// as an info gauge, llamacpp:moe_cache_settings{placement="moeplug",slots="8",...,plan="FILE"} 1 (the keys of the
+// settings line, '-' as '_'; placement="stock" where the plan runs the model without the cache); "" where neither is
 std::string common_moeplug_cache_metrics(const llama_model * model);
 
 // llama-server's GET /moe-cache/profile (?reset=1): the recording as a profile file's bytes
