@@ -31,7 +31,7 @@ import requests
 import yaml
 from helpers import moeplug, one_line_error, use_xdg_homes
 
-from moeplug.hooks.command import flag_pairs
+from moeplug.hooks.installed import flag_pairs
 from moeplug.serving.server import free_port
 
 pytestmark = pytest.mark.native
@@ -130,9 +130,10 @@ def own_settings(m: object) -> dict[str, str]:
     return {"placement": "moeplug", **{k: flags["--moe-cache-" + k] for k in keys if "--moe-cache-" + k in flags}}
 
 
-def runs_its_own_plan(name: str, log: str) -> None:
+def runs_its_own_plan(name: str, log: str, plan: str = "none") -> None:
     """The engine's log of one server of `name`: the settings of its own plan, slots only where it has
-    them (stock's placement: the engine never engaged, or was not asked)."""
+    them (stock's placement: the engine never engaged, or was not asked); plan: the plan file it read
+    ("none": its flags alone)."""
     m = installed()[name]
     want = own_settings(m)
     if want["placement"] == "stock":
@@ -141,7 +142,24 @@ def runs_its_own_plan(name: str, log: str) -> None:
         return
     [got] = engine_settings(log)
     assert {k: got[k] for k in want} == want, (name, got, want)
-    assert got["plan"] == "none" and re.search(r"moe-cache: 4 layers x 8 slots", log)
+    assert got["plan"] == plan and re.search(r"moe-cache: 4 layers x 8 slots", log)
+
+
+def metrics_settings(url: str) -> dict[str, str] | None:
+    """The settings the engine publishes on /metrics (llamacpp:moe_cache_settings{...} 1), in the log
+    line's keys; None without the gauge."""
+    text = requests.get(f"{url}/metrics", timeout=30).text
+    found = re.findall(r"^llamacpp:moe_cache_settings\{(.*)\} 1$", text, re.M)
+    if not found:
+        return None
+    [labels] = found
+    return {k.replace("_", "-"): v for k, v in re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', labels)}
+
+
+def plan_file(name: str) -> str:
+    from moeplug.hooks.plan_files import plan_path
+
+    return str(plan_path(Path(installed()[name].profile)))
 
 
 def without_moeplug_blocks(text: str) -> str:
@@ -191,8 +209,9 @@ def test_router_starts_each_model_with_moeplugs_flags_and_swaps(hooks_home: dict
                 continue
             plan = dict(flag_pairs(models[name].plan.server_args))
             assert args[args.index("--ctx-size") + 1] == plan["-c"] == "1024"  # the model's, over [*]'s 2048
-            assert args[args.index("--moe-cache-slots") + 1] == plan["--moe-cache-slots"] == "8"
-            assert args[args.index("--moe-cache-profile") + 1] == plan["--moe-cache-profile"] == models[name].profile
+            # the cache's choices are one key: the model's plan file, which the engine reads itself
+            assert [a for a in args if a.startswith("--moe-cache")] == ["--moe-cache-plan"]
+            assert args[args.index("--moe-cache-plan") + 1] == plan_file(name)
         # --models-max 2: asking for third swapped demo out, other stayed
         assert status["demo"]["value"] == "unloaded" and status["other"]["value"] == "loaded"
 
@@ -200,7 +219,8 @@ def test_router_starts_each_model_with_moeplugs_flags_and_swaps(hooks_home: dict
         ports = dict(re.findall(r"spawning server instance with name=(\S+) on port (\d+)", text))
         assert sorted(ports) == MODELS
         for name, child in ports.items():
-            runs_its_own_plan(name, "\n".join(re.findall(rf"\[\s*{child}\] (.*)", text)))
+            own = plan_file(name) if models[name].placement != "stock" else "none"
+            runs_its_own_plan(name, "\n".join(re.findall(rf"\[\s*{child}\] (.*)", text)), own)
     finally:
         if router.poll() is None:
             os.killpg(router.pid, signal.SIGTERM)  # its own session: the router and its children
@@ -209,13 +229,19 @@ def test_router_starts_each_model_with_moeplugs_flags_and_swaps(hooks_home: dict
 
 def test_moeplug_serve_runs_each_models_own_plan(hooks_home: dict[str, str]) -> None:
     """`moeplug serve`: each of the three models with its own plan's settings as the engine took them,
-    the stock-placed one without slots."""
+    the stock-placed one without slots; /metrics publishes the settings of the log line."""
     try:
         for name in MODELS:
             r = moeplug(hooks_home, "serve", name, "--json")
             assert r.returncode == 0, r.stderr
-            log = Path(json.loads(r.stdout)["server"]["log"])
-            runs_its_own_plan(name, log.read_text(errors="replace"))
+            server = json.loads(r.stdout)["server"]
+            log = Path(server["log"]).read_text(errors="replace")
+            runs_its_own_plan(name, log)
+            published = metrics_settings(server["url"])
+            if installed()[name].placement == "stock":
+                assert published is None  # stock's flags: the engine was not asked
+            else:
+                assert [published] == engine_settings(log)
     finally:
         moeplug(hooks_home, "stop", "--all")
 
@@ -270,13 +296,15 @@ def test_preset_update_keeps_the_users_sections_and_comments_byte_for_byte(hooks
 def test_print_shows_the_plans_flags_without_writing(hooks_home: dict[str, str]) -> None:
     r = moeplug(hooks_home, "hook", "llama-server", "--print")
     assert r.returncode == 0, r.stderr
+    from moeplug.hooks.plan_files import served_args
     from moeplug.planner.server_flags import stock_args
 
     models = installed()
     for name, m in models.items():
         section = re.search(rf"^\[{name}\]\n(.*?)^; <<< moeplug {name}$", r.stdout, re.S | re.M)[1]
         keys = [line.split(" = ", 1) for line in section.splitlines()]
-        served = stock_args(m.plan) if m.placement == "stock" else m.plan.server_args  # its check's choice
+        served = stock_args(m.plan) if m.placement == "stock" else served_args(m)  # its check's choice
+        assert m.placement == "stock" or Path(plan_file(name)).is_file()  # written for what the section names
         expected = [["model", m.path]] + [[f.lstrip("-"), v if v is not None else "true"]
                                           for f, v in flag_pairs(served)]
         assert keys == [*expected, ["load-on-startup", "false"]]
@@ -337,6 +365,8 @@ def test_the_shipped_schema_and_config_agree_with_llama_swaps_own() -> None:
 
 
 def test_llama_swap_fragment_is_valid_and_runs_the_plans_flags(hooks_home: dict[str, str], tmp_path: Path) -> None:
+    from moeplug.hooks.plan_files import served_args
+
     folder = tmp_path / "swap.d"
     folder.mkdir()
     (folder / "00-main.yaml").write_text(SWAP_CONFIG.read_text())
@@ -354,23 +384,28 @@ def test_llama_swap_fragment_is_valid_and_runs_the_plans_flags(hooks_home: dict[
         binary = Path(argv[0])
         assert binary.name == "llama-server" and binary.parent.parent.name == m.build_id
         assert argv[argv.index("--port") + 1] == "${PORT}" and argv[argv.index("-m") + 1] == m.path
-        if m.placement != "stock":
-            assert argv[-len(m.plan.server_args):] == m.plan.server_args
+        if m.placement != "stock":  # the plan's flags, its cache's choices as one: its plan file
+            assert argv[-len(served_args(m)):] == served_args(m)
+            assert [a for a in argv if a.startswith("--moe-cache")] == ["--moe-cache-plan"]
         else:
             assert not any(a.startswith("--moe-cache") for a in argv)
 
-        # the command as llama-swap runs it: ${PORT} filled in, the entry's environment over its own
+        # the command as llama-swap runs it: ${PORT} filled in, the entry's environment over its own;
+        # --metrics added, as a user's entry may, to read the settings the engine publishes
         port = free_port()
         log = tmp_path / f"swap-{name}.log"
         with open(log, "wb") as out:
-            proc = subprocess.Popen([a.replace("${PORT}", str(port)) for a in argv], stdout=out,
+            proc = subprocess.Popen([*(a.replace("${PORT}", str(port)) for a in argv), "--metrics"], stdout=out,
                                     stderr=subprocess.STDOUT, env=dict(os.environ))
         try:
             wait_for_router(f"http://127.0.0.1:{port}", proc, log, path="/health")
+            published = metrics_settings(f"http://127.0.0.1:{port}")
         finally:
             proc.terminate()
             proc.wait(timeout=30)
-        runs_its_own_plan(name, log.read_text(errors="replace"))
+        text = log.read_text(errors="replace")
+        runs_its_own_plan(name, text, plan_file(name) if m.placement != "stock" else "none")
+        assert published == (engine_settings(text) or [None])[0]
     # merged on top of the example config, as llama-swap merges the folder, it is still valid
     main = yaml.safe_load(SWAP_CONFIG.read_text())
     main["models"].update(fragment["models"])

@@ -15,7 +15,7 @@ from moeplug.core.output import Output, table
 
 EXAMPLES = """examples:
   moeplug hook llama-server --preset ~/router.ini     one [section] per installed model
-  moeplug hook llama-server --print                   the sections, nothing written
+  moeplug hook llama-server --print                   the sections, the preset not written
   moeplug hook llama-swap --config-dir ~/llama-swap.d writes ~/llama-swap.d/moeplug.yaml
   moeplug hook llama-swap --file ~/llama-swap.yaml    a marked block inside a single config
   moeplug hook ollama                                 Ollama runs moeplug's llama-server, every model its profile
@@ -34,9 +34,14 @@ def _installed(args: argparse.Namespace) -> list[Any]:
 
 
 def _commands(args: argparse.Namespace) -> list[Any]:
+    """What the proxy will start, each model's plan file (which its command names) written in moeplug's
+    store, so that a printed section or entry runs as printed."""
     from moeplug.hooks.command import model_commands
+    from moeplug.hooks.plan_files import write_plan_files
 
-    return model_commands(_installed(args))
+    models = _installed(args)
+    write_plan_files(models)
+    return model_commands(models)
 
 
 def _report_text(record: Any, changed: bool, file: str) -> str:
@@ -177,7 +182,7 @@ def add_hook_commands(sub: Any) -> None:
 
     p = _command(hsub, "llama-server", "an INI preset for llama-server --models-preset (router mode)", cmd_llama_server)
     p.add_argument("--preset", help="the preset file to write or update (other sections are kept byte for byte)")
-    p.add_argument("--print", action="store_true", help="print moeplug's sections, write nothing")
+    p.add_argument("--print", action="store_true", help="print moeplug's sections, write no preset (the plans' files they name are written in moeplug's store)")
     p.add_argument("--models-max", type=COUNT, default=1, help="for the printed router command (default 1)")
     p.add_argument("--port", type=PORT, default=8080, help="for the printed router command (default 8080)")
 
@@ -187,7 +192,7 @@ def add_hook_commands(sub: Any) -> None:
     p.add_argument("--file", help="a single llama-swap config: moeplug's entries between marker comments")
     p.add_argument("--ttl", type=TTL, help="seconds idle before llama-swap unloads a model (default 300; 0: never)")
     p.add_argument("--schema", help="llama-swap's config-schema.json to validate against")
-    p.add_argument("--print", action="store_true", help="print the fragment, write nothing")
+    p.add_argument("--print", action="store_true", help="print the fragment, write no config (the plans' files it names are written in moeplug's store)")
 
     p = _command(hsub, "ollama", "Ollama runs moeplug's llama-server; every model finds its profile and slots",
                  cmd_ollama)

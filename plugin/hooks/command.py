@@ -1,27 +1,15 @@
 """What a proxy needs to start one installed model: moeplug's patched llama-server, the model
-file and the installed plan's server args (the very list `moeplug serve` runs), and its env."""
+file and the installed plan's server args (the list `moeplug serve` runs, its cache's flags given
+as the model's plan file), and its env."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
 
 from moeplug.core.errors import MoeplugError
-
-
-class Installed(Protocol):
-    """The parts of moeplug.serving.installed.InstalledModel a hook reads."""
-
-    name: str
-    ref: str
-    path: str
-    profile: str | None
-    build_id: str
-    plan: Any  # planner.record.Plan
-    placement: str  # serving.installed.PLACEMENTS
-
-    def server_env(self) -> dict[str, str]: ...
+from moeplug.hooks.installed import Installed
+from moeplug.hooks.plan_files import served_args
 
 
 @dataclass(frozen=True)
@@ -59,11 +47,12 @@ def model_commands(models: list[Installed]) -> list[ModelCommand]:
 
 
 def _served(m: Installed) -> tuple[list[str], dict[str, str]]:
-    """What a proxy runs a model with: its plan's flags and environment, or stock --fit's placement
+    """What a proxy runs a model with: its plan (one flag naming its plan file, plan_files.served_args,
+    beside the plan's other flags) and environment, or stock --fit's placement
     where the install's check found the plan slower here (planner.server_flags.stock_args, with the
     GPUs' free memory now)."""
     if m.placement != "stock":
-        return list(m.plan.server_args), m.server_env()
+        return served_args(m), m.server_env()
     from moeplug.planner.server_flags import stock_args
 
     return stock_args(m.plan), {}
@@ -76,28 +65,3 @@ def _digest(path: str | None) -> str | None:
         return sha256_file(Path(path)) if path else None
     except OSError:
         return None
-
-
-def flag_pairs(server_args: tuple[str, ...] | list[str]) -> list[tuple[str, str | None]]:
-    """('-c', '4096'), ('--cpu-moe', None), ...: each flag with its value (None: a switch). A token
-    after a flag is its value unless it is itself a flag (a negative number is a value)."""
-    pairs: list[tuple[str, str | None]] = []
-    i = 0
-    while i < len(server_args):
-        flag = server_args[i]
-        if not _is_flag(flag):
-            raise MoeplugError(f"server args: '{flag}' is not a flag (args: {' '.join(server_args)})")
-        value = server_args[i + 1] if i + 1 < len(server_args) and not _is_flag(server_args[i + 1]) else None
-        pairs.append((flag, value))
-        i += 2 if value is not None else 1
-    return pairs
-
-
-def _is_flag(token: str) -> bool:
-    if not token.startswith("-") or token == "-":
-        return False
-    try:
-        float(token)
-        return False
-    except ValueError:
-        return True

@@ -15,7 +15,8 @@ import shlex
 from pathlib import Path
 
 from moeplug.core.errors import MoeplugError
-from moeplug.hooks.command import ModelCommand, flag_pairs
+from moeplug.hooks.command import ModelCommand
+from moeplug.hooks.installed import flag_pairs
 from moeplug.hooks.files import read_text_exact, replace_keeping
 
 BEGIN = "; >>> moeplug "

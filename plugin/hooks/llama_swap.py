@@ -22,7 +22,8 @@ import yaml
 
 from moeplug.core.errors import MoeplugError
 from moeplug.core.fsutil import atomic_path
-from moeplug.hooks.command import ModelCommand, flag_pairs
+from moeplug.hooks.command import ModelCommand
+from moeplug.hooks.installed import flag_pairs
 from moeplug.hooks.files import read_text_exact, replace_keeping
 
 FRAGMENT_NAME = "moeplug.yaml"

@@ -14,8 +14,9 @@ from typing import Sequence
 
 from moeplug.core.errors import MoeplugError
 from moeplug.hooks import llama_server_presets as presets
-from moeplug.hooks import llama_swap, ollama
-from moeplug.hooks.command import Installed, ModelCommand, model_commands
+from moeplug.hooks import llama_swap, ollama, plan_files
+from moeplug.hooks.command import ModelCommand, model_commands
+from moeplug.hooks.installed import Installed
 from moeplug.hooks.files import read_text_exact, replace_keeping
 from moeplug.hooks.store import HookRecord, drop_hook, find_hook, hooks_lock, put_hook, read_hooks
 from moeplug.core.progress import Note, ProgressFn, silent
@@ -37,17 +38,19 @@ def hook_state(record: HookRecord) -> str:
 
 
 def _write(record: HookRecord, commands: list[ModelCommand], models: Sequence[Installed] = ()) -> bool:
+    """The hook's file and the plan files its commands name (plan_files), brought up to date; True when
+    either changed."""
     path, schema = Path(record.path), Path(record.schema) if record.schema else None
     ttl = record.ttl if record.ttl is not None else llama_swap.DEFAULT_TTL
+    plans = plan_files.write_plan_files(models)
     if record.target == "llama-server":
-        return presets.write_preset(path, commands)
+        return presets.write_preset(path, commands) or plans
     if record.target == "llama-swap":
-        return llama_swap.write_fragment(path, commands, ttl, schema)
+        return llama_swap.write_fragment(path, commands, ttl, schema) or plans
     if record.target == "llama-swap-file":
-        return llama_swap.write_file(path, commands, ttl, schema)
+        return llama_swap.write_file(path, commands, ttl, schema) or plans
     if record.target == "ollama":
-        slots = ollama.write_slots_files(models)
-        return ollama.refresh_environment(models) or slots
+        return ollama.refresh_environment(models) or plans
     raise MoeplugError(f"unknown hook target '{record.target}'")
 
 

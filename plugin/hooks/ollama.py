@@ -37,8 +37,9 @@ from typing import Sequence
 
 from moeplug.core.errors import MoeplugError
 from moeplug.core.fsutil import atomic_path, sha256_file, write_text_atomic
-from moeplug.hooks.command import Installed, flag_pairs
-from moeplug.core.paths import data_dir, state_dir
+from moeplug.hooks import plan_files
+from moeplug.hooks.installed import Installed, flag_pairs
+from moeplug.core.paths import state_dir
 from moeplug.core.progress import Note, ProgressFn, silent
 
 SERVER = "llama-server"
@@ -51,7 +52,6 @@ OLLAMA_FLAGS = ("--model", "--port", "--host", "--no-webui", "--offline", "-c", 
                 "--load-mode", "--cache-type-k", "--cache-type-v", "--flash-attn", "--embedding", "-b", "-ub",
                 "-ngl", "-t", "--split-mode", "--main-gpu", "--context-shift", "--keep")
 OLLAMA_VARS = ("LLAMA_ARG_FIT_TARGET",)
-SLOTS_HEADER = "# written by moeplug"
 DROPIN_NAME = "moeplug.conf"
 _FLAG = re.compile(r"(?:^|[\s,])(--?[A-Za-z][A-Za-z0-9-]*)")
 _VAR = re.compile(r"LLAMA_ARG_[A-Z0-9_]+")
@@ -254,17 +254,13 @@ def restore(lib_dir: Path) -> list[str]:
 # the environment: a systemd drop-in for ollama.service, or lines for the shell
 
 
-def profiles_dir() -> Path:
-    return data_dir() / "profiles"
-
-
 def environment(models: Sequence[Installed] = ()) -> dict[str, str]:
     """What `ollama serve` needs, the same for every model: each model finds its profile in moeplug's
-    store and, beside it, its slots file (slots_text): its own plan's slots and settings, or stock's
+    store and, beside it, its plan file (plan_files.plan_text): its own plan's slots and settings, or stock's
     placement where its check chose that, so that no choice of one model's plan is every model's; a
     model without a profile there runs as Ollama ran it. And the installed models' remote devices
     (rpc_environment)."""
-    return {"LLAMA_ARG_MOE_CACHE_PROFILE": str(profiles_dir()), "LLAMA_ARG_MOE_CACHE_SLOTS": "auto",
+    return {"LLAMA_ARG_MOE_CACHE_PROFILE": str(plan_files.profiles_dir()), "LLAMA_ARG_MOE_CACHE_SLOTS": "auto",
             **rpc_environment(models)[0]}
 
 
@@ -308,7 +304,7 @@ def dropin_path() -> Path | None:
 
 
 def dropin_text(env: dict[str, str]) -> str:
-    return "\n".join([f"{SLOTS_HEADER} ('moeplug hook ollama'); 'moeplug hook remove ollama' removes it", "[Service]",
+    return "\n".join([f"{plan_files.HEADER} ('moeplug hook ollama'); 'moeplug hook remove ollama' removes it", "[Service]",
                       *(f"Environment={k}={v}" for k, v in env.items()), ""])
 
 
@@ -331,7 +327,7 @@ def refresh_environment(models: Sequence[Installed]) -> bool:
     it changed (Ollama reads it at its next restart). Without one (no ollama.service: the shell lines)
     nothing is written: 'moeplug hook ollama' prints the lines again."""
     path = dropin_path()
-    if path is None or not path.exists() or not path.read_text().startswith(SLOTS_HEADER):
+    if path is None or not path.exists() or not path.read_text().startswith(plan_files.HEADER):
         return False
     text = dropin_text(environment(models))
     if path.read_text() == text:
@@ -342,73 +338,5 @@ def refresh_environment(models: Sequence[Installed]) -> bool:
 
 def remove_environment() -> None:
     path = dropin_path()
-    if path is not None and path.exists() and path.read_text().startswith(SLOTS_HEADER):
+    if path is not None and path.exists() and path.read_text().startswith(plan_files.HEADER):
         path.unlink()
-
-
-# ---------------------------------------------------------------------------------------------
-# slots files beside the profiles (native/SLOTS-FORMAT.md)
-
-
-def slots_path(profile: Path) -> Path:
-    return profile.with_suffix(".slots") if profile.suffix == ".gguf" else profile.with_name(profile.name + ".slots")
-
-
-# the engine's settings a slots file holds (native/SLOTS-FORMAT.md, version 2): the flag --moe-cache-KEY of each
-SETTINGS = ("max-batch", "margin", "policy", "half-life", "uploads", "stream", "offload-min-batch", "copy-ahead", "device")
-
-
-def slots_text(m: Installed) -> str | None:
-    """The slots file of an installed model's plan: its slots in the profile's layer order and every
-    setting of the engine its flags give (SETTINGS), so that a server started with the profile folder
-    and `--moe-cache-slots auto` runs this model's own plan; `placement = stock` where the install's
-    check found stock's placement faster here (the engine then runs without the cache). None where
-    the plan holds no slot or was planned from another profile (the engine's auto rule applies)."""
-    from moeplug.profile.format import model_fingerprint, read_profile
-
-    plan, stock = m.plan, m.placement == "stock"
-    slots = list(plan.slots_per_layer)
-    if not m.profile or not (any(slots) or stock):
-        return None
-    tensors = read_profile(m.profile).tensors
-    blocks = sorted(int(t.split(".")[1]) for t in tensors)
-    if len(blocks) != len(slots) and not stock:
-        return None  # a plan of another profile: the engine's auto rule applies
-    by_block = dict(zip(blocks, slots))
-    counts = [by_block.get(int(t.split(".")[1]), 0) for t in tensors]
-    spec = str(counts[0]) if len(set(counts)) == 1 else ",".join(map(str, counts))
-    fp = model_fingerprint(m.path)
-    budget = f"{plan.vram_budget_bytes / 2**30:.2f}GiB" if plan.vram_budget_bytes else "none"
-    digest = hashlib.sha256(json.dumps(plan.to_json(), sort_keys=True).encode()).hexdigest()[:16]
-    if stock:
-        settings = ["placement = stock"]
-    else:
-        flags = dict(flag_pairs(plan.server_args))
-        settings = ["placement = moeplug", f"slots = {spec}",
-                    *(f"{key} = {flags['--moe-cache-' + key]}" for key in SETTINGS if flags.get("--moe-cache-" + key))]
-    return "\n".join([f"{SLOTS_HEADER} from the installed plan of {m.name}; edits are replaced", "version = 2",
-                      f"model.meta_hash = {fp.meta_hash}", f"model.size = {fp.size}",
-                      f"profile = {Path(m.profile).name}", *settings,
-                      f"plan = {m.name} ctx={plan.ctx} budget={budget} sha256:{digest}", ""])
-
-
-def write_slots_files(models: Sequence[Installed]) -> bool:
-    """A slots file beside every installed model's profile; moeplug's files of profiles no model
-    uses any more are removed. Returns whether a file changed."""
-    changed, wanted = False, set()
-    for m in models:
-        if not m.profile or not Path(m.profile).exists():
-            continue
-        path, text = slots_path(Path(m.profile)), slots_text(m)
-        if text is None:
-            continue
-        wanted.add(path)
-        if not path.exists() or path.read_text() != text:
-            write_text_atomic(path, text)
-            changed = True
-    folder = profiles_dir()
-    for stale in sorted(folder.glob("*.slots")) if folder.exists() else []:
-        if stale not in wanted and stale.read_text(errors="replace").startswith(SLOTS_HEADER):
-            stale.unlink()
-            changed = True
-    return changed
