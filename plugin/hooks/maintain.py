@@ -96,7 +96,7 @@ def refresh_hooks(models: Sequence[Installed], progress: ProgressFn = silent) ->
 def add_ollama_hook(install: ollama.OllamaInstall, models: Sequence[Installed],
                     progress: ProgressFn = silent) -> tuple[HookRecord, str]:
     """`moeplug hook ollama`: check that moeplug's llama-server accepts what Ollama passes, swap it
-    in (the bundled files backed up), write a slots file beside every installed model's profile
+    in (the bundled files backed up), write a plan file beside every installed model's profile
     and the environment; (record, what to do next). Refused with nothing changed when the check
     fails or lib/ollama cannot be written."""
     from moeplug.native.build import build, resolve_options

@@ -1,4 +1,4 @@
-"""Ollama: swap moeplug's patched llama-server in for the one Ollama bundles, and keep a slots file
+"""Ollama: swap moeplug's patched llama-server in for the one Ollama bundles, and keep a plan file
 beside every installed model's profile so that one setting serves every model Ollama loads.
 
 What this relies on, read from Ollama's source (ollama/ollama, not copied):
