@@ -14,7 +14,7 @@ for side in patched:$BIN stock:$SBIN; do
     name=${side%%:*}; bin=${side#*:}
     timeout 120 $bin/llama-fit-params -m $M -c 4096 -fitt 68791 -np 1 --fit-print on > $OUT/fit-params-$name.txt 2>&1
     echo "$name llama-fit-params rc=$?"; grep -vE "^(llama_model_loader|print_info|load_tensors):" $OUT/fit-params-$name.txt | tail -25
-    timeout 150 $bin/llama-server -m $M -c 4096 --fit on -fitt 68791 -lm none -np 1 --port 8391 > $OUT/server-$name.txt 2>&1 &
+    timeout 150 $bin/llama-server -m $M -c 4096 --fit on -fitt 68791 -lm none -np 1 -lv 4 --port 8391 > $OUT/server-$name.txt 2>&1 &
     pid=$!; for i in $(seq 120); do curl -sf localhost:8391/health > /dev/null && break; sleep 1; done
     nvidia-smi --query-gpu=memory.used --format=csv,noheader | sed "s/^/$name GPU memory used: /"; kill $pid; wait $pid
     grep -iE "fit|buffer size|offload|CUDA0 (model|KV|compute)" $OUT/server-$name.txt | head -40
