@@ -145,11 +145,10 @@ def runs_its_own_plan(name: str, log: str, plan: str = "none") -> None:
     assert got["plan"] == plan and re.search(r"moe-cache: 4 layers x 8 slots", log)
 
 
-def metrics_settings(url: str) -> dict[str, str] | None:
+def metrics_settings(page: str) -> dict[str, str] | None:
     """The settings the engine publishes on /metrics (llamacpp:moe_cache_settings{...} 1), in the log
     line's keys; None without the gauge."""
-    text = requests.get(f"{url}/metrics", timeout=30).text
-    found = re.findall(r"^llamacpp:moe_cache_settings\{(.*)\} 1$", text, re.M)
+    found = re.findall(r"^llamacpp:moe_cache_settings\{(.*)\} 1$", page, re.M)
     if not found:
         return None
     [labels] = found
@@ -237,13 +236,38 @@ def test_moeplug_serve_runs_each_models_own_plan(hooks_home: dict[str, str]) -> 
             server = json.loads(r.stdout)["server"]
             log = Path(server["log"]).read_text(errors="replace")
             runs_its_own_plan(name, log)
-            published = metrics_settings(server["url"])
+            published = metrics_settings(requests.get(f"{server['url']}/metrics", timeout=30).text)
             if installed()[name].placement == "stock":
                 assert published is None  # stock's flags: the engine was not asked
             else:
                 assert [published] == engine_settings(log)
     finally:
         moeplug(hooks_home, "stop", "--all")
+
+
+def test_a_plan_file_of_stocks_placement_runs_without_the_cache_and_says_so_on_metrics(hooks_home: dict[str, str],
+                                                                                       tmp_path: Path) -> None:
+    """The plan file of the model whose check chose stock's placement, named alone with --moe-cache-plan: the
+    engine takes no slots, and /metrics says which placement it took (the settings gauge, no cache counters)."""
+    from moeplug.hooks.plan_files import plan_text, write_plan_files
+    from moeplug.native.build import installed_builds
+    from moeplug.serving.server import start_server
+
+    models = installed()
+    write_plan_files(list(models.values()))
+    third = models["third"]
+    assert "placement = stock" in plan_text(third)
+    [build] = [b for b in installed_builds() if b.build_id == third.build_id]
+    with start_server(build.binary("llama-server"), Path(third.path), tmp_path / "stock.log", ctx=1024, threads=2,
+                      extra_args=["--metrics", "--moe-cache-plan", plan_file("third")]) as srv:
+        srv.wait_healthy(timeout=120)
+        srv.complete("Hello", n_predict=4)
+        page = requests.get(f"{srv.url}/metrics", timeout=10).text
+    log = (tmp_path / "stock.log").read_text(errors="replace")
+    assert [s["placement"] for s in engine_settings(log)] == ["stock"] and "moe-cache: not engaged" in log
+    published = metrics_settings(page)
+    assert published is not None and published["placement"] == "stock" and published["plan"] == plan_file("third")
+    assert "moe_cache_selections_total" not in page
 
 
 USER_PRESET = (
@@ -399,7 +423,7 @@ def test_llama_swap_fragment_is_valid_and_runs_the_plans_flags(hooks_home: dict[
                                     stderr=subprocess.STDOUT, env=dict(os.environ))
         try:
             wait_for_router(f"http://127.0.0.1:{port}", proc, log, path="/health")
-            published = metrics_settings(f"http://127.0.0.1:{port}")
+            published = metrics_settings(requests.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text)
         finally:
             proc.terminate()
             proc.wait(timeout=30)
