@@ -70,18 +70,27 @@ def plan_text(m: Installed) -> str | None:
                       f"plan = {m.name} ctx={plan.ctx} budget={budget} sha256:{digest}", ""])
 
 
+def plan_file(m: Installed) -> tuple[Path, str] | None:
+    """The model's plan file and its text, where it has one: a profile on disk and a plan_text."""
+    if not m.profile or not Path(m.profile).exists():
+        return None
+    text = plan_text(m)
+    return None if text is None else (plan_path(Path(m.profile)), text)
+
+
 def served_args(m: Installed) -> list[str]:
     """A proxy's arguments for a model served with its plan: the plan's flags with the ones its plan
     file restates (profile, slots, settings) given as that one file, `--moe-cache-plan FILE`; the
-    flags themselves where the model has no plan file (plan_text None)."""
+    flags themselves where the model has no plan file (plan_file None)."""
     args = list(m.plan.server_args)
-    if not m.profile or plan_text(m) is None:
+    found = plan_file(m)
+    if found is None:
         return args
     out: list[str] = []
     for flag, value in flag_pairs(args):
         if flag not in _RESTATED:
             out += [flag] if value is None else [flag, value]
-    return [*out, PLAN_FLAG, str(plan_path(Path(m.profile)))]
+    return [*out, PLAN_FLAG, str(found[0])]
 
 
 def write_plan_files(models: Sequence[Installed]) -> bool:
@@ -89,11 +98,10 @@ def write_plan_files(models: Sequence[Installed]) -> bool:
     any more are removed. Returns whether a file changed."""
     changed, wanted = False, set()
     for m in models:
-        if not m.profile or not Path(m.profile).exists():
+        found = plan_file(m)
+        if found is None:
             continue
-        path, text = plan_path(Path(m.profile)), plan_text(m)
-        if text is None:
-            continue
+        path, text = found
         wanted.add(path)
         if not path.exists() or path.read_text() != text:
             write_text_atomic(path, text)
